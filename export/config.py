@@ -1,0 +1,40 @@
+"""EncoderConfig: every hyper-parameter of the encoder, with the reason for each default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Activation = Literal["gelu", "gelu_tanh", "relu"]
+PositionKind = Literal["learned", "sinusoidal"]
+Pooling = Literal["mean", "cls", "max"]
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    vocab_size: int = 30522  # BERT's WordPiece vocabulary
+    d_model: int = 384  # all-MiniLM-L6-v2's hidden size
+    n_layers: int = 6
+    n_heads: int = 12  # d_k = 384 / 12 = 32
+    d_ff: int = 1536  # 4 x d_model, as in BERT
+    max_positions: int = 512  # BERT's learned position table
+    type_vocab_size: int = 2  # segments A/B; 0 means no segment embedding
+    layer_norm_eps: float = 1e-12  # BERT's value; torch's default 1e-5 would drift from checkpoints
+    dropout: float = 0.1  # on embeddings and sub-layer outputs, training only
+    attention_dropout: float = 0.1  # on attention weights, training only
+    activation: Activation = "gelu"  # BERT uses the exact (erf) GELU
+    position_kind: PositionKind = "learned"  # BERT checkpoints learn positions; sinusoidal for new models
+    norm_first: bool = False  # post-norm as in BERT; pre-norm trains more stably when deep
+    pooling: Pooling = "mean"  # sentence-transformers' choice for MiniLM
+    normalize: bool = False  # L2-normalise the pooled embedding
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.position_kind == "sinusoidal" and self.d_model % 2 != 0:
+            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+
+    @property
+    def d_k(self) -> int:
+        return self.d_model // self.n_heads

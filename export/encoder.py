@@ -1,0 +1,257 @@
+"""Our multi-head-attention Transformer encoder, written as the classic texts describe it.
+
+Scaled dot-product attention, heads split with view/transpose and joined by W_o, Add & Norm,
+a position-wise feed-forward network, token + position + segment embeddings, and pooling.
+Not nn.MultiheadAttention and not transformers' classes: this module is the reference we
+export, so every step is visible here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from export.config import EncoderConfig
+
+
+def scaled_dot_product_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    dropout: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(Q K^T / sqrt(d_k)) V; `mask` is boolean, True where a query may attend a key.
+
+    Returns (context, weights); weights are the probabilities before dropout.
+    """
+    d_k = q.size(-1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., Tq, Tk)
+    if mask is not None:
+        # The dtype's minimum, not -inf: a row with every key masked gets uniform weights
+        # instead of NaN, and exp(min - max) is exactly 0 for every masked key otherwise.
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    weights = scores.softmax(dim=-1)
+    attended = dropout(weights) if dropout is not None else weights
+    return attended @ v, weights
+
+
+def attention_mask(
+    q_len: int,
+    k_len: int,
+    device: torch.device,
+    key_padding_mask: torch.Tensor | None = None,
+    valid_lens: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor | None:
+    """Combine the three ways to hide keys into one boolean mask broadcastable to (B, H, Tq, Tk).
+
+    key_padding_mask: (B, Tk), true/1 for real keys. valid_lens: (B,) or (B, Tq), the number of
+    valid keys per example (or per query), as d2l's masked_softmax takes them. causal: query i
+    sees keys 0..i only (the look-ahead mask of a decoder).
+    """
+    mask = None
+    if key_padding_mask is not None:
+        mask = key_padding_mask.bool()[:, None, None, :]  # (B, 1, 1, Tk)
+    if valid_lens is not None:
+        keys = torch.arange(k_len, device=device)
+        if valid_lens.dim() == 1:
+            by_len = keys[None, None, None, :] < valid_lens[:, None, None, None]  # (B, 1, 1, Tk)
+        else:
+            by_len = keys[None, None, None, :] < valid_lens[:, None, :, None]  # (B, 1, Tq, Tk)
+        mask = by_len if mask is None else mask & by_len
+    if causal:
+        look_ahead = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()[None, None]
+        mask = look_ahead if mask is None else mask & look_ahead
+    return mask
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention over separate query, key and value inputs (self- or cross-attention).
+
+    Inputs may have their own widths (query_dim, key_dim, value_dim); each is projected to
+    d_model, split into n_heads of d_k = d_model / n_heads, attended, joined and passed through W_o.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        query_dim: int | None = None,
+        key_dim: int | None = None,
+        value_dim: int | None = None,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        assert d_model % n_heads == 0, f"d_model {d_model} not divisible by n_heads {n_heads}"
+        self.d_model, self.n_heads, self.d_k = d_model, n_heads, d_model // n_heads
+        self.w_q = nn.Linear(query_dim or d_model, d_model, bias=bias)
+        self.w_k = nn.Linear(key_dim or d_model, d_model, bias=bias)
+        self.w_v = nn.Linear(value_dim or d_model, d_model, bias=bias)
+        self.w_o = nn.Linear(d_model, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.size()
+        return x.view(B, T, self.n_heads, self.d_k).transpose(1, 2)  # (B, heads, T, d_k)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        valid_lens: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query (B, Tq, Dq), key (B, Tk, Dk), value (B, Tk, Dv) -> (B, Tq, d_model), (B, heads, Tq, Tk)."""
+        B, Tq, _ = query.size()
+        Tk = key.size(1)
+        q = self.split_heads(self.w_q(query))  # (B, heads, Tq, d_k)
+        k = self.split_heads(self.w_k(key))  # (B, heads, Tk, d_k)
+        v = self.split_heads(self.w_v(value))  # (B, heads, Tk, d_k)
+        mask = attention_mask(Tq, Tk, query.device, key_padding_mask, valid_lens, causal)
+        context, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout)
+        context = context.transpose(1, 2).contiguous().view(B, Tq, self.d_model)  # (B, Tq, d_model)
+        return self.w_o(context), weights
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward: the same two-layer MLP applied to every token."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(config.d_model, config.d_ff)
+        self.linear2 = nn.Linear(config.d_ff, config.d_model)
+        self.activation = {
+            "gelu": nn.GELU(),
+            "gelu_tanh": nn.GELU(approximate="tanh"),
+            "relu": nn.ReLU(),
+        }[config.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.activation(self.linear1(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention and feed-forward, each wrapped in a residual connection and LayerNorm."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.norm_first = config.norm_first
+        self.attention = MultiHeadAttention(config.d_model, config.n_heads, config.attention_dropout)
+        self.norm1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ffn = FeedForward(config)
+        self.norm2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.norm_first:  # pre-norm: x + Sublayer(LayerNorm(x))
+            h = self.norm1(x)
+            attended, weights = self.attention(h, h, h, key_padding_mask=key_padding_mask)
+            x = x + self.dropout(attended)
+            x = x + self.dropout(self.ffn(self.norm2(x)))
+        else:  # post-norm (BERT): LayerNorm(x + Sublayer(x))
+            attended, weights = self.attention(x, x, x, key_padding_mask=key_padding_mask)
+            x = self.norm1(x + self.dropout(attended))
+            x = self.norm2(x + self.dropout(self.ffn(x)))
+        return x, weights
+
+
+def sinusoidal_positions(n_positions: int, d_model: int) -> torch.Tensor:
+    """P[i, 2j] = sin(i / 10000^(2j/d)), P[i, 2j+1] = cos(i / 10000^(2j/d)); shape (n, d)."""
+    i = torch.arange(n_positions, dtype=torch.float64)[:, None]  # (n, 1)
+    two_j = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
+    angle = i / torch.pow(10000.0, two_j / d_model)  # (n, d/2)
+    table = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle)
+    return table.float()
+
+
+class Embeddings(nn.Module):
+    """Token + position + segment embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.position_kind = config.position_kind
+        self.token = nn.Embedding(config.vocab_size, config.d_model)
+        if config.position_kind == "learned":
+            self.position = nn.Embedding(config.max_positions, config.d_model)
+            self.register_buffer("position_ids", torch.arange(config.max_positions)[None], persistent=False)
+            self.scale = 1.0
+        else:
+            self.register_buffer(
+                "sinusoid", sinusoidal_positions(config.max_positions, config.d_model), persistent=False
+            )
+            # "Attention Is All You Need" scales token embeddings by sqrt(d_model) so that the
+            # fixed [-1, 1] positional signal does not drown them.
+            self.scale = math.sqrt(config.d_model)
+        self.segment = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        T = input_ids.size(1)
+        x = self.token(input_ids) * self.scale  # (B, T, d_model)
+        if self.position_kind == "learned":
+            x = x + self.position(self.position_ids[:, :T])  # (1, T, d_model) broadcast over B
+        else:
+            x = x + self.sinusoid[:T][None]  # (1, T, d_model)
+        if self.segment is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            x = x + self.segment(token_type_ids)
+        return self.dropout(self.norm(x))
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """Pool (B, T, d) token encodings to (B, d), ignoring padded positions."""
+    if how == "cls":
+        return hidden[:, 0]
+    keep = mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+    if how == "mean":
+        # clamp as sentence-transformers does, so an all-padding row gives 0, not NaN
+        return (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1e-9)
+    if how == "max":
+        return hidden.masked_fill(keep == 0, torch.finfo(hidden.dtype).min).max(dim=1).values
+    raise ValueError(f"unknown pooling {how!r}: expected mean, cls or max")
+
+
+class Encoder(nn.Module):
+    """Embeddings, n_layers encoder layers, pooling.
+
+    forward(input_ids, attention_mask, token_type_ids) returns
+    (last_hidden_state (B, T, d), sentence_embedding (B, d), attentions (layers, B, heads, T, T)).
+    """
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_layers))
+        # Pre-norm leaves the residual stream un-normalised; one final LayerNorm fixes that.
+        self.final_norm = (
+            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = self.embeddings(input_ids, token_type_ids)  # (B, T, d_model)
+        all_weights = []
+        for layer in self.layers:
+            x, weights = layer(x, attention_mask)
+            all_weights.append(weights)  # (B, heads, T, T)
+        x = self.final_norm(x)
+        embedding = pool(x, attention_mask, self.config.pooling)  # (B, d_model)
+        if self.config.normalize:
+            embedding = F.normalize(embedding, p=2.0, dim=-1)
+        return x, embedding, torch.stack(all_weights)  # attentions: (layers, B, heads, T, T)

@@ -1,0 +1,73 @@
+"""Trace the encoder to ONNX with dynamic batch and sequence axes, then check the graph."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+
+from bundle.contract import GRAPH_FILE, INPUT_NAMES, MIN_OPSET, OUTPUT_NAMES
+from export.encoder import Encoder
+
+# Graphs over this size must keep weights in an external data file (protobuf's 2 GB cap).
+_SINGLE_FILE_LIMIT = 1_500_000_000
+
+
+def example_inputs(batch: int = 2, seq: int = 16, vocab_size: int = 1000) -> tuple[torch.Tensor, ...]:
+    """A padded example batch: the exporter must not see all-ones masks and specialise on them."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1, vocab_size, (batch, seq), generator=generator)
+    attention_mask = torch.ones(batch, seq, dtype=torch.long)
+    attention_mask[-1, seq // 2 :] = 0
+    token_type_ids = torch.zeros(batch, seq, dtype=torch.long)
+    return input_ids, attention_mask, token_type_ids
+
+
+def export_onnx(encoder: Encoder, directory: Path, opset: int, max_seq: int) -> list[str]:
+    """Export `encoder` to directory/model.onnx with torch's torch.export-based exporter.
+
+    Returns the names of the files written (the graph, plus external data for huge models).
+    """
+    if opset < MIN_OPSET:
+        raise ValueError(f"opset {opset} is below the minimum {MIN_OPSET}")
+    encoder.eval()
+    path = directory / GRAPH_FILE
+    batch = torch.export.Dim("batch")
+    seq = torch.export.Dim("seq", max=max_seq)
+    axes = {0: batch, 1: seq}
+    n_bytes = sum(p.numel() * p.element_size() for p in encoder.parameters())
+    before = set(directory.iterdir())
+    with warnings.catch_warnings():
+        # The exporter narrates axis renames as UserWarnings; they say nothing actionable here.
+        warnings.simplefilter("ignore", UserWarning)
+        torch.onnx.export(
+            encoder,
+            example_inputs(vocab_size=encoder.config.vocab_size),
+            str(path),
+            input_names=list(INPUT_NAMES),
+            output_names=list(OUTPUT_NAMES),
+            dynamic_shapes=(axes, axes, axes),
+            opset_version=opset,
+            dynamo=True,
+            external_data=n_bytes > _SINGLE_FILE_LIMIT,
+        )
+    check_graph(path)
+    return sorted(p.name for p in set(directory.iterdir()) - before)
+
+
+def check_graph(path: Path) -> None:
+    """onnx.checker with shape inference, plus our I/O contract."""
+    onnx.checker.check_model(str(path), full_check=True)
+    model = onnx.load(str(path), load_external_data=False)
+    inputs = [i.name for i in model.graph.input]
+    outputs = [o.name for o in model.graph.output]
+    if tuple(inputs) != INPUT_NAMES or tuple(outputs) != OUTPUT_NAMES:
+        raise ValueError(f"{path}: graph I/O {inputs} -> {outputs}, expected {INPUT_NAMES} -> {OUTPUT_NAMES}")
+
+
+def graph_opset(path: Path) -> int:
+    """The default-domain opset the graph was written with."""
+    model = onnx.load(str(path), load_external_data=False)
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))

@@ -1,0 +1,197 @@
+"""The parity gate: onnxruntime must reproduce PyTorch on real positions of every output.
+
+Validation is a verb of its own (as in optimum's exporters): compare names, then shapes,
+then values; collect every failure and report them all, one line per output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from tokenizers import Tokenizer
+
+from bundle.contract import INPUT_NAMES, OUTPUT_NAMES
+from bundle.manifest import OutputParity, ParityReport
+from export.encoder import Encoder
+
+# Varied scripts, lengths and punctuation: the tokenizer paths that matter (accents,
+# CJK split per character, emoji to [UNK]) all reach the graph.
+PROBE_TEXTS = (
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog near the riverbank at dawn.",
+    "Der schnelle braune Fuchs springt über den faulen Hund.",
+    "Le renard brun rapide saute par-dessus le chien paresseux, n'est-ce pas ?",
+    "敏捷的棕色狐狸跳过了懒狗。",
+    "Быстрая коричневая лиса перепрыгивает через ленивую собаку.",
+    "🙂 ok",
+    "a",
+)
+
+
+@dataclass
+class Probe:
+    """One batch fed to both engines: int64 arrays of shape (batch, seq)."""
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    token_type_ids: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+
+def _pad(rows: Sequence[Sequence[int]], type_rows: Sequence[Sequence[int]] | None, pad_id: int) -> Probe:
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    types = np.zeros((len(rows), width), dtype=np.int64)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
+        mask[i, : len(row)] = 1
+        if type_rows is not None:
+            types[i, : len(row)] = type_rows[i]
+    return Probe(ids, mask, types)
+
+
+def make_probes(
+    max_tokens: int, vocab_size: int, pad_id: int = 0, tokenizer: Tokenizer | None = None
+) -> list[Probe]:
+    """Batch 1 and several; lengths from 1 token to max_tokens; mixed-length padded batches.
+
+    With a tokenizer, real multilingual text and a sentence pair (segment B) join the
+    random-id probes.
+    """
+    rng = np.random.default_rng(0)
+    cls_id, sep_id = (101, 102) if vocab_size > 1000 else (1, 2)
+    if tokenizer is not None:
+        cls_id = tokenizer.token_to_id("[CLS]") or cls_id
+        sep_id = tokenizer.token_to_id("[SEP]") or sep_id
+    low = min(1000, vocab_size // 2)  # skip [PAD]/[unused]/special ids, as real text does
+
+    def random_row(length: int) -> list[int]:
+        body = rng.integers(low, vocab_size, size=max(length - 2, 0)).tolist()
+        return ([cls_id] + body + [sep_id])[:length]
+
+    mixed_lengths = sorted({1, 2, 3, 17, max_tokens // 4, max_tokens // 2, max_tokens - 1, max_tokens})
+    probes = [
+        _pad([random_row(1)], None, pad_id),  # batch 1, one token
+        _pad([random_row(max_tokens)], None, pad_id),  # batch 1, exactly max_tokens
+        _pad([random_row(1), random_row(1), random_row(1)], None, pad_id),  # batch 3, one token each
+        _pad([random_row(n) for n in mixed_lengths], None, pad_id),  # 1..max, padded to max
+    ]
+    if tokenizer is not None:
+        tokenizer = Tokenizer.from_str(tokenizer.to_str())  # a copy: settings made here must not leak
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_tokens)
+        texts = [e.ids for e in tokenizer.encode_batch(list(PROBE_TEXTS))]
+        long_text = tokenizer.encode(" ".join(PROBE_TEXTS * 40)).ids  # truncated to max_tokens
+        pair = tokenizer.encode("What is the capital of France?", "Paris is the capital of France.")
+        probes += [
+            _pad([texts[1]], None, pad_id),  # batch 1, a real sentence
+            _pad([long_text], None, pad_id),  # batch 1, real text cut at max_tokens
+            _pad(texts, None, pad_id),  # mixed-length real texts, padded
+            _pad([pair.ids, texts[0]], [pair.type_ids, [0] * len(texts[0])], pad_id),  # segment B ids
+        ]
+    return probes
+
+
+def _real_values(name: str, array: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The values of `array` at real (unpadded) positions, flattened per output kind."""
+    real = mask.astype(bool)
+    if name == "last_hidden_state":  # (B, T, d)
+        return array[real]
+    if name == "attentions":  # (layers, B, heads, T, T): keep rows and columns of real tokens
+        pairs = real[:, :, None] & real[:, None, :]  # (B, T, T)
+        return array.transpose(1, 3, 4, 0, 2)[pairs]  # (n_pairs, layers, heads)
+    return array  # sentence_embedding (B, d): one row per input, all real
+
+
+@dataclass
+class _Tally:
+    values: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    passed: bool = True
+    problems: list[str] = field(default_factory=list)
+
+
+def check_parity(
+    encoder: Encoder,
+    graph_path: Path,
+    probes: Sequence[Probe],
+    atol: float,
+    rtol: float,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+) -> ParityReport:
+    """Run every probe through PyTorch and onnxruntime and compare every output on real positions.
+
+    A value passes when |ort - torch| <= atol + rtol * |torch| (numpy.isclose's rule); the
+    reported relative difference is |ort - torch| / max(|torch|, atol), so near-zero values
+    do not make it meaningless.
+    """
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(graph_path), options, providers=list(providers))
+    tallies = {name: _Tally() for name in OUTPUT_NAMES}
+
+    got_inputs = [i.name for i in session.get_inputs()]
+    got_outputs = [o.name for o in session.get_outputs()]
+    if got_inputs != list(INPUT_NAMES) or got_outputs != list(OUTPUT_NAMES):
+        for tally in tallies.values():
+            tally.passed = False
+            tally.problems.append(f"graph I/O {got_inputs} -> {got_outputs}")
+    shapes = {o.name: "(" + ", ".join(str(d) for d in o.shape) + ")" for o in session.get_outputs()}
+
+    encoder.eval()
+    for probe in probes if all(t.passed for t in tallies.values()) else ():
+        feed = {"input_ids": probe.input_ids, "attention_mask": probe.attention_mask, "token_type_ids": probe.token_type_ids}
+        with torch.no_grad():
+            reference = [t.numpy() for t in encoder(*(torch.from_numpy(feed[n]) for n in INPUT_NAMES))]
+        candidate = session.run(list(OUTPUT_NAMES), feed)
+        for name, ref, got in zip(OUTPUT_NAMES, reference, candidate, strict=True):
+            tally = tallies[name]
+            if ref.shape != got.shape:
+                tally.passed = False
+                tally.problems.append(f"probe {probe.shape}: shape {got.shape}, expected {ref.shape}")
+                continue
+            ref_real = _real_values(name, ref, probe.attention_mask).astype(np.float64)
+            got_real = _real_values(name, got, probe.attention_mask).astype(np.float64)
+            diff = np.abs(got_real - ref_real)
+            if not np.all(np.isfinite(got_real)):
+                tally.passed = False
+                tally.problems.append(f"probe {probe.shape}: non-finite values")
+            tally.values += diff.size
+            tally.max_abs = max(tally.max_abs, float(np.nanmax(diff, initial=0.0)))
+            tally.max_rel = max(tally.max_rel, float(np.nanmax(diff / np.maximum(np.abs(ref_real), atol), initial=0.0)))
+            bad = ~(diff <= atol + rtol * np.abs(ref_real))
+            if bad.any():
+                tally.passed = False
+                tally.problems.append(f"probe {probe.shape}: {int(bad.sum())} of {bad.size} values out of tolerance")
+
+    outputs = [
+        OutputParity(
+            output=name,
+            shape=shapes.get(name, "?"),
+            probes=len(probes),
+            values=t.values,
+            max_abs_diff=t.max_abs,
+            max_rel_diff=t.max_rel,
+            atol=atol,
+            rtol=rtol,
+            passed=t.passed and t.values > 0,
+            problems=t.problems if t.values > 0 else [*t.problems, "no values compared"],
+        )
+        for name, t in tallies.items()
+    ]
+    return ParityReport(
+        passed=all(o.passed for o in outputs),
+        provider=session.get_providers()[0],
+        probe_shapes=[p.shape for p in probes],
+        outputs=outputs,
+    )

@@ -1,0 +1,161 @@
+"""Checkpoint -> ONNX -> parity gate -> bundle, published atomically or not at all."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import onnx
+import onnxruntime
+import tokenizers
+import torch
+from tokenizers import Tokenizer
+
+from bundle.contract import GRAPH_FILE, INPUT_NAMES, OUTPUT_NAMES, TOKENIZER_FILE
+from bundle.manifest import BundleManifest, GraphInfo, ModelInfo, ParityReport, file_entry, load_bundle, parity_lines
+from export import onnx_export, parity
+from export.checkpoint import load_checkpoint
+
+
+class ExportError(Exception):
+    """The export did not produce a publishable bundle; nothing was published."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    checkpoint: str
+    out: Path
+    opset: int
+    atol: float
+    rtol: float
+    name: str | None = None
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out: Path
+    manifest: BundleManifest
+
+
+Progress = Callable[[str], None]
+
+
+def _step(progress: Progress, n: int, total: int, what: str) -> float:
+    progress(f"[{n}/{total}] {what}")
+    return time.perf_counter()
+
+
+def _save_tokenizer(source: Path, target: Path, max_tokens: int) -> None:
+    """Copy the tokenizer with truncation at the model's limit and no fixed-length padding.
+
+    Checkpoints often ship a tokenizer.json that pads every input to 128 tokens; the service
+    pads per batch instead, so the bundle's copy says only what is true of the model.
+    """
+    tokenizer = Tokenizer.from_file(str(source))
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_tokens)
+    tokenizer.save(str(target))
+
+
+def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportResult:
+    """Run the whole export; publish options.out only when the bundle verified end to end."""
+    out = options.out.resolve()
+    if out.exists() and not options.force:
+        raise ExportError(f"{out} already exists (use --force to replace it)")
+    total = 5
+
+    started = _step(progress, 1, total, f"loading checkpoint {options.checkpoint}")
+    ckpt = load_checkpoint(options.checkpoint, options.name)
+    cfg = ckpt.config
+    progress(
+        f"      {ckpt.name} ({ckpt.architecture}): {cfg.n_layers} layers, {cfg.n_heads} heads, "
+        f"hidden {cfg.d_model}, max {ckpt.max_tokens} tokens, {cfg.pooling} pooling"
+        f"{', L2-normalised' if cfg.normalize else ''} ({time.perf_counter() - started:.1f}s)"
+    )
+    for name in ckpt.ignored:
+        progress(f"      not used: {name}")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Same parent as the target, so the final rename is atomic (one filesystem).
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        started = _step(progress, 2, total, f"exporting ONNX (opset {options.opset}) and running onnx.checker")
+        graph_files = onnx_export.export_onnx(ckpt.encoder, staging, options.opset, cfg.max_positions)
+        opset = onnx_export.graph_opset(staging / GRAPH_FILE)
+        size_mb = sum((staging / f).stat().st_size for f in graph_files) / 1e6
+        progress(f"      wrote {', '.join(graph_files)} ({size_mb:.1f} MB, {time.perf_counter() - started:.1f}s)")
+
+        started = _step(progress, 3, total, f"parity gate: PyTorch vs onnxruntime (atol {options.atol:g}, rtol {options.rtol:g})")
+        tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_path))
+        probes = parity.make_probes(ckpt.max_tokens, cfg.vocab_size, cfg.pad_token_id, tokenizer)
+        report: ParityReport = parity.check_parity(
+            ckpt.encoder, staging / GRAPH_FILE, probes, options.atol, options.rtol
+        )
+        for line in parity_lines(report):
+            progress("      " + line)
+        if not report.passed:
+            raise ExportError("parity gate failed: nothing published")
+        progress(f"      ({time.perf_counter() - started:.1f}s)")
+
+        _step(progress, 4, total, "writing tokenizer, manifest and hashes")
+        _save_tokenizer(ckpt.tokenizer_path, staging / TOKENIZER_FILE, ckpt.max_tokens)
+        manifest = BundleManifest(
+            model=ModelInfo(
+                name=ckpt.name,
+                architecture=ckpt.architecture,
+                source=str(ckpt.path),
+                hidden_size=cfg.d_model,
+                num_layers=cfg.n_layers,
+                num_heads=cfg.n_heads,
+                vocab_size=cfg.vocab_size,
+                max_tokens=ckpt.max_tokens,
+                pooling=cfg.pooling,
+                normalize=cfg.normalize,
+                pad_token_id=cfg.pad_token_id,
+            ),
+            graph=GraphInfo(file=GRAPH_FILE, opset=opset, inputs=list(INPUT_NAMES), outputs=list(OUTPUT_NAMES)),
+            tokenizer=TOKENIZER_FILE,
+            files={name: file_entry(staging / name) for name in [*graph_files, TOKENIZER_FILE]},
+            parity=report,
+            versions={
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "onnx": onnx.__version__,
+                "onnxruntime": onnxruntime.__version__,
+                "tokenizers": tokenizers.__version__,
+                "exporter": "torch.onnx.export(dynamo=True)",
+            },
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        )
+        manifest.write(staging)
+        staging.chmod(0o755)  # mkdtemp makes it owner-only; a service user must be able to read it
+        load_bundle(staging)  # the service's own loader must accept it before anyone else sees it
+
+        _step(progress, 5, total, f"publishing {out}")
+        _publish(staging, out)
+        return ExportResult(out=out, manifest=manifest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Rename staging onto out; an existing bundle is swapped out only after the new one is in place."""
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    retired = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.rename(out, retired)
+    try:
+        os.rename(staging, out)
+    except OSError:
+        os.rename(retired, out)  # put the old bundle back rather than leave nothing
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
