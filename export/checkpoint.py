@@ -214,12 +214,14 @@ def load_into(encoder: Encoder, mapped: dict[str, torch.Tensor], weights_path: P
     unused = sorted(set(mapped) - set(params))
     if unused:
         raise CheckpointError(f"{weights_path}: tensor(s) {unused[:5]} map to no encoder parameter")
-    for key, tensor in mapped.items():
-        if tuple(tensor.shape) != tuple(params[key].shape):
-            raise CheckpointError(
-                f"{weights_path}: tensor for {key} has shape {tuple(tensor.shape)}, "
-                f"the config implies {tuple(params[key].shape)}"
-            )
+    mismatched = [
+        f"tensor for {key} has shape {tuple(mapped[key].shape)}, the config implies {tuple(params[key].shape)}"
+        for key in sorted(mapped)
+        if tuple(mapped[key].shape) != tuple(params[key].shape)
+    ]
+    if mismatched:
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise CheckpointError(f"{weights_path}: {mismatched[0]}{more}")
     encoder.load_state_dict({k: v.float() for k, v in mapped.items()}, strict=True)
 
 

@@ -1,0 +1,85 @@
+"""The torch-free bundle loader refuses anything that is not exactly what was exported."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bundle.manifest import BundleError, load_bundle
+
+
+@pytest.fixture()
+def bundle_copy(default_bundle, tmp_path) -> Path:
+    target = tmp_path / "bundle"
+    shutil.copytree(default_bundle, target)
+    return target
+
+
+def test_tampered_file_is_refused(bundle_copy):
+    graph = bundle_copy / "model.onnx"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one flipped byte
+    graph.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"model.onnx: sha256 .* does not match manifest"):
+        load_bundle(bundle_copy)
+
+
+def test_truncated_file_is_refused(bundle_copy):
+    tok = bundle_copy / "tokenizer.json"
+    tok.write_bytes(tok.read_bytes()[:1000])
+    with pytest.raises(BundleError, match=r"tokenizer.json: size 1000 bytes"):
+        load_bundle(bundle_copy)
+
+
+def test_missing_file_is_refused(bundle_copy):
+    (bundle_copy / "model.onnx").unlink()
+    with pytest.raises(BundleError, match=r"model.onnx: missing"):
+        load_bundle(bundle_copy)
+
+
+def test_missing_manifest_is_refused(bundle_copy):
+    (bundle_copy / "bundle.json").unlink()
+    with pytest.raises(BundleError, match=r"bundle.json: missing"):
+        load_bundle(bundle_copy)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m.update(unexpected=1), "Extra inputs are not permitted"),
+        (lambda m: m["model"].update(hidden_size="wide"), "model.hidden_size"),
+        (lambda m: m["graph"].update(outputs=["last_hidden_state"]), "is not the contract"),
+        (lambda m: m["parity"].update(passed=False), "parity report says failed"),
+        (lambda m: m["files"].update({"../escape": m["files"]["tokenizer.json"]}), "escapes the bundle"),
+    ],
+    ids=["unknown-key", "wrong-type", "io-contract", "failed-parity", "path-escape"],
+)
+def test_invalid_manifest_is_refused(bundle_copy, edit, message):
+    path = bundle_copy / "bundle.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=message):
+        load_bundle(bundle_copy)
+
+
+def test_refusal_is_one_line_and_exit_code_one(bundle_copy):
+    (bundle_copy / "tokenizer.json").write_text("{}")
+    result = subprocess.run([sys.executable, "-m", "bundle", str(bundle_copy)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "tokenizer.json" in result.stderr
+
+
+def test_loader_does_not_import_torch(default_bundle):
+    code = (
+        "import sys; from bundle.manifest import load_bundle; "
+        f"load_bundle({str(default_bundle)!r}); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; print('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -1,0 +1,131 @@
+"""python -m export end to end: a verified bundle on success; on a parity failure a non-zero
+exit and nothing published (no bundle, no half-written staging directory)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from bundle.contract import GRAPH_FILE
+from bundle.manifest import load_bundle
+from export import __main__ as cli
+from export import onnx_export
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def test_default_bundle_is_complete_and_verified(default_bundle):
+    bundle = load_bundle(default_bundle)
+    m = bundle.manifest
+    assert (m.model.name, m.model.hidden_size, m.model.num_layers, m.model.num_heads) == ("all-MiniLM-L6-v2", 384, 6, 12)
+    assert (m.model.max_tokens, m.model.pooling, m.model.normalize) == (256, "mean", True)
+    assert m.graph.opset >= 17
+    assert set(m.files) == {"model.onnx", "tokenizer.json"}
+    assert m.parity.passed and [o.output for o in m.parity.outputs] == ["last_hidden_state", "sentence_embedding", "attentions"]
+    for o in m.parity.outputs:
+        assert o.passed and o.values > 0 and o.atol <= 1e-4 and o.max_abs_diff <= o.atol
+    assert {"torch", "onnx", "onnxruntime"} <= set(m.versions)
+    assert leftovers(default_bundle.parent) == []
+
+
+def test_bundle_graph_has_dynamic_batch_and_sequence(default_bundle):
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(default_bundle / GRAPH_FILE), providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    assert all(isinstance(d, str) for shape in shapes.values() for d in shape), shapes
+    for batch, seq in [(1, 3), (5, 40)]:
+        feed = {name: np.ones((batch, seq), dtype=np.int64) for name in shapes}
+        hidden, embedding, attentions = session.run(None, feed)
+        assert hidden.shape == (batch, seq, 384) and embedding.shape == (batch, 384)
+        assert attentions.shape == (6, batch, 12, seq, seq)
+
+
+def test_bundle_tokenizer_truncates_at_model_limit_without_fixed_padding(default_bundle):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(default_bundle / "tokenizer.json"))
+    assert tokenizer.padding is None
+    assert len(tokenizer.encode("word " * 1000).ids) == 256
+    assert len(tokenizer.encode("hi").ids) == 3
+
+
+def test_cli_publishes_a_bundle_and_prints_the_parity_table(tmp_path):
+    out = tmp_path / "b"
+    result = subprocess.run(
+        [sys.executable, "-m", "export", "--checkpoint", "default", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for step in ("[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"):
+        assert step in result.stdout
+    table = [line for line in result.stdout.splitlines() if "PASS (atol" in line]
+    assert len(table) == 3, result.stdout
+    assert "published" in result.stdout
+    load_bundle(out)
+    # refuses to overwrite without --force, and leaves the bundle as it was
+    before = (out / "bundle.json").read_text()
+    again = subprocess.run(
+        [sys.executable, "-m", "export", "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 1 and "already exists" in again.stderr
+    assert (out / "bundle.json").read_text() == before
+
+
+def _corrupt_weight(path: Path) -> None:
+    """Nudge layer 3's value-projection bias, as a bad conversion of one tensor would."""
+    model = onnx.load(str(path))
+    init = next(i for i in model.graph.initializer if i.name == "layers.3.attention.w_v.bias")
+    init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) + 0.05, init.name))
+    onnx.save(model, str(path))
+
+
+def _corrupt_graph(path: Path) -> None:
+    """Turn the first Add of the graph into a Sub: a structural bug, every weight intact."""
+    model = onnx.load(str(path))
+    node = next(n for n in model.graph.node if n.op_type == "Add")
+    node.op_type = "Sub"
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_weight, _corrupt_graph], ids=["weight", "graph"])
+def test_parity_gate_rejects_a_corrupted_graph_and_publishes_nothing(tmp_path, monkeypatch, capsys, corrupt):
+    real_export = onnx_export.export_onnx
+
+    def export_then_corrupt(encoder, directory, opset, max_seq):
+        written = real_export(encoder, directory, opset, max_seq)
+        corrupt(directory / GRAPH_FILE)
+        return written
+
+    monkeypatch.setattr(onnx_export, "export_onnx", export_then_corrupt)
+    out = tmp_path / "bundle"
+    code = cli.main(["--checkpoint", "default", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code != 0
+    assert "FAIL" in captured.out and "parity gate failed" in captured.err
+    assert not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_cli_rejects_an_opset_below_17(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "export", "--out", str(tmp_path / "x"), "--opset", "13"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and "--opset must be >= 17" in result.stderr
+
+
+def test_bundle_cli_verifies_and_prints_the_table(default_bundle):
+    result = subprocess.run([sys.executable, "-m", "bundle", str(default_bundle)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "files verified" in result.stdout and result.stdout.count("PASS (atol") == 3
+    assert json.loads((default_bundle / "bundle.json").read_text())["parity"]["passed"] is True
