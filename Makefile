@@ -17,7 +17,7 @@ OUT ?= $(BUNDLE)
 EXPORT_ARGS ?=
 
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
-PIP_QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
+PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
 .PHONY: help install run test export bundle clean
 

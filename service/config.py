@@ -1,0 +1,86 @@
+"""ServiceSettings: every knob of the service in one object.
+
+Read once, from the Serve config file's `args` (serve run / KubeRay) or from the command line
+(python -m service), validated here, and injected into the deployments. Nothing else reads
+environment variables or files for configuration, except the optional auth token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ProviderPreference = Literal["auto", "cuda", "cpu"]
+
+
+class BatchingSettings(BaseModel):
+    """Dynamic batching knobs; applied through the encoder's user_config, so they can change live."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_tokens: int = Field(
+        16384, ge=1, description="token budget of one Serve batch (sum of real tokens of its requests)"
+    )
+    batch_wait_timeout_s: float = Field(
+        0.005, ge=0, le=1, description="how long the first request of a batch waits for company"
+    )
+    max_concurrent_batches: int = Field(
+        1, ge=1, description="batches one replica runs at once; 1 keeps ORT's threads uncontended"
+    )
+    sub_batch_tokens: int = Field(
+        4096, ge=1, description="padded tokens per onnxruntime run; texts are length-sorted into sub-batches"
+    )
+    max_sub_batch_size: int = Field(64, ge=1, description="texts per onnxruntime run")
+
+
+class ServiceSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    bundle: Path = Field(Path("bundles/all-MiniLM-L6-v2"), description="model bundle directory")
+    model_name: str | None = Field(None, description="served name; default: the bundle's model name")
+
+    # replicas and capacity
+    encoder_replicas: int = Field(1, ge=1, description="onnxruntime replicas")
+    ingress_replicas: int = Field(1, ge=1, description="HTTP/tokenization replicas")
+    encoder_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per encoder replica")
+    ingress_num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per ingress replica")
+    encoder_max_ongoing_requests: int = Field(
+        64, ge=1, description="requests in flight per encoder replica; must let batches fill"
+    )
+    encoder_max_queued_requests: int = Field(
+        256, ge=1, description="requests waiting per caller before 503 + Retry-After (finite: no unbounded queue)"
+    )
+    ingress_max_ongoing_requests: int = Field(128, ge=1)
+    ingress_max_queued_requests: int = Field(512, ge=1, description="HTTP requests waiting at the proxy")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After on 429/503")
+    request_timeout_s: float = Field(30.0, gt=0, description="end-to-end limit of one request (408 after)")
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="drain time for in-flight requests")
+
+    # onnxruntime
+    provider: ProviderPreference = Field("auto", description="auto: CUDA if it can be created, else CPU")
+    intra_op_threads: int = Field(0, ge=0, description="0: one per CPU reserved for the replica (at least 1)")
+    inter_op_threads: int = Field(1, ge=1)
+    warmup: bool = True
+
+    # request limits
+    max_inputs: int = Field(64, ge=1, description="texts per request")
+    max_text_chars: int = Field(100_000, ge=1, description="characters per text, before tokenization")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="request body limit (413 above)")
+    max_response_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="estimated response limit (413 above)")
+
+    batching: BatchingSettings = Field(default_factory=BatchingSettings)
+
+    @model_validator(mode="after")
+    def _batches_can_fill(self) -> ServiceSettings:
+        if self.encoder_max_ongoing_requests < self.batching.max_concurrent_batches:
+            raise ValueError("encoder_max_ongoing_requests must be >= batching.max_concurrent_batches")
+        return self
+
+    def resolved(self) -> ServiceSettings:
+        """A copy with the bundle path made absolute, so replicas in other directories find it."""
+        return self.model_copy(update={"bundle": self.bundle.expanduser().resolve()})
+
+    def ort_threads(self) -> int:
+        return self.intra_op_threads or max(1, int(self.encoder_num_cpus))
