@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-EXTRAS := export,test
+EXTRAS := export,serve,test
 
 # the default model's bundle, exported on first `make run`
 BUNDLE ?= bundles/all-MiniLM-L6-v2

@@ -1,0 +1,133 @@
+"""python -m service: start Ray on loopback, deploy the app, serve until Ctrl-C or SIGTERM.
+
+Settings come from the Serve config file (--config, default deploy/serve_config.yaml) and are
+overridden by flags. Exit code 1 with a one-line reason when the service cannot start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from bundle.manifest import BundleError, load_bundle
+from service.config import ServiceSettings
+
+APP_NAME = "encoder"
+DEFAULT_CONFIG = Path("deploy/serve_config.yaml")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m service", description=__doc__)
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None,
+                   help="Serve config file whose first application's args are the settings")
+    p.add_argument("--bundle", type=Path, help="model bundle directory")
+    p.add_argument("--host", help="HTTP host (default from the config, else 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default from the config, else 8000)")
+    p.add_argument("--replicas", type=int, dest="encoder_replicas", help="encoder replicas")
+    p.add_argument("--ingress-replicas", type=int)
+    p.add_argument("--encoder-num-cpus", type=float)
+    p.add_argument("--threads", type=int, dest="intra_op_threads", help="onnxruntime intra-op threads per replica")
+    p.add_argument("--provider", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--max-batch-tokens", type=int)
+    p.add_argument("--batch-wait-timeout-s", type=float)
+    p.add_argument("--sub-batch-tokens", type=int)
+    p.add_argument("--max-queued-requests", type=int, dest="encoder_max_queued_requests")
+    p.add_argument("--max-ongoing-requests", type=int, dest="encoder_max_ongoing_requests")
+    p.add_argument("--request-timeout-s", type=float)
+    p.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
+    return p.parse_args(argv)
+
+
+def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, Any]]:
+    """Settings and HTTP options: the config file first, then command-line overrides."""
+    settings: dict[str, Any] = {}
+    http: dict[str, Any] = {"host": "127.0.0.1", "port": 8000}
+    if args.config is not None:
+        config = yaml.safe_load(args.config.read_text()) or {}
+        http.update(config.get("http_options") or {})
+        apps = config.get("applications") or [{}]
+        settings.update(apps[0].get("args") or {})
+    batching = dict(settings.get("batching") or {})
+    for key in ("max_batch_tokens", "batch_wait_timeout_s", "sub_batch_tokens"):
+        if getattr(args, key) is not None:
+            batching[key] = getattr(args, key)
+    settings["batching"] = batching
+    for key in ("bundle", "encoder_replicas", "ingress_replicas", "encoder_num_cpus", "intra_op_threads",
+                "provider", "encoder_max_queued_requests", "encoder_max_ongoing_requests", "request_timeout_s"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    if args.host:
+        http["host"] = args.host
+    if args.port:
+        http["port"] = args.port
+    parsed = ServiceSettings.model_validate(settings).resolved()
+    http.setdefault("request_timeout_s", parsed.request_timeout_s + 5)
+    return parsed, http
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        settings, http = load_settings(args)
+        load_bundle(settings.bundle)
+    except (ValidationError, BundleError, OSError, yaml.YAMLError) as exc:
+        reason = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else str(exc).replace("\n", " ")
+        print(f"service refused to start: {reason}", file=sys.stderr)
+        return 1
+
+    import ray
+    from ray import serve
+
+    from service.app import build_app
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    started = time.perf_counter()
+    print(f"starting Ray and the service (bundle {settings.bundle}) ...", flush=True)
+    # Loopback only: Ray's own ports (GCS, dashboard, client) must not face the network.
+    ray.init(
+        num_cpus=args.num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        logging_level="WARNING",
+        configure_logging=True,
+    )
+    code = 0
+    try:
+        serve.start(http_options=http, logging_config={"enable_access_log": False})
+        serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+        info = serve.get_deployment_handle("Encoder", APP_NAME).info.remote().result(timeout_s=60)
+        print(
+            f"serving {load_bundle(settings.bundle).manifest.model.name} at http://{http['host']}:{http['port']} "
+            f"on {info['provider']} ({info['intra_op_threads']} threads, {settings.encoder_replicas} encoder "
+            f"replica(s)) in {time.perf_counter() - started:.1f}s; Ctrl-C or SIGTERM stops it",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            pass
+        print("stopping: draining in-flight requests ...", flush=True)
+    except Exception as exc:  # deployment failed: say why in one line
+        print(f"service failed to start: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        code = 1
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    print("stopped", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

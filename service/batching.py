@@ -1,0 +1,222 @@
+"""The encoder deployment: owns the onnxruntime session and batches requests onto it.
+
+Each request (one client call, one or more texts) is one item of Ray Serve's batch queue;
+`batch_size_fn` counts its tokens, so a batch is bounded by a token budget, not a request
+count. Inside a batch, all texts are sorted by length and cut into sub-batches whose padded
+size stays under `sub_batch_tokens`: on a CPU, padding is the first cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from ray import serve
+
+from bundle.manifest import load_bundle
+from service.config import BatchingSettings, ServiceSettings
+from service.runtime import OrtEncoder
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class EncodeJob:
+    """One request's work: token ids per text, and which outputs it needs."""
+
+    ids: list[np.ndarray]
+    normalize: bool
+    want_embedding: bool = True
+    want_hidden: bool = False
+    attention: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (layers, heads), resolved
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(int(a.shape[0]) for a in self.ids)
+
+
+@dataclass
+class EncodeResult:
+    embeddings: np.ndarray | None  # (n_texts, hidden) float32
+    hidden: list[np.ndarray] | None = None  # per text (n_tokens, hidden)
+    attentions: list[np.ndarray] | None = None  # per text (layers, heads, n_tokens, n_tokens)
+    stats: dict = field(default_factory=dict)
+
+
+def job_tokens(jobs: list[EncodeJob]) -> int:
+    """batch_size_fn: a batch's size is its number of real tokens."""
+    return sum(job.n_tokens for job in jobs)
+
+
+def plan_sub_batches(lengths: list[int], token_budget: int, max_size: int) -> list[list[int]]:
+    """Group text indexes, shortest first, so that len(group) * longest <= token_budget.
+
+    A text longer than the budget runs alone. Sorting keeps texts of similar length
+    together, which is what keeps padding low.
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        longest = lengths[index]  # ascending order: the newcomer is the longest
+        if current and ((len(current) + 1) * longest > token_budget or len(current) >= max_size):
+            groups.append(current)
+            current = []
+        current.append(index)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def pad(ids: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token id arrays into (batch, longest) ids and attention mask."""
+    longest = max(int(a.shape[0]) for a in ids)
+    input_ids = np.full((len(ids), longest), pad_id, dtype=np.int64)
+    mask = np.zeros((len(ids), longest), dtype=np.int64)
+    for row, a in enumerate(ids):
+        input_ids[row, : a.shape[0]] = a
+        mask[row, : a.shape[0]] = 1
+    return input_ids, mask
+
+
+def pool(hidden: np.ndarray, mask: np.ndarray, how: str) -> np.ndarray:
+    """Pooling over real tokens, as the export's encoder does it (for normalize=false requests)."""
+    if how == "cls":
+        return hidden[:, 0]
+    keep = mask[:, :, None].astype(hidden.dtype)
+    if how == "max":
+        return np.where(keep > 0, hidden, np.finfo(hidden.dtype).min).max(axis=1)
+    return (hidden * keep).sum(axis=1) / np.maximum(keep.sum(axis=1), 1e-9)
+
+
+def l2_normalize(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+@serve.deployment(name="Encoder")
+class Encoder:
+    """One onnxruntime session per replica; requests arrive through `encode` and are batched."""
+
+    def __init__(self, settings: ServiceSettings) -> None:
+        started = time.perf_counter()
+        self.settings = settings
+        bundle = load_bundle(settings.bundle)
+        self.manifest = bundle.manifest
+        self.runtime = OrtEncoder(bundle, settings.provider, settings.ort_threads(), settings.inter_op_threads)
+        self.batching = settings.batching
+        # Wrapped here rather than decorated on the class, so that every knob, including
+        # max_concurrent_batches, comes from the settings object.
+        self._batched = serve.batch(
+            max_batch_size=self.batching.max_batch_tokens,
+            batch_wait_timeout_s=self.batching.batch_wait_timeout_s,
+            max_concurrent_batches=self.batching.max_concurrent_batches,
+            batch_size_fn=job_tokens,
+        )(self._run_batch)
+        self.counters = {"batches": 0, "requests": 0, "texts": 0, "real_tokens": 0, "padded_tokens": 0, "ort_runs": 0}
+        if settings.warmup:
+            self._warm_up()
+        logger.info(
+            "encoder replica ready: model %s, provider %s, %d intra-op threads, bundle %s (%.1fs)",
+            self.manifest.model.name, self.runtime.provider, self.runtime.threads, settings.bundle,
+            time.perf_counter() - started,
+        )
+
+    def _warm_up(self) -> None:
+        """Run the shapes traffic will bring, so the first real request does not pay for allocation."""
+        self.runtime.smoke_test()
+        for length in (8, self.manifest.model.max_tokens):
+            ids = np.full((4, length), 1000, dtype=np.int64)
+            self.runtime.run(ids, np.ones_like(ids), ["sentence_embedding"])
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Apply batching knobs from the Serve config's user_config without a restart."""
+        merged = self.settings.batching.model_dump() | (user_config or {})
+        self.batching = BatchingSettings(**merged)
+        self._batched.set_max_batch_size(self.batching.max_batch_tokens)
+        self._batched.set_batch_wait_timeout_s(self.batching.batch_wait_timeout_s)
+
+    def check_health(self) -> None:
+        """Called by Serve periodically: a tiny real inference, so a broken session restarts the replica."""
+        self.runtime.smoke_test()
+
+    async def encode(self, job: EncodeJob) -> EncodeResult:
+        """Entry point for the ingress: one request in, its result out, batched with others."""
+        return await self._batched(job)
+
+    def info(self) -> dict:
+        """What this replica runs and has done (counters are per replica)."""
+        return {
+            "provider": self.runtime.provider,
+            "intra_op_threads": self.runtime.threads,
+            "batching": self.batching.model_dump(),
+            "counters": dict(self.counters),
+        }
+
+    async def _run_batch(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
+        """List in, list out: every job's texts, length-sorted into sub-batches, off the event loop."""
+        return await asyncio.to_thread(self._compute, jobs)
+
+    def _compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
+        model = self.manifest.model
+        # Flatten texts; texts that need attention or hidden states run apart from those that
+        # need only the embedding, so the cheap ones never pay for the big outputs.
+        texts = [(j, t) for j, job in enumerate(jobs) for t in range(len(job.ids))]
+        needs = lambda j: (jobs[j].attention is not None, self._needs_hidden(jobs[j]))  # noqa: E731
+        results = [
+            EncodeResult(
+                embeddings=np.zeros((len(job.ids), model.hidden_size), dtype=np.float32),
+                hidden=[None] * len(job.ids) if job.want_hidden else None,  # type: ignore[list-item]
+                attentions=[None] * len(job.ids) if job.attention is not None else None,  # type: ignore[list-item]
+            )
+            for job in jobs
+        ]
+        by_need: dict[tuple[bool, bool], list[tuple[int, int]]] = {}
+        for j, t in texts:
+            by_need.setdefault(needs(j), []).append((j, t))
+        real = padded = runs = 0
+        for (want_attention, want_hidden), members in by_need.items():
+            lengths = [int(jobs[j].ids[t].shape[0]) for j, t in members]
+            outputs = ["sentence_embedding"] + (["last_hidden_state"] if want_hidden else []) + (["attentions"] if want_attention else [])
+            for group in plan_sub_batches(lengths, self.batching.sub_batch_tokens, self.batching.max_sub_batch_size):
+                rows = [members[g] for g in group]
+                input_ids, mask = pad([jobs[j].ids[t] for j, t in rows], model.pad_token_id)
+                out = self.runtime.run(input_ids, mask, outputs)
+                runs += 1
+                real += int(mask.sum())
+                padded += int(mask.size)
+                self._scatter(jobs, results, rows, mask, out)
+        self.counters["batches"] += 1
+        self.counters["requests"] += len(jobs)
+        self.counters["texts"] += len(texts)
+        self.counters["real_tokens"] += real
+        self.counters["padded_tokens"] += padded
+        self.counters["ort_runs"] += runs
+        for result, job in zip(results, jobs, strict=True):
+            result.stats = {"batch_requests": len(jobs), "batch_texts": len(texts), "ort_runs": runs,
+                            "padding_ratio": 1 - real / padded if padded else 0.0}
+        return results
+
+    def _needs_hidden(self, job: EncodeJob) -> bool:
+        return job.want_hidden or (self.manifest.model.normalize and not job.normalize)
+
+    def _scatter(self, jobs, results, rows, mask, out) -> None:
+        """Copy each text's slice of a sub-batch's outputs into its job's result."""
+        model = self.manifest.model
+        for row, (j, t) in enumerate(rows):
+            job, result = jobs[j], results[j]
+            n = int(mask[row].sum())
+            embedding = out["sentence_embedding"][row]
+            if job.normalize and not model.normalize:
+                embedding = l2_normalize(embedding)
+            elif model.normalize and not job.normalize:  # the graph normalises: pool its hidden states again
+                embedding = pool(out["last_hidden_state"][row : row + 1, :n], mask[row : row + 1, :n], model.pooling)[0]
+            result.embeddings[t] = embedding
+            if job.want_hidden:
+                result.hidden[t] = np.ascontiguousarray(out["last_hidden_state"][row, :n])
+            if job.attention is not None:
+                layers, heads = job.attention
+                a = out["attentions"][:, row]  # (layers, heads, T, T)
+                result.attentions[t] = np.ascontiguousarray(a[np.ix_(layers, heads)][:, :, :n, :n])

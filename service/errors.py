@@ -1,0 +1,52 @@
+"""One error taxonomy and one mapping to HTTP: routes raise these, one handler renders them.
+
+Every error body is {"error": {"type": ..., "message": ...}}; the type doubles as the
+failure reason operators see in metrics.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    status: int = 500
+    type: str = "backend"
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"type": self.type, "message": self.message}}
+
+
+class InvalidRequest(ServiceError):
+    status, type = 422, "validation"
+
+
+class TooLarge(ServiceError):
+    status, type = 413, "too_large"
+
+
+class NotFound(ServiceError):
+    status, type = 404, "not_found"
+
+
+class Unauthorized(ServiceError):
+    status, type = 401, "unauthorized"
+
+
+class Timeout(ServiceError):
+    status, type = 408, "timeout"
+
+
+class Overloaded(ServiceError):
+    status, type = 503, "overloaded"
+
+
+class NotReady(ServiceError):
+    status, type = 503, "not_ready"
+
+
+class BackendError(ServiceError):
+    status, type = 500, "backend"

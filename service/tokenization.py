@@ -1,0 +1,61 @@
+"""Tokenization with the bundle's tokenizer: ids for the model, tokens and offsets for clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Encoding, Tokenizer
+
+from service.errors import TooLarge
+
+
+@dataclass(frozen=True)
+class TokenizedText:
+    ids: np.ndarray  # int64 (n_tokens,), special tokens included
+    encoding: Encoding
+    truncated: bool
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+
+class TextTokenizer:
+    """Wraps `tokenizers.Tokenizer`; refuses over-long texts when truncation is off."""
+
+    def __init__(self, path: Path, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._truncating = Tokenizer.from_file(str(path))
+        self._truncating.no_padding()
+        self._truncating.enable_truncation(max_tokens)
+        self._whole = Tokenizer.from_str(self._truncating.to_str())
+        self._whole.no_truncation()
+
+    def encode(self, texts: list[str], truncate: bool) -> list[TokenizedText]:
+        """Tokenize texts; with truncate=False, a text over max_tokens is a 413 naming it."""
+        if truncate:
+            encodings = self._truncating.encode_batch(texts)
+            return [
+                TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=bool(e.overflowing))
+                for e in encodings
+            ]
+        encodings = self._whole.encode_batch(texts)
+        for i, e in enumerate(encodings):
+            if len(e.ids) > self.max_tokens:
+                raise TooLarge(
+                    f"input {i} has {len(e.ids)} tokens; the model's limit is {self.max_tokens} "
+                    "(send truncate=true to cut it)"
+                )
+        return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=False) for e in encodings]
+
+
+def token_list(encoding: Encoding) -> list[dict]:
+    """Tokens with ids and character offsets into the original text."""
+    return [
+        {"id": i, "token": t, "start": s, "end": e, "special": bool(special)}
+        for i, t, (s, e), special in zip(
+            encoding.ids, encoding.tokens, encoding.offsets, encoding.special_tokens_mask, strict=True
+        )
+    ]
