@@ -192,6 +192,122 @@ def _encode_array(array: np.ndarray, fmt: str, dtype: str) -> Any:
     return np.ascontiguousarray(typed.astype(np.float32, copy=False))
 
 
+# --- v2 wire format helpers -----------------------------------------------------------------
+
+
+def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, bytes]:
+    """Split a v2 body into its JSON header and binary tail (binary tensor data extension)."""
+    if header_len is not None:
+        if not header_len.isdigit() or int(header_len) > len(raw):
+            raise InvalidRequest(f"Inference-Header-Content-Length {header_len!r} does not fit a {len(raw)}-byte body")
+        json_part, binary = raw[: int(header_len)], raw[int(header_len) :]
+    else:
+        json_part, binary = raw, b""
+    try:
+        return V2InferRequest.model_validate_json(json_part), binary
+    except ValidationError as exc:
+        raise InvalidRequest(_describe(list(exc.errors()))) from None
+
+
+def _v2_texts(req: V2InferRequest, binary: bytes) -> list[str]:
+    """The texts of the single BYTES input, from JSON data or binary length-prefixed strings."""
+    if len(req.inputs) != 1 or req.inputs[0].name != V2_INPUT:
+        raise InvalidRequest(f"expected exactly one input named {V2_INPUT!r} (BYTES, shape [n])")
+    tensor = req.inputs[0]
+    if tensor.datatype != "BYTES":
+        raise InvalidRequest(f"input {V2_INPUT!r} must have datatype BYTES, got {tensor.datatype}")
+    count = int(np.prod(tensor.shape)) if tensor.shape else 0
+    if len(tensor.shape) not in (1, 2) or (len(tensor.shape) == 2 and tensor.shape[1] != 1) or count < 1:
+        raise InvalidRequest(f"input {V2_INPUT!r} must have shape [n] or [n, 1] with n >= 1, got {tensor.shape}")
+    binary_size = (tensor.parameters or {}).get("binary_data_size")
+    if binary_size is not None:
+        if not isinstance(binary_size, int) or binary_size != len(binary):
+            raise InvalidRequest(f"binary_data_size {binary_size} does not match the {len(binary)} bytes sent")
+        items, offset = [], 0
+        while offset < len(binary):
+            if offset + 4 > len(binary):
+                raise InvalidRequest("truncated BYTES element in binary data")
+            (length,) = struct.unpack_from("<I", binary, offset)
+            offset += 4
+            if offset + length > len(binary):
+                raise InvalidRequest("truncated BYTES element in binary data")
+            items.append(binary[offset : offset + length])
+            offset += length
+    else:
+        items = tensor.data or []
+        flat = []
+        for item in items:  # JSON data may be nested per shape
+            flat.extend(item if isinstance(item, list) else [item])
+        items = flat
+    if len(items) != count:
+        raise InvalidRequest(f"input {V2_INPUT!r} has shape {tensor.shape} but {len(items)} elements")
+    texts = []
+    for i, item in enumerate(items):
+        if isinstance(item, bytes):
+            try:
+                item = item.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidRequest(f"element {i} of {V2_INPUT!r} is not valid UTF-8") from None
+        if not isinstance(item, str):
+            raise InvalidRequest(f"element {i} of {V2_INPUT!r} must be a string")
+        texts.append(item)
+    return texts
+
+
+def _v2_tensors(result: EncodeResult, tokenized: list[TokenizedText], requested: list[str], T: int) -> dict[str, np.ndarray]:
+    """Rectangular tensors for the v2 response: token-level outputs zero-padded to the longest input."""
+    n = len(tokenized)
+    out: dict[str, np.ndarray] = {}
+    for name in requested:
+        if name == "sentence_embedding":
+            out[name] = np.ascontiguousarray(result.embeddings, dtype=np.float32)
+        elif name == "attention_mask":
+            mask = np.zeros((n, T), dtype=np.int64)
+            for i, t in enumerate(tokenized):
+                mask[i, : t.n_tokens] = 1
+            out[name] = mask
+        elif name == "last_hidden_state":
+            hidden = np.zeros((n, T, result.hidden[0].shape[-1]), dtype=np.float32)
+            for i, h in enumerate(result.hidden):
+                hidden[i, : h.shape[0]] = h
+            out[name] = hidden
+        elif name == "attentions":
+            L, H = result.attentions[0].shape[:2]
+            attn = np.zeros((L, n, H, T, T), dtype=np.float32)
+            for i, a in enumerate(result.attentions):
+                k = a.shape[-1]
+                attn[:, i, :, :k, :k] = a
+            out[name] = attn
+    return out
+
+
+_V2_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
+
+
+def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[str, bool]) -> Response:
+    outputs, tail = [], []
+    for name, array in tensors.items():
+        entry: dict[str, Any] = {"name": name, "datatype": _V2_DATATYPES[array.dtype], "shape": list(array.shape)}
+        if binary_out.get(name):
+            data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False)).tobytes()
+            entry["parameters"] = {"binary_data_size": len(data)}
+            tail.append(data)
+        else:
+            entry["data"] = array.reshape(-1)
+        outputs.append(entry)
+    header = orjson.dumps({**head, "outputs": outputs}, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not tail:
+        return Response(header, media_type="application/json")
+    return Response(
+        header + b"".join(tail),
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+
+
+# Everything the routes call is defined above the deployment: serve.ingress snapshots the
+# FastAPI app (with its routes' globals) when the class is decorated.
+
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
@@ -509,116 +625,3 @@ class Ingress:
         return _v2_response(
             {"model_name": self.name, "model_version": "1", "id": req.id or ""}, tensors, binary_out
         )
-
-
-# --- v2 wire format helpers -----------------------------------------------------------------
-
-
-def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, bytes]:
-    """Split a v2 body into its JSON header and binary tail (binary tensor data extension)."""
-    if header_len is not None:
-        if not header_len.isdigit() or int(header_len) > len(raw):
-            raise InvalidRequest(f"Inference-Header-Content-Length {header_len!r} does not fit a {len(raw)}-byte body")
-        json_part, binary = raw[: int(header_len)], raw[int(header_len) :]
-    else:
-        json_part, binary = raw, b""
-    try:
-        return V2InferRequest.model_validate_json(json_part), binary
-    except ValidationError as exc:
-        raise InvalidRequest(_describe(list(exc.errors()))) from None
-
-
-def _v2_texts(req: V2InferRequest, binary: bytes) -> list[str]:
-    """The texts of the single BYTES input, from JSON data or binary length-prefixed strings."""
-    if len(req.inputs) != 1 or req.inputs[0].name != V2_INPUT:
-        raise InvalidRequest(f"expected exactly one input named {V2_INPUT!r} (BYTES, shape [n])")
-    tensor = req.inputs[0]
-    if tensor.datatype != "BYTES":
-        raise InvalidRequest(f"input {V2_INPUT!r} must have datatype BYTES, got {tensor.datatype}")
-    count = int(np.prod(tensor.shape)) if tensor.shape else 0
-    if len(tensor.shape) not in (1, 2) or (len(tensor.shape) == 2 and tensor.shape[1] != 1) or count < 1:
-        raise InvalidRequest(f"input {V2_INPUT!r} must have shape [n] or [n, 1] with n >= 1, got {tensor.shape}")
-    binary_size = (tensor.parameters or {}).get("binary_data_size")
-    if binary_size is not None:
-        if not isinstance(binary_size, int) or binary_size != len(binary):
-            raise InvalidRequest(f"binary_data_size {binary_size} does not match the {len(binary)} bytes sent")
-        items, offset = [], 0
-        while offset < len(binary):
-            if offset + 4 > len(binary):
-                raise InvalidRequest("truncated BYTES element in binary data")
-            (length,) = struct.unpack_from("<I", binary, offset)
-            offset += 4
-            if offset + length > len(binary):
-                raise InvalidRequest("truncated BYTES element in binary data")
-            items.append(binary[offset : offset + length])
-            offset += length
-    else:
-        items = tensor.data or []
-        flat = []
-        for item in items:  # JSON data may be nested per shape
-            flat.extend(item if isinstance(item, list) else [item])
-        items = flat
-    if len(items) != count:
-        raise InvalidRequest(f"input {V2_INPUT!r} has shape {tensor.shape} but {len(items)} elements")
-    texts = []
-    for i, item in enumerate(items):
-        if isinstance(item, bytes):
-            try:
-                item = item.decode("utf-8")
-            except UnicodeDecodeError:
-                raise InvalidRequest(f"element {i} of {V2_INPUT!r} is not valid UTF-8") from None
-        if not isinstance(item, str):
-            raise InvalidRequest(f"element {i} of {V2_INPUT!r} must be a string")
-        texts.append(item)
-    return texts
-
-
-def _v2_tensors(result: EncodeResult, tokenized: list[TokenizedText], requested: list[str], T: int) -> dict[str, np.ndarray]:
-    """Rectangular tensors for the v2 response: token-level outputs zero-padded to the longest input."""
-    n = len(tokenized)
-    out: dict[str, np.ndarray] = {}
-    for name in requested:
-        if name == "sentence_embedding":
-            out[name] = np.ascontiguousarray(result.embeddings, dtype=np.float32)
-        elif name == "attention_mask":
-            mask = np.zeros((n, T), dtype=np.int64)
-            for i, t in enumerate(tokenized):
-                mask[i, : t.n_tokens] = 1
-            out[name] = mask
-        elif name == "last_hidden_state":
-            hidden = np.zeros((n, T, result.hidden[0].shape[-1]), dtype=np.float32)
-            for i, h in enumerate(result.hidden):
-                hidden[i, : h.shape[0]] = h
-            out[name] = hidden
-        elif name == "attentions":
-            L, H = result.attentions[0].shape[:2]
-            attn = np.zeros((L, n, H, T, T), dtype=np.float32)
-            for i, a in enumerate(result.attentions):
-                k = a.shape[-1]
-                attn[:, i, :, :k, :k] = a
-            out[name] = attn
-    return out
-
-
-_V2_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
-
-
-def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[str, bool]) -> Response:
-    outputs, tail = [], []
-    for name, array in tensors.items():
-        entry: dict[str, Any] = {"name": name, "datatype": _V2_DATATYPES[array.dtype], "shape": list(array.shape)}
-        if binary_out.get(name):
-            data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False)).tobytes()
-            entry["parameters"] = {"binary_data_size": len(data)}
-            tail.append(data)
-        else:
-            entry["data"] = array.reshape(-1)
-        outputs.append(entry)
-    header = orjson.dumps({**head, "outputs": outputs}, option=orjson.OPT_SERIALIZE_NUMPY)
-    if not tail:
-        return Response(header, media_type="application/json")
-    return Response(
-        header + b"".join(tail),
-        media_type="application/octet-stream",
-        headers={"Inference-Header-Content-Length": str(len(header))},
-    )

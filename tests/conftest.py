@@ -25,3 +25,56 @@ def default_bundle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundles") / "all-MiniLM-L6-v2"
     build_bundle(ExportOptions("default", out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL), progress=lambda _: None)
     return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_serve(default_bundle):
+    """One Ray + Serve instance on loopback for the whole session, shut down even if tests fail."""
+    import ray
+    from ray import serve
+
+    port = free_port()
+    # 4 logical CPUs: scheduling slots only, so that a second (tight-limits) app fits beside
+    # the main one on a 2-core machine; onnxruntime threads are set explicitly.
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def deploy(settings_overrides: dict, name: str, route_prefix: str, bundle: Path):
+    from ray import serve
+
+    from service.app import build_app
+    from service.config import ServiceSettings
+
+    settings = ServiceSettings.model_validate({"bundle": str(bundle), **settings_overrides})
+    serve.run(build_app(settings), name=name, route_prefix=route_prefix)
+    return settings
+
+
+@pytest.fixture(scope="session")
+def service_url(ray_serve, default_bundle) -> str:
+    """The default app, deployed as `make run` deploys it, at the root of the Serve proxy."""
+    deploy({"encoder_num_cpus": 1, "ingress_num_cpus": 0.5}, "encoder", "/", default_bundle)
+    return ray_serve
+
+
+@pytest.fixture(scope="session")
+def encoder_handle(service_url):
+    from ray import serve
+
+    return serve.get_deployment_handle("Encoder", "encoder")
