@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-ongoing-requests", type=int, dest="encoder_max_ongoing_requests")
     p.add_argument("--request-timeout-s", type=float)
     p.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
+    p.add_argument("--address", default="local",
+                   help="Ray cluster: 'local' starts a private one on loopback (default); 'auto' joins a running one")
     return p.parse_args(argv)
 
 
@@ -96,10 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     print(f"starting Ray and the service (bundle {settings.bundle}) ...", flush=True)
     # Loopback only: Ray's own ports (GCS, dashboard, client) must not face the network.
+    local = args.address == "local"
     ray.init(
-        num_cpus=args.num_cpus,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
+        address=args.address,
+        num_cpus=args.num_cpus if local else None,
+        include_dashboard=False if local else None,
+        _node_ip_address="127.0.0.1" if local else None,
         logging_level="WARNING",
         configure_logging=True,
     )

@@ -91,13 +91,32 @@ async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
     return error_response(exc.status, exc.type, exc.message, exc.headers)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}
+
+
 def _describe(errors: list[dict]) -> str:
-    parts = []
-    for err in errors[:3]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-    return "; ".join(parts) + more
+    """Pydantic errors as one line: `field.path: problem`, the most specific first.
+
+    Union branches (`inputs.str`, `inputs.list[str].1`) are folded into the field path the
+    client wrote, and an error on a field is dropped when a deeper one explains it.
+    """
+    located = []
+    for err in errors:
+        parts = [
+            str(p) for p in err.get("loc", ())
+            if p != "body" and not (isinstance(p, str) and (p in _UNION_TAGS or "[" in p or p.startswith("function-")))
+        ]
+        located.append((parts, err.get("msg", "invalid")))
+    located.sort(key=lambda item: -len(item[0]))
+    kept: list[tuple[list[str], str]] = []
+    for parts, msg in located:
+        if any(k[: len(parts)] == parts for k, _ in kept) and parts != [] and any(len(k) > len(parts) for k, _ in kept):
+            continue
+        if (parts, msg) not in kept:
+            kept.append((parts, msg))
+    lines = [f"{'.'.join(parts) or 'body'}: {msg}" for parts, msg in kept[:3]]
+    more = f" (and {len(kept) - 3} more)" if len(kept) > 3 else ""
+    return "; ".join(lines) + more
 
 
 @app.exception_handler(RequestValidationError)

@@ -1,0 +1,98 @@
+"""Bad input and overload get clear JSON errors with the right status, never a 500 or a hang,
+and the service keeps answering afterwards."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.conftest import deploy
+
+LONG = "word " * 400  # about 400 tokens: over the model's 256
+
+
+@pytest.fixture(scope="module")
+def client(service_url):
+    with httpx.Client(base_url=service_url, timeout=60) as c:
+        yield c
+
+
+BAD_REQUESTS = [
+    ("empty list", "POST", "/v1/encode", {"json": {"inputs": []}}, 422, "empty list"),
+    ("missing inputs", "POST", "/v1/encode", {"json": {}}, 422, "inputs: Field required"),
+    ("wrong type", "POST", "/v1/encode", {"json": {"inputs": 42}}, 422, "inputs"),
+    ("number as string", "POST", "/v1/encode", {"json": {"inputs": "x", "truncate": "no"}}, 422, "truncate"),
+    ("unknown field", "POST", "/v1/encode", {"json": {"inputs": "x", "pooling": "max"}}, 422, "pooling"),
+    ("list of non-strings", "POST", "/v1/encode", {"json": {"inputs": ["a", 3]}}, 422, "inputs.1"),
+    ("too many inputs", "POST", "/v1/encode", {"json": {"inputs": ["a"] * 65}}, 413, "at most 64"),
+    ("too long, no truncation", "POST", "/v1/encode", {"json": {"inputs": [LONG], "truncate": False}}, 413, "limit is 256"),
+    ("unknown layer", "POST", "/v1/encode", {"json": {"inputs": "x", "attention": {"layers": [6]}}}, 422, "layer index 6"),
+    ("negative head", "POST", "/v1/encode", {"json": {"inputs": "x", "attention": {"heads": [-1]}}}, 422, "head index -1"),
+    ("bad attention format", "POST", "/v1/encode", {"json": {"inputs": "x", "attention": {"format": "png"}}}, 422, "format"),
+    ("malformed JSON", "POST", "/v1/encode", {"content": b'{"inputs": [', "headers": {"content-type": "application/json"}}, 422, "not valid JSON"),
+    ("form content type", "POST", "/v1/encode", {"content": b"inputs=x", "headers": {"content-type": "application/x-www-form-urlencoded"}}, 422, "Content-Type: application/json"),
+    ("body over limit", "POST", "/v1/encode", {"content": b'{"inputs": "' + b"a" * (9 * 1024 * 1024) + b'"}', "headers": {"content-type": "application/json"}}, 413, "larger than the limit"),
+    ("text over char limit", "POST", "/v1/encode", {"json": {"inputs": "a" * 100_001}}, 413, "characters"),
+    ("response too large", "POST", "/v1/encode", {"json": {"inputs": [LONG] * 64, "attention": {}}}, 413, "response would be"),
+    ("openai unknown model", "POST", "/v1/embeddings", {"json": {"input": "x", "model": "gpt-4"}}, 404, "not served"),
+    ("openai token arrays", "POST", "/v1/embeddings", {"json": {"input": [[1, 2, 3]]}}, 422, "list of strings"),
+    ("openai dimensions too big", "POST", "/v1/embeddings", {"json": {"input": "x", "dimensions": 1000}}, 422, "exceeds"),
+    ("v2 unknown model", "POST", "/v2/models/nope/infer", {"json": {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}}, 404, "not found"),
+    ("v2 wrong datatype", "POST", "/v2/models/all-MiniLM-L6-v2/infer", {"json": {"inputs": [{"name": "text", "shape": [1], "datatype": "FP32", "data": [1.0]}]}}, 422, "BYTES"),
+    ("v2 shape mismatch", "POST", "/v2/models/all-MiniLM-L6-v2/infer", {"json": {"inputs": [{"name": "text", "shape": [3], "datatype": "BYTES", "data": ["x"]}]}}, 422, "1 elements"),
+    ("v2 unknown output", "POST", "/v2/models/all-MiniLM-L6-v2/infer", {"json": {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}], "outputs": [{"name": "logits"}]}}, 422, "unknown output"),
+    ("unknown route", "GET", "/v1/nothing", {}, 404, "Not Found"),
+    ("wrong method", "GET", "/v1/encode", {}, 405, "Method Not Allowed"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "kwargs", "status", "message"), [r[1:] for r in BAD_REQUESTS], ids=[r[0] for r in BAD_REQUESTS])
+def test_bad_request_gets_a_json_error(client, method, path, kwargs, status, message):
+    r = client.request(method, path, **kwargs)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert set(error) == {"type", "message"}
+    assert message in error["message"], error
+
+
+def test_service_still_answers_after_bad_requests(client):
+    for _ in range(3):
+        client.post("/v1/encode", content=b"{", headers={"content-type": "application/json"})
+    r = client.post("/v1/encode", json={"inputs": ["still fine"]})
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+
+
+def test_overload_is_refused_at_once_with_retry_after(ray_serve, default_bundle):
+    """Tight limits (1 in flight, 1 queued): a burst gets 503 + Retry-After, accepted requests finish."""
+    deploy(
+        {"encoder_max_ongoing_requests": 1, "encoder_max_queued_requests": 1, "encoder_num_cpus": 1,
+         "ingress_num_cpus": 0.5, "retry_after_s": 2, "batching": {"max_concurrent_batches": 1}},
+        "tight", "/tight", default_bundle,
+    )
+    heavy = {"inputs": [f"sentence {i} " + "with many words " * 30 for i in range(32)]}
+
+    def one(_: int) -> tuple[int, float, httpx.Response]:
+        started = time.perf_counter()
+        with httpx.Client(base_url=ray_serve, timeout=60) as c:
+            r = c.post("/tight/v1/encode", json=heavy)
+        return r.status_code, time.perf_counter() - started, r
+
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        results = list(pool.map(one, range(10)))
+    statuses = sorted(s for s, _, _ in results)
+    refused = [(t, r) for s, t, r in results if s == 503]
+    accepted = [t for s, t, _ in results if s == 200]
+    assert set(statuses) <= {200, 503}, statuses
+    assert refused and accepted, statuses
+    slowest_accepted = max(accepted)
+    for elapsed, r in refused:
+        assert r.headers["retry-after"] == "2"
+        assert r.json()["error"]["type"] == "overloaded"
+        assert elapsed < slowest_accepted, "a refusal must come at once, not after queueing"
+    with httpx.Client(base_url=ray_serve, timeout=60) as c:  # healthy again after the burst
+        assert c.post("/tight/v1/encode", json={"inputs": "after the burst"}).status_code == 200
+    print(f"\noverload burst: {statuses.count(200)} accepted, {statuses.count(503)} refused with 503")
