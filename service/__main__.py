@@ -91,10 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from service.app import build_app
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-
     started = time.perf_counter()
     print(f"starting Ray and the service (bundle {settings.bundle}) ...", flush=True)
     # Loopback only: Ray's own ports (GCS, dashboard, client) must not face the network.
@@ -107,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         logging_level="WARNING",
         configure_logging=True,
     )
+    # After ray.init: Ray installs its own SIGTERM handler there, which would abort the driver
+    # without shutting Serve down.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     code = 0
     try:
         serve.start(http_options=http, logging_config={"enable_access_log": False})

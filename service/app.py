@@ -4,7 +4,6 @@
 serveConfigV2) pass the config's `args` here, and Ray validates them into ServiceSettings.
 """
 
-from __future__ import annotations
 
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
@@ -17,7 +16,9 @@ from service.config import ServiceSettings
 
 def build_app(args: ServiceSettings) -> Application:
     """Ingress -> Encoder, every option taken from the settings. Fails fast on a bad bundle."""
-    settings = args.resolved()
+    # Ray validates `args` into ServiceSettings from this annotation (so no postponed
+    # annotations in this module); a plain dict is accepted too for direct callers.
+    settings = (args if isinstance(args, ServiceSettings) else ServiceSettings.model_validate(args)).resolved()
     load_bundle(settings.bundle)  # refuse here, in one line, before any replica starts
     backpressure = BackpressureConfig(status_code=503, retry_after_s=settings.retry_after_s)
     encoder = Encoder.options(

@@ -1,0 +1,109 @@
+"""The two ways to start the service as a user does: `python -m service` (what `make run` runs)
+and `serve run deploy/serve_config.yaml`; both answer over HTTP and stop cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def raylet_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def wait_for_health(url: str, proc: subprocess.Popen, timeout: float = 120) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the service exited early with {proc.returncode}"
+        try:
+            r = httpx.get(f"{url}/health", timeout=5)
+            if r.status_code == 200:
+                return r
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url}/health did not answer 200 within {timeout}s")
+
+
+def collect(proc: subprocess.Popen) -> list[str]:
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return lines
+
+
+def test_python_m_service_serves_and_stops_on_sigterm(default_bundle):
+    port = free_port()
+    before = raylet_pids()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "--config", str(ROOT / "deploy/serve_config.yaml"),
+         "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = collect(proc)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_for_health(url, proc).json()["provider"] == "CPUExecutionProvider"
+        r = httpx.post(f"{url}/v1/encode", json={"inputs": ["started by python -m service"]}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = "".join(lines)
+    assert f"at http://127.0.0.1:{port} on CPUExecutionProvider" in output
+    assert "stopped" in output
+    time.sleep(2)
+    assert raylet_pids() <= before, "Ray processes were left behind"
+
+
+def test_python_m_service_refuses_a_bad_bundle_in_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "--bundle", str(tmp_path / "missing")],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0 and "bundle directory does not exist" in result.stderr
+
+
+def test_serve_run_with_the_config_file(default_bundle, tmp_path):
+    config = yaml.safe_load((ROOT / "deploy/serve_config.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    config["applications"][0]["args"]["bundle"] = str(default_bundle)
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve_bin = Path(sys.executable).with_name("serve")
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    before = raylet_pids()
+    proc = subprocess.Popen(
+        [str(serve_bin), "run", "--address", "local", str(path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    collect(proc)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_health(url, proc)
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": "started by serve run"}, timeout=30)
+        assert r.status_code == 200
+        assert httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(2)
+    assert raylet_pids() <= before, "Ray processes were left behind"
