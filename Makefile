@@ -15,16 +15,20 @@ BUNDLE ?= bundles/all-MiniLM-L6-v2
 CHECKPOINT ?= default
 OUT ?= $(BUNDLE)
 EXPORT_ARGS ?=
+# extra flags for python -m service, e.g. SERVE_ARGS='--replicas 2 --port 8080'
+SERVE_ARGS ?=
+BENCH_ARGS ?=
 
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install run test export bundle clean
+.PHONY: help install run test export bundle bench clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
 	@echo "make test    install into $(VENV) and run the whole test suite"
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
+	@echo "make bench   in-process references vs the service over HTTP, batching on and off"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,7 +49,10 @@ export: $(STAMP)
 
 run: bundle
 	@$(BIN)/python -m bundle $(BUNDLE)
-	@echo "The serving layer (service/) is not built yet: the bundle above is ready for it. Stopping here."
+	$(BIN)/python -m service --config deploy/serve_config.yaml --bundle $(BUNDLE) $(SERVE_ARGS)
+
+bench: bundle
+	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) $(BENCH_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

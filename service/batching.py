@@ -144,6 +144,8 @@ class Encoder:
 
     async def encode(self, job: EncodeJob) -> EncodeResult:
         """Entry point for the ingress: one request in, its result out, batched with others."""
+        if not self.batching.enabled:
+            return (await self._run_batch([job]))[0]
         return await self._batched(job)
 
     def info(self) -> dict:

@@ -20,6 +20,7 @@ class BatchingSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    enabled: bool = Field(True, description="false: every request runs alone (a batch of one), for comparison")
     max_batch_tokens: int = Field(
         16384, ge=1, description="token budget of one Serve batch (sum of real tokens of its requests)"
     )
