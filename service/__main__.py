@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         info = serve.get_deployment_handle("Encoder", APP_NAME).info.remote().result(timeout_s=60)
         print(
             f"serving {load_bundle(settings.bundle).manifest.model.name} at http://{http['host']}:{http['port']} "
-            f"on {info['provider']} ({info['intra_op_threads']} threads, {settings.encoder_replicas} encoder "
+            f"on {info['provider']} ({info['intra_op_threads'] or 'auto'} intra-op threads, {settings.encoder_replicas} encoder "
             f"replica(s)) in {time.perf_counter() - started:.1f}s; Ctrl-C or SIGTERM stops it",
             flush=True,
         )

@@ -105,7 +105,9 @@ class Encoder:
         self.settings = settings
         bundle = load_bundle(settings.bundle)
         self.manifest = bundle.manifest
-        self.runtime = OrtEncoder(bundle, settings.provider, settings.ort_threads(), settings.inter_op_threads)
+        self.runtime = OrtEncoder(
+            bundle, settings.provider, settings.intra_op_threads, settings.inter_op_threads, settings.allow_spinning
+        )
         self.batching = settings.batching
         # Wrapped here rather than decorated on the class, so that every knob, including
         # max_concurrent_batches, comes from the settings object.

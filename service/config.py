@@ -61,8 +61,11 @@ class ServiceSettings(BaseModel):
 
     # onnxruntime
     provider: ProviderPreference = Field("auto", description="auto: CUDA if it can be created, else CPU")
-    intra_op_threads: int = Field(0, ge=0, description="0: one per CPU reserved for the replica (at least 1)")
+    intra_op_threads: int = Field(
+        0, ge=0, description="0: onnxruntime's default, one per physical core; set it when replicas share a node"
+    )
     inter_op_threads: int = Field(1, ge=1)
+    allow_spinning: bool = Field(False, description="let idle onnxruntime threads spin (only for dedicated cores)")
     warmup: bool = True
 
     # request limits
@@ -82,6 +85,3 @@ class ServiceSettings(BaseModel):
     def resolved(self) -> ServiceSettings:
         """A copy with the bundle path made absolute, so replicas in other directories find it."""
         return self.model_copy(update={"bundle": self.bundle.expanduser().resolve()})
-
-    def ort_threads(self) -> int:
-        return self.intra_op_threads or max(1, int(self.encoder_num_cpus))

@@ -33,13 +33,16 @@ class OrtEncoder:
     libraries or the device are missing, so only the session can tell.
     """
 
-    def __init__(self, bundle: Bundle, preference: str = "auto", intra_op_threads: int = 1, inter_op_threads: int = 1):
+    def __init__(self, bundle: Bundle, preference: str = "auto", intra_op_threads: int = 0, inter_op_threads: int = 1, allow_spinning: bool = False):
         self.manifest = bundle.manifest
         options = ort.SessionOptions()
         options.intra_op_num_threads = intra_op_threads
         options.inter_op_num_threads = inter_op_threads
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Idle onnxruntime threads spin by default; in a replica that shares cores with the
+        # HTTP proxy and the ingress, spinning steals the CPU those need to feed it.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
         requested = choose_providers(preference)
         try:
             self.session = ort.InferenceSession(str(bundle.graph_path), options, providers=requested)
@@ -50,7 +53,7 @@ class OrtEncoder:
             raise RuntimeError(f"provider 'cuda' was required but the session runs on {self.provider}")
         if CUDA in requested and self.provider != CUDA:
             logger.warning("CUDA was requested but could not be created; running on %s", self.provider)
-        self.threads = intra_op_threads
+        self.threads = intra_op_threads  # 0: onnxruntime's own choice, one per physical core
         self._check_io()
 
     def _check_io(self) -> None:
