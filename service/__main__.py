@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-ongoing-requests", type=int, dest="encoder_max_ongoing_requests")
     p.add_argument("--request-timeout-s", type=float)
     p.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
+    p.add_argument("--metrics-port", type=int, default=8080,
+                   help="Ray's Prometheus endpoint on 127.0.0.1 (every replica's metrics), for a local cluster")
     p.add_argument("--address", default="local",
                    help="Ray cluster: 'local' starts a private one on loopback (default); 'auto' joins a running one")
     return p.parse_args(argv)
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         num_cpus=args.num_cpus if local else None,
         include_dashboard=False if local else None,
         _node_ip_address="127.0.0.1" if local else None,
+        _metrics_export_port=args.metrics_port if local else None,
         logging_level="WARNING",
         configure_logging=True,
     )
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             f"replica(s)) in {time.perf_counter() - started:.1f}s; Ctrl-C or SIGTERM stops it",
             flush=True,
         )
+        if local:
+            print(f"metrics (Prometheus text, every replica): http://127.0.0.1:{args.metrics_port}/metrics", flush=True)
         while not stop.wait(1.0):
             pass
         print("stopping: draining in-flight requests ...", flush=True)

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import logging
 import struct
+import time
 from typing import Any
 
 import numpy as np
@@ -21,11 +22,13 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from bundle.manifest import load_bundle
 from service import __doc__ as service_doc
 from service.batching import EncodeJob, EncodeResult, l2_normalize
 from service.config import ServiceSettings
+from service.metrics import service_metrics, status_class
 from service.errors import (
     BackendError,
     InvalidRequest,
@@ -86,8 +89,14 @@ def error_response(status: int, type_: str, message: str, headers: dict[str, str
     return JSONResponse({"error": {"type": type_, "message": message}}, status_code=status, headers=headers)
 
 
+def _failed(request: Request, reason: str) -> None:
+    """Tell the metrics middleware why this request failed (the scope is shared with it)."""
+    request.scope["failure_reason"] = reason
+
+
 @app.exception_handler(ServiceError)
-async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
+async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    _failed(request, exc.type)
     return error_response(exc.status, exc.type, exc.message, exc.headers)
 
 
@@ -121,6 +130,7 @@ def _describe(errors: list[dict]) -> str:
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    _failed(request, "validation")
     errors = list(exc.errors())
     if any(e.get("type") == "json_invalid" for e in errors):
         return error_response(422, "validation", f"request body is not valid JSON ({errors[0].get('ctx', {}).get('error', 'decode error')})")
@@ -133,15 +143,18 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 @app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http")
+    _failed(request, "not_found" if exc.status_code == 404 else "validation")
     return error_response(exc.status_code, type_, str(exc.detail), getattr(exc, "headers", None))
 
 
 @app.exception_handler(Exception)
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, RecursionError):  # absurdly nested JSON
+        _failed(request, "validation")
         return error_response(422, "validation", "request body is nested too deeply")
+    _failed(request, "backend")
     logger.exception("unexpected error")
     return error_response(500, "backend", f"internal error ({type(exc).__name__})")
 
@@ -196,7 +209,69 @@ class BodyLimitMiddleware:
         await response(scope, receive, send)
 
 
+_REASON_BY_STATUS = {401: "unauthorized", 404: "not_found", 408: "timeout", 413: "too_large", 422: "validation",
+                     429: "overloaded", 503: "overloaded"}
+
+
+class MetricsMiddleware:
+    """Counts every request by route template and status, its total time, in-flight requests,
+    failures by reason, and response bytes (the routes report bytes per output kind)."""
+
+    def __init__(self, app_: Any) -> None:
+        self.app = app_
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        metrics = service_metrics()
+        started = time.perf_counter()
+        status = 500
+        sent = 0
+        route = _route_template(scope)
+        _IN_FLIGHT[route] = _IN_FLIGHT.get(route, 0) + 1
+        metrics.in_flight.set(_IN_FLIGHT[route], tags={"route": route})
+
+        async def counting_send(message: dict) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            _IN_FLIGHT[route] -= 1
+            metrics.in_flight.set(_IN_FLIGHT[route], tags={"route": route})
+            metrics.requests.inc(tags={"route": route, "status_class": status_class(status)})
+            metrics.duration.observe(time.perf_counter() - started, tags={"route": route, "stage": "total"})
+            if status >= 400:
+                reason = scope.get("failure_reason") or _REASON_BY_STATUS.get(status, "backend")
+                metrics.failures.inc(tags={"route": route, "reason": reason})
+            kinds: dict[str, int] = scope.get("response_kinds") or {}
+            for kind, n in kinds.items():
+                if n > 0:
+                    metrics.response_bytes.inc(n, tags={"route": route, "kind": kind})
+            other = sent - sum(kinds.values())
+            if other > 0:
+                metrics.response_bytes.inc(other, tags={"route": route, "kind": "other"})
+
+
+_IN_FLIGHT: dict[str, int] = {}
+
+
+def _route_template(scope: dict) -> str:
+    """The matched route's path template (`/v2/models/{name}/infer`), never the raw path:
+    label values must stay few whatever clients send."""
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return getattr(route, "path", "unmatched")
+    return "unmatched"
+
 app.add_middleware(BodyLimitMiddleware)
+app.add_middleware(MetricsMiddleware)  # added last: outermost, so it sees body-limit refusals too
 
 
 # --- the ingress deployment ---------------------------------------------------------------
@@ -209,6 +284,22 @@ def _encode_array(array: np.ndarray, fmt: str, dtype: str) -> Any:
         return base64.b64encode(np.ascontiguousarray(typed).tobytes()).decode("ascii")
     # float16 goes out as the float32 of its rounded value: JSON has no half floats
     return np.ascontiguousarray(typed.astype(np.float32, copy=False))
+
+
+class KindCounter:
+    """Serialises each output once (as an orjson Fragment) and keeps its size by kind."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+
+    def fragment(self, kind: str, value: Any) -> orjson.Fragment:
+        raw = orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+        self.bytes[kind] = self.bytes.get(kind, 0) + len(raw)
+        return orjson.Fragment(raw)
+
+    def report(self, request: Request) -> None:
+        """Hand the sizes to the metrics middleware; it adds the envelope as kind 'other'."""
+        request.scope["response_kinds"] = self.bytes
 
 
 # --- v2 wire format helpers -----------------------------------------------------------------
@@ -303,17 +394,24 @@ def _v2_tensors(result: EncodeResult, tokenized: list[TokenizedText], requested:
 _V2_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
 
 
-def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[str, bool]) -> Response:
+_V2_KINDS = {"sentence_embedding": "embedding", "last_hidden_state": "token_embeddings", "attentions": "attention"}
+
+
+def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[str, bool], request: Request) -> Response:
     outputs, tail = [], []
+    kinds = KindCounter()
     for name, array in tensors.items():
         entry: dict[str, Any] = {"name": name, "datatype": _V2_DATATYPES[array.dtype], "shape": list(array.shape)}
+        kind = _V2_KINDS.get(name, "other")
         if binary_out.get(name):
             data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False)).tobytes()
             entry["parameters"] = {"binary_data_size": len(data)}
+            kinds.bytes[kind] = kinds.bytes.get(kind, 0) + len(data)
             tail.append(data)
         else:
-            entry["data"] = array.reshape(-1)
+            entry["data"] = kinds.fragment(kind, array.reshape(-1))
         outputs.append(entry)
+    kinds.report(request)
     header = orjson.dumps({**head, "outputs": outputs}, option=orjson.OPT_SERIALIZE_NUMPY)
     if not tail:
         return Response(header, media_type="application/json")
@@ -354,8 +452,10 @@ class Ingress:
                 raise TooLarge(f"input {i} has {len(text)} characters; the limit is {self.settings.max_text_chars}")
         return texts
 
-    async def _tokenize(self, texts: list[str], truncate: bool) -> list[TokenizedText]:
+    async def _tokenize(self, texts: list[str], truncate: bool, route: str) -> list[TokenizedText]:
+        started = time.perf_counter()
         tokenized = await asyncio.to_thread(self.tokenizer.encode, texts, truncate)
+        service_metrics().duration.observe(time.perf_counter() - started, tags={"route": route, "stage": "tokenization"})
         total = sum(t.n_tokens for t in tokenized)
         if total > self.settings.batching.max_batch_tokens:
             raise TooLarge(
@@ -408,7 +508,7 @@ class Ingress:
     # ---- native routes ----
 
     @app.post("/v1/encode", response_model=EncodeResponse, responses=ERROR_RESPONSES)
-    async def encode(self, body: EncodeRequest) -> JSONResponse:
+    async def encode(self, body: EncodeRequest, request: Request) -> JSONResponse:
         """Embeddings, token encodings, tokens with offsets, attention weights."""
         texts = self._texts(body.inputs)
         attention = None
@@ -417,10 +517,11 @@ class Ingress:
                 self._indexes(body.attention.layers, self.model.num_layers, "layer"),
                 self._indexes(body.attention.heads, self.model.num_heads, "head"),
             )
-        tokenized = await self._tokenize(texts, body.truncate)
+        tokenized = await self._tokenize(texts, body.truncate, "/v1/encode")
         self._check_response_size(self._encode_size(body, tokenized, attention))
         normalize = self.model.normalize if body.normalize is None else body.normalize
         job = EncodeJob(
+            route="/v1/encode",
             ids=[t.ids for t in tokenized],
             normalize=normalize,
             want_embedding=body.embedding,
@@ -428,15 +529,16 @@ class Ingress:
             attention=attention,
         )
         result = await self._infer(job)
+        kinds = KindCounter()
         data = []
         for i, tok in enumerate(tokenized):
             item: dict[str, Any] = {"index": i, "n_tokens": tok.n_tokens}
             if body.embedding:
-                item["embedding"] = result.embeddings[i]
+                item["embedding"] = kinds.fragment("embedding", result.embeddings[i])
             if body.token_embeddings:
-                item["token_embeddings"] = result.hidden[i]
+                item["token_embeddings"] = kinds.fragment("token_embeddings", result.hidden[i])
             if body.tokens:
-                item["tokens"] = token_list(tok.encoding)
+                item["tokens"] = kinds.fragment("tokens", token_list(tok.encoding))
             if attention is not None:
                 spec = body.attention
                 item["attention"] = {
@@ -445,10 +547,11 @@ class Ingress:
                     "shape": list(result.attentions[i].shape),
                     "dtype": spec.dtype,
                     "format": spec.format,
-                    "data": _encode_array(result.attentions[i], spec.format, spec.dtype),
+                    "data": kinds.fragment("attention", _encode_array(result.attentions[i], spec.format, spec.dtype)),
                 }
             data.append(item)
         usage = {"tokens": sum(t.n_tokens for t in tokenized)}
+        kinds.report(request)
         return JSONResponse({"model": self.name, "data": data, "usage": usage})
 
     def _encode_size(self, body: EncodeRequest, tokenized: list[TokenizedText], attention) -> int:
@@ -470,38 +573,45 @@ class Ingress:
         return size
 
     @app.post("/v1/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
-    async def tokenize(self, body: TokenizeRequest) -> JSONResponse:
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> JSONResponse:
         """Tokens, ids and character offsets, exactly as /v1/encode sees them."""
         texts = self._texts(body.inputs)
         tokenized = await asyncio.to_thread(self.tokenizer.encode, texts, body.truncate)
+        kinds = KindCounter()
         data = [
-            {"index": i, "tokens": token_list(t.encoding), "truncated": t.truncated} for i, t in enumerate(tokenized)
+            {"index": i, "tokens": kinds.fragment("tokens", token_list(t.encoding)), "truncated": t.truncated}
+            for i, t in enumerate(tokenized)
         ]
+        kinds.report(request)
         return JSONResponse({"model": self.name, "data": data})
 
     # ---- OpenAI-compatible ----
 
     @app.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=ERROR_RESPONSES)
-    async def embeddings(self, body: OpenAIEmbeddingRequest) -> JSONResponse:
+    async def embeddings(self, body: OpenAIEmbeddingRequest, request: Request) -> JSONResponse:
         """OpenAI's embeddings API: works with the official `openai` client."""
         if body.model is not None and body.model != self.name:
             raise NotFound(f"model {body.model!r} is not served here; this service serves {self.name!r}")
         if body.dimensions is not None and body.dimensions > self.model.hidden_size:
             raise InvalidRequest(f"dimensions {body.dimensions} exceeds the model's {self.model.hidden_size}")
         texts = self._texts(body.input)
-        tokenized = await self._tokenize(texts, truncate=True)
-        result = await self._infer(EncodeJob(ids=[t.ids for t in tokenized], normalize=self.model.normalize))
+        tokenized = await self._tokenize(texts, True, "/v1/embeddings")
+        result = await self._infer(
+            EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized], normalize=self.model.normalize)
+        )
         vectors = result.embeddings
         if body.dimensions is not None:  # shortened as OpenAI does: cut, then re-normalise
             vectors = np.ascontiguousarray(l2_normalize(vectors[:, : body.dimensions]).astype(np.float32))
+        kinds = KindCounter()
         data = [
             {
                 "object": "embedding",
                 "index": i,
-                "embedding": _encode_array(v, body.encoding_format, "float32"),
+                "embedding": kinds.fragment("embedding", _encode_array(v, body.encoding_format, "float32")),
             }
             for i, v in enumerate(vectors)
         ]
+        kinds.report(request)
         tokens = sum(t.n_tokens for t in tokenized)
         return JSONResponse(
             {"object": "list", "data": data, "model": self.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
@@ -628,12 +738,13 @@ class Ingress:
         }
         for n in requested:
             binary_out.setdefault(n, bool(params.get("binary_data_output", False)))
-        tokenized = await self._tokenize(texts, truncate)
+        tokenized = await self._tokenize(texts, truncate, "/v2/models/{name}/infer")
         n, T = len(tokenized), max(t.n_tokens for t in tokenized)
         d, L, H = self.model.hidden_size, self.model.num_layers, self.model.num_heads
         sizes = {"sentence_embedding": n * d, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
         self._check_response_size(sum(sizes[k] * (4 if binary_out[k] else JSON_FLOAT_BYTES) for k in requested))
         job = EncodeJob(
+            route="/v2/models/{name}/infer",
             ids=[t.ids for t in tokenized],
             normalize=self.model.normalize,
             want_hidden="last_hidden_state" in requested,
@@ -642,5 +753,5 @@ class Ingress:
         result = await self._infer(job)
         tensors = _v2_tensors(result, tokenized, requested, T)
         return _v2_response(
-            {"model_name": self.name, "model_version": "1", "id": req.id or ""}, tensors, binary_out
+            {"model_name": self.name, "model_version": "1", "id": req.id or ""}, tensors, binary_out, request
         )

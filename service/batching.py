@@ -18,6 +18,7 @@ from ray import serve
 
 from bundle.manifest import load_bundle
 from service.config import BatchingSettings, ServiceSettings
+from service.metrics import service_metrics
 from service.runtime import OrtEncoder
 
 logger = logging.getLogger("ray.serve")
@@ -27,11 +28,13 @@ logger = logging.getLogger("ray.serve")
 class EncodeJob:
     """One request's work: token ids per text, and which outputs it needs."""
 
+    route: str
     ids: list[np.ndarray]
     normalize: bool
     want_embedding: bool = True
     want_hidden: bool = False
     attention: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (layers, heads), resolved
+    enqueued: float = 0.0  # perf_counter() in the encoder process when the job joined the queue
 
     @property
     def n_tokens(self) -> int:
@@ -117,9 +120,14 @@ class Encoder:
             max_concurrent_batches=self.batching.max_concurrent_batches,
             batch_size_fn=job_tokens,
         )(self._run_batch)
+        self.metrics = service_metrics()
         self.counters = {"batches": 0, "requests": 0, "texts": 0, "real_tokens": 0, "padded_tokens": 0, "ort_runs": 0}
         if settings.warmup:
             self._warm_up()
+        self.metrics.model_info.set(
+            1, tags={"model": settings.model_name or self.manifest.model.name, "bundle_sha256": bundle.sha256,
+                     "provider": self.runtime.provider},
+        )
         logger.info(
             "encoder replica ready: model %s, provider %s, %d intra-op threads, bundle %s (%.1fs)",
             self.manifest.model.name, self.runtime.provider, self.runtime.threads, settings.bundle,
@@ -146,6 +154,7 @@ class Encoder:
 
     async def encode(self, job: EncodeJob) -> EncodeResult:
         """Entry point for the ingress: one request in, its result out, batched with others."""
+        job.enqueued = time.perf_counter()
         if not self.batching.enabled:
             return (await self._run_batch([job]))[0]
         return await self._batched(job)
@@ -164,6 +173,9 @@ class Encoder:
         return await asyncio.to_thread(self._compute, jobs)
 
     def _compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
+        started = time.perf_counter()
+        for job in jobs:
+            self.metrics.duration.observe(started - job.enqueued, tags={"route": job.route, "stage": "queue"})
         model = self.manifest.model
         # Flatten texts; texts that need attention or hidden states run apart from those that
         # need only the embedding, so the cheap ones never pay for the big outputs.
@@ -192,6 +204,18 @@ class Encoder:
                 real += int(mask.sum())
                 padded += int(mask.size)
                 self._scatter(jobs, results, rows, mask, out)
+        elapsed = time.perf_counter() - started
+        m = self.metrics
+        for job in jobs:
+            m.duration.observe(elapsed, tags={"route": job.route, "stage": "inference"})
+        m.batch_requests.observe(len(jobs))
+        m.batch_tokens.observe(real)
+        m.padding_ratio.observe(1 - real / padded if padded else 0.0)
+        if real:
+            m.tokens.inc(real)
+            m.padded_tokens.inc(padded)
+        if runs:
+            m.inference_runs.inc(runs, tags={"graph": "full"})
         self.counters["batches"] += 1
         self.counters["requests"] += len(jobs)
         self.counters["texts"] += len(texts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,19 +36,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class RayServe:
+    url: str  # the Serve HTTP proxy
+    metrics_url: str  # Ray's Prometheus endpoint on this node
+
+
 @pytest.fixture(scope="session")
 def ray_serve(default_bundle):
     """One Ray + Serve instance on loopback for the whole session, shut down even if tests fail."""
     import ray
     from ray import serve
 
-    port = free_port()
-    # 4 logical CPUs: scheduling slots only, so that a second (tight-limits) app fits beside
-    # the main one on a 2-core machine; onnxruntime threads are set explicitly.
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
+    port, metrics_port = free_port(), free_port()
+    # 8 logical CPUs: scheduling slots only, so that the extra apps (tight limits, two replicas)
+    # fit beside the main one on a 2-core machine. Metrics are flushed every second (10 s by
+    # default) so tests that read them wait less.
+    ray.init(
+        address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
+        _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000},
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-        yield f"http://127.0.0.1:{port}"
+        yield RayServe(url=f"http://127.0.0.1:{port}", metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         try:
             serve.shutdown()
@@ -70,7 +81,13 @@ def deploy(settings_overrides: dict, name: str, route_prefix: str, bundle: Path)
 def service_url(ray_serve, default_bundle) -> str:
     """The default app, deployed as `make run` deploys it, at the root of the Serve proxy."""
     deploy({"encoder_num_cpus": 1, "ingress_num_cpus": 0.5}, "encoder", "/", default_bundle)
-    return ray_serve
+    return ray_serve.url
+
+
+@pytest.fixture(scope="session")
+def metrics_url(ray_serve) -> str:
+    """Ray's Prometheus endpoint of this node: every replica's families."""
+    return ray_serve.metrics_url
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,7 @@ def test_overload_is_refused_at_once_with_retry_after(ray_serve, default_bundle)
 
     def one(_: int) -> tuple[int, float, httpx.Response]:
         started = time.perf_counter()
-        with httpx.Client(base_url=ray_serve, timeout=60) as c:
+        with httpx.Client(base_url=ray_serve.url, timeout=60) as c:
             r = c.post("/tight/v1/encode", json=heavy)
         return r.status_code, time.perf_counter() - started, r
 
@@ -93,6 +93,9 @@ def test_overload_is_refused_at_once_with_retry_after(ray_serve, default_bundle)
         assert r.headers["retry-after"] == "2"
         assert r.json()["error"]["type"] == "overloaded"
         assert elapsed < slowest_accepted, "a refusal must come at once, not after queueing"
-    with httpx.Client(base_url=ray_serve, timeout=60) as c:  # healthy again after the burst
+    with httpx.Client(base_url=ray_serve.url, timeout=60) as c:  # healthy again after the burst
         assert c.post("/tight/v1/encode", json={"inputs": "after the burst"}).status_code == 200
+    from ray import serve
+
+    serve.delete("tight")  # give its CPUs back to the apps that later tests deploy
     print(f"\noverload burst: {statuses.count(200)} accepted, {statuses.count(503)} refused with 503")

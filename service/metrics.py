@@ -1,0 +1,96 @@
+"""Every metric family of the service, defined once, with Ray Serve's metrics API.
+
+Each replica is its own process, often on another node, so a prometheus_client registry in
+one process would show one random replica. `ray.serve.metrics` families are exported by Ray
+on every node's metrics port (with the `ray_` prefix, next to Ray Serve's own `ray_serve_*`
+families), tagged with deployment, replica and application, so Prometheus sees all replicas.
+
+Families (exported names; one question each):
+  ray_encoder_requests_total{route,status_class}        how many requests, and how they ended
+  ray_encoder_request_failures_total{route,reason}      how many failed, and why
+  ray_encoder_request_duration_seconds{route,stage}     time per stage: tokenization, queue, inference, total
+  ray_encoder_in_flight_requests{route}                 requests being handled right now (per ingress replica)
+  ray_encoder_response_bytes_total{route,kind}          bytes sent, by output kind
+  ray_encoder_batch_size_requests                       requests per batch (batch fill)
+  ray_encoder_batch_size_tokens                         real tokens per batch
+  ray_encoder_batch_padding_ratio                       padded share of the tokens computed, per batch
+  ray_encoder_tokens_total                              real tokens processed
+  ray_encoder_padded_tokens_total                       tokens computed, padding included
+  ray_encoder_inference_runs_total{graph}               onnxruntime runs, by graph
+  ray_encoder_model_info{model,bundle_sha256,provider}  1 per encoder replica: what it serves, and where
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+PREFIX = "encoder_"
+
+# Sub-millisecond tokenization to tens of seconds under overload.
+LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+REQUEST_BUCKETS = [float(2**i) for i in range(0, 11)]  # 1 .. 1024 requests
+TOKEN_BUCKETS = [float(2**i) for i in range(4, 17)]  # 16 .. 65536 tokens
+RATIO_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0]
+
+FAILURE_REASONS = ("validation", "too_large", "not_found", "unauthorized", "overloaded", "not_ready", "timeout", "backend")
+
+
+class ServiceMetrics:
+    """The families, created in the process that records them (metric objects do not pickle)."""
+
+    def __init__(self) -> None:
+        self.requests = Counter(
+            PREFIX + "requests_total", "HTTP requests by route and status class (2xx, 4xx, 5xx).",
+            tag_keys=("route", "status_class"),
+        )
+        self.failures = Counter(
+            PREFIX + "request_failures_total",
+            f"Failed requests by reason ({', '.join(FAILURE_REASONS)}).",
+            tag_keys=("route", "reason"),
+        )
+        self.duration = Histogram(
+            PREFIX + "request_duration_seconds",
+            "Request time by stage: tokenization, queue (waiting for a batch), inference, total.",
+            boundaries=LATENCY_BUCKETS, tag_keys=("route", "stage"),
+        )
+        self.in_flight = Gauge(
+            PREFIX + "in_flight_requests", "Requests being handled by this ingress replica.", tag_keys=("route",)
+        )
+        self.response_bytes = Counter(
+            PREFIX + "response_bytes_total",
+            "Response body bytes by output kind (embedding, token_embeddings, tokens, attention, other).",
+            tag_keys=("route", "kind"),
+        )
+        self.batch_requests = Histogram(
+            PREFIX + "batch_size_requests", "Requests per batch.", boundaries=REQUEST_BUCKETS
+        )
+        self.batch_tokens = Histogram(
+            PREFIX + "batch_size_tokens", "Real (unpadded) tokens per batch.", boundaries=TOKEN_BUCKETS
+        )
+        self.padding_ratio = Histogram(
+            PREFIX + "batch_padding_ratio", "Share of the tokens computed in a batch that were padding.",
+            boundaries=RATIO_BUCKETS,
+        )
+        self.tokens = Counter(PREFIX + "tokens_total", "Real tokens processed by the encoder.")
+        self.padded_tokens = Counter(
+            PREFIX + "padded_tokens_total", "Tokens computed by the encoder, padding included."
+        )
+        self.inference_runs = Counter(
+            PREFIX + "inference_runs_total", "onnxruntime session runs, by graph.", tag_keys=("graph",)
+        )
+        self.model_info = Gauge(
+            PREFIX + "model_info", "1 for each encoder replica: the model, bundle and execution provider it serves.",
+            tag_keys=("model", "bundle_sha256", "provider"),
+        )
+
+
+@cache
+def service_metrics() -> ServiceMetrics:
+    """One set of families per process."""
+    return ServiceMetrics()
+
+
+def status_class(status: int) -> str:
+    return f"{status // 100}xx"
