@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         serve.start(http_options=http, logging_config={"enable_access_log": False})
-        serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(settings), name=APP_NAME, route_prefix="/", logging_config={"enable_access_log": False})
         info = serve.get_deployment_handle("Encoder", APP_NAME).info.remote().result(timeout_s=60)
         print(
             f"serving {load_bundle(settings.bundle).manifest.model.name} at http://{http['host']}:{http['port']} "

@@ -264,7 +264,9 @@ _IN_FLIGHT: dict[str, int] = {}
 def _route_template(scope: dict) -> str:
     """The matched route's path template (`/v2/models/{name}/infer`), never the raw path:
     label values must stay few whatever clients send."""
-    for route in app.router.routes:
+    # scope["app"] is the FastAPI app serving this request: Ray Serve runs a snapshot of the
+    # module's `app`, whose routes are the ones bound to this replica.
+    for route in scope["app"].router.routes:
         match, _ = route.matches(scope)
         if match == Match.FULL:
             return getattr(route, "path", "unmatched")

@@ -73,7 +73,7 @@ def deploy(settings_overrides: dict, name: str, route_prefix: str, bundle: Path)
     from service.config import ServiceSettings
 
     settings = ServiceSettings.model_validate({"bundle": str(bundle), **settings_overrides})
-    serve.run(build_app(settings), name=name, route_prefix=route_prefix)
+    serve.run(build_app(settings), name=name, route_prefix=route_prefix, logging_config={"enable_access_log": False})
     return settings
 
 

@@ -19,9 +19,42 @@ from tests.conftest import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def raylet_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
+def descendants(pid: int) -> set[int]:
+    """Every process below pid (Ray's GCS, raylet and workers are children of the driver)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def still_running(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def assert_no_orphans(pids: set[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while still_running(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not still_running(pids), f"processes left behind: {sorted(still_running(pids))}"
 
 
 def wait_for_health(url: str, proc: subprocess.Popen, timeout: float = 120) -> httpx.Response:
@@ -46,16 +79,22 @@ def collect(proc: subprocess.Popen) -> list[str]:
 
 def test_python_m_service_serves_and_stops_on_sigterm(default_bundle):
     port = free_port()
-    before = raylet_pids()
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "--config", str(ROOT / "deploy/serve_config.yaml"),
-         "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2"],
+         "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
+         "--metrics-port", str(free_port())],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     lines = collect(proc)
     try:
         url = f"http://127.0.0.1:{port}"
-        assert wait_for_health(url, proc).json()["provider"] == "CPUExecutionProvider"
+        try:
+            health = wait_for_health(url, proc)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- service output ---\n{''.join(lines)[-4000:]}") from None
+        assert health.json()["provider"] == "CPUExecutionProvider"
+        spawned = descendants(proc.pid)
+        assert spawned, "Ray should run in child processes"
         r = httpx.post(f"{url}/v1/encode", json={"inputs": ["started by python -m service"]}, timeout=30)
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
         proc.send_signal(signal.SIGTERM)
@@ -66,8 +105,7 @@ def test_python_m_service_serves_and_stops_on_sigterm(default_bundle):
     output = "".join(lines)
     assert f"at http://127.0.0.1:{port} on CPUExecutionProvider" in output
     assert "stopped" in output
-    time.sleep(2)
-    assert raylet_pids() <= before, "Ray processes were left behind"
+    assert_no_orphans(spawned)
 
 
 def test_python_m_service_refuses_a_bad_bundle_in_one_line(tmp_path):
@@ -88,7 +126,6 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
     path.write_text(yaml.safe_dump(config))
     serve_bin = Path(sys.executable).with_name("serve")
     env = {**os.environ, "RAY_ADDRESS": ""}
-    before = raylet_pids()
     proc = subprocess.Popen(
         [str(serve_bin), "run", "--address", "local", str(path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -97,6 +134,7 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for_health(url, proc)
+        spawned = descendants(proc.pid)
         r = httpx.post(f"{url}/v1/embeddings", json={"input": "started by serve run"}, timeout=30)
         assert r.status_code == 200
         assert httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 200
@@ -105,5 +143,4 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    time.sleep(2)
-    assert raylet_pids() <= before, "Ray processes were left behind"
+    assert_no_orphans(spawned)
