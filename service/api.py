@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
@@ -22,13 +22,12 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 
 from bundle.manifest import load_bundle
 from service import __doc__ as service_doc
 from service.batching import EncodeJob, EncodeResult, l2_normalize
 from service.config import ServiceSettings
-from service.metrics import service_metrics, status_class
+from service.metrics import refresh_periodically, service_metrics, status_class
 from service.errors import (
     BackendError,
     InvalidRequest,
@@ -74,11 +73,20 @@ class JSONResponse(Response):
 
 ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (401, 404, 408, 413, 422, 429, 503)}
 
+def _record_route(request: Request) -> None:
+    """An app-wide dependency: tell the metrics middleware which route template served the
+    request (the scope dict is shared with it)."""
+    route = request.scope.get("route")
+    if route is not None:
+        request.scope["route_template"] = getattr(route, "path", "unmatched")
+
+
 app = FastAPI(
     title="MHA encoder service",
     version=SERVER_VERSION,
     description=service_doc,
     default_response_class=JSONResponse,
+    dependencies=[Depends(_record_route)],
 )
 
 
@@ -90,7 +98,8 @@ def error_response(status: int, type_: str, message: str, headers: dict[str, str
 
 
 def _failed(request: Request, reason: str) -> None:
-    """Tell the metrics middleware why this request failed (the scope is shared with it)."""
+    """Tell the metrics middleware why this request failed, and on which route."""
+    _record_route(request)
     request.scope["failure_reason"] = reason
 
 
@@ -227,9 +236,8 @@ class MetricsMiddleware:
         started = time.perf_counter()
         status = 500
         sent = 0
-        route = _route_template(scope)
-        _IN_FLIGHT[route] = _IN_FLIGHT.get(route, 0) + 1
-        metrics.in_flight.set(_IN_FLIGHT[route], tags={"route": route})
+        _IN_FLIGHT[0] += 1
+        metrics.in_flight.set(_IN_FLIGHT[0])
 
         async def counting_send(message: dict) -> None:
             nonlocal status, sent
@@ -242,8 +250,10 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            _IN_FLIGHT[route] -= 1
-            metrics.in_flight.set(_IN_FLIGHT[route], tags={"route": route})
+            _IN_FLIGHT[0] -= 1
+            metrics.in_flight.set(_IN_FLIGHT[0])
+            # set by _record_route (or an error handler): the template, so label values stay few
+            route = scope.get("route_template", "unmatched")
             metrics.requests.inc(tags={"route": route, "status_class": status_class(status)})
             metrics.duration.observe(time.perf_counter() - started, tags={"route": route, "stage": "total"})
             if status >= 400:
@@ -258,19 +268,8 @@ class MetricsMiddleware:
                 metrics.response_bytes.inc(other, tags={"route": route, "kind": "other"})
 
 
-_IN_FLIGHT: dict[str, int] = {}
+_IN_FLIGHT = [0]  # requests inside this replica's app right now
 
-
-def _route_template(scope: dict) -> str:
-    """The matched route's path template (`/v2/models/{name}/infer`), never the raw path:
-    label values must stay few whatever clients send."""
-    # scope["app"] is the FastAPI app serving this request: Ray Serve runs a snapshot of the
-    # module's `app`, whose routes are the ones bound to this replica.
-    for route in scope["app"].router.routes:
-        match, _ = route.matches(scope)
-        if match == Match.FULL:
-            return getattr(route, "path", "unmatched")
-    return "unmatched"
 
 app.add_middleware(BodyLimitMiddleware)
 app.add_middleware(MetricsMiddleware)  # added last: outermost, so it sees body-limit refusals too
@@ -442,6 +441,7 @@ class Ingress:
         self.tokenizer = TextTokenizer(bundle.tokenizer_path, self.model.max_tokens)
         self.encoder = encoder
         BodyLimitMiddleware.limit = settings.max_body_bytes
+        refresh_periodically(lambda: service_metrics().in_flight.set(_IN_FLIGHT[0]))
 
     # ---- shared steps ----
 

@@ -18,7 +18,7 @@ from ray import serve
 
 from bundle.manifest import load_bundle
 from service.config import BatchingSettings, ServiceSettings
-from service.metrics import service_metrics
+from service.metrics import refresh_periodically, service_metrics
 from service.runtime import OrtEncoder
 
 logger = logging.getLogger("ray.serve")
@@ -124,10 +124,9 @@ class Encoder:
         self.counters = {"batches": 0, "requests": 0, "texts": 0, "real_tokens": 0, "padded_tokens": 0, "ort_runs": 0}
         if settings.warmup:
             self._warm_up()
-        self.metrics.model_info.set(
-            1, tags={"model": settings.model_name or self.manifest.model.name, "bundle_sha256": bundle.sha256,
-                     "provider": self.runtime.provider},
-        )
+        info_tags = {"model": settings.model_name or self.manifest.model.name, "bundle_sha256": bundle.sha256,
+                     "provider": self.runtime.provider}
+        refresh_periodically(lambda: self.metrics.model_info.set(1, tags=info_tags))
         logger.info(
             "encoder replica ready: model %s, provider %s, %d intra-op threads, bundle %s (%.1fs)",
             self.manifest.model.name, self.runtime.provider, self.runtime.threads, settings.bundle,

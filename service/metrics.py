@@ -9,7 +9,7 @@ Families (exported names; one question each):
   ray_encoder_requests_total{route,status_class}        how many requests, and how they ended
   ray_encoder_request_failures_total{route,reason}      how many failed, and why
   ray_encoder_request_duration_seconds{route,stage}     time per stage: tokenization, queue, inference, total
-  ray_encoder_in_flight_requests{route}                 requests being handled right now (per ingress replica)
+  ray_encoder_in_flight_requests                        requests being handled right now (per ingress replica)
   ray_encoder_response_bytes_total{route,kind}          bytes sent, by output kind
   ray_encoder_batch_size_requests                       requests per batch (batch fill)
   ray_encoder_batch_size_tokens                         real tokens per batch
@@ -22,6 +22,9 @@ Families (exported names; one question each):
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from functools import cache
 
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -55,9 +58,7 @@ class ServiceMetrics:
             "Request time by stage: tokenization, queue (waiting for a batch), inference, total.",
             boundaries=LATENCY_BUCKETS, tag_keys=("route", "stage"),
         )
-        self.in_flight = Gauge(
-            PREFIX + "in_flight_requests", "Requests being handled by this ingress replica.", tag_keys=("route",)
-        )
+        self.in_flight = Gauge(PREFIX + "in_flight_requests", "Requests being handled by this ingress replica.")
         self.response_bytes = Counter(
             PREFIX + "response_bytes_total",
             "Response body bytes by output kind (embedding, token_embeddings, tokens, attention, other).",
@@ -94,3 +95,18 @@ def service_metrics() -> ServiceMetrics:
 
 def status_class(status: int) -> str:
     return f"{status // 100}xx"
+
+
+def refresh_periodically(update: Callable[[], None], period_s: float = 1.0) -> None:
+    """Call `update` now and every period_s in a daemon thread.
+
+    Ray exports a gauge only while it is being set: one set once (model info) or rarely (in
+    flight, when idle) would vanish from the scrape. Re-setting it keeps it visible.
+    """
+
+    def loop() -> None:
+        while True:
+            update()
+            time.sleep(period_s)
+
+    threading.Thread(target=loop, daemon=True, name="gauge-refresh").start()
