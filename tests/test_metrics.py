@@ -166,7 +166,14 @@ def test_two_encoder_replicas_both_report_and_add_up(ray_serve, metrics_url, def
             samples = family.samples if family else []
             return {s.labels["replica"]: s.value for s in samples if s.labels.get("application") == "duo"}
 
-        families = poll(metrics_url, lambda f: sum(replicas(f).values()) >= tokens)
+        def flushed(f) -> bool:
+            return (
+                sum(replicas(f).values()) >= tokens
+                and total(f, "ray_encoder_request_duration_seconds_count", **duo, stage="queue") >= len(texts)
+                and total(f, "ray_encoder_requests_total", **duo, route=ROUTE, status_class="2xx") >= len(texts)
+            )
+
+        families = poll(metrics_url, flushed)
         per_replica = replicas(families)
         assert len(per_replica) == 2 and all(v > 0 for v in per_replica.values()), per_replica
         assert sum(per_replica.values()) == tokens
