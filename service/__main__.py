@@ -73,6 +73,8 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
         http["host"] = args.host
     if args.port:
         http["port"] = args.port
+    if args.encoder_replicas is not None:
+        settings["encoder_autoscaling"] = None  # a fixed replica count asked for on the command line
     parsed = ServiceSettings.model_validate(settings).resolved()
     http.setdefault("request_timeout_s", parsed.request_timeout_s + 5)
     return parsed, http
@@ -116,10 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options=http, logging_config={"enable_access_log": False})
         serve.run(build_app(settings), name=APP_NAME, route_prefix="/", logging_config={"enable_access_log": False})
         info = serve.get_deployment_handle("Encoder", APP_NAME).info.remote().result(timeout_s=60)
+        scaling = settings.encoder_autoscaling
+        replicas = (
+            f"encoder replicas autoscaled {scaling.min_replicas}-{scaling.max_replicas}"
+            if scaling else f"{settings.encoder_replicas} encoder replica(s)"
+        )
         print(
             f"serving {load_bundle(settings.bundle).manifest.model.name} at http://{http['host']}:{http['port']} "
-            f"on {info['provider']} ({info['intra_op_threads'] or 'auto'} intra-op threads, {settings.encoder_replicas} encoder "
-            f"replica(s)) in {time.perf_counter() - started:.1f}s; Ctrl-C or SIGTERM stops it",
+            f"on {info['provider']} ({info['intra_op_threads'] or 'auto'} intra-op threads, {replicas}) "
+            f"in {time.perf_counter() - started:.1f}s; Ctrl-C or SIGTERM stops it",
             flush=True,
         )
         if local:

@@ -21,8 +21,12 @@ def build_app(args: ServiceSettings) -> Application:
     settings = (args if isinstance(args, ServiceSettings) else ServiceSettings.model_validate(args)).resolved()
     load_bundle(settings.bundle)  # refuse here, in one line, before any replica starts
     backpressure = BackpressureConfig(status_code=503, retry_after_s=settings.retry_after_s)
+    if settings.encoder_autoscaling is not None:
+        replicas: dict = {"autoscaling_config": settings.encoder_autoscaling.model_dump()}
+    else:
+        replicas = {"num_replicas": settings.encoder_replicas}
     encoder = Encoder.options(
-        num_replicas=settings.encoder_replicas,
+        **replicas,
         max_ongoing_requests=settings.encoder_max_ongoing_requests,
         max_queued_requests=settings.encoder_max_queued_requests,
         backpressure_config=backpressure,

@@ -36,6 +36,26 @@ class BatchingSettings(BaseModel):
     max_sub_batch_size: int = Field(64, ge=1, description="texts per onnxruntime run")
 
 
+class AutoscalingSettings(BaseModel):
+    """Ray Serve autoscaling of the encoder, driven by requests in flight per replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(
+        32, gt=0, description="requests in flight per replica that autoscaling aims for (queue + running)"
+    )
+    upscale_delay_s: float = Field(10, ge=0)
+    downscale_delay_s: float = Field(300, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+
 class ServiceSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -43,7 +63,10 @@ class ServiceSettings(BaseModel):
     model_name: str | None = Field(None, description="served name; default: the bundle's model name")
 
     # replicas and capacity
-    encoder_replicas: int = Field(1, ge=1, description="onnxruntime replicas")
+    encoder_replicas: int = Field(1, ge=1, description="onnxruntime replicas (when not autoscaling)")
+    encoder_autoscaling: AutoscalingSettings | None = Field(
+        None, description="scale the encoder between min and max replicas; replaces encoder_replicas"
+    )
     ingress_replicas: int = Field(1, ge=1, description="HTTP/tokenization replicas")
     encoder_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per encoder replica")
     ingress_num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per ingress replica")

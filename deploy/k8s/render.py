@@ -1,0 +1,181 @@
+"""Render the KubeRay RayService manifests (CPU and GPU) from one template and the one Serve config.
+
+    python deploy/k8s/render.py          # rewrites deploy/k8s/rayservice-{cpu,gpu}.yaml
+    python deploy/k8s/render.py --check  # exit 1 if the committed files are stale (the tests run this)
+
+serveConfigV2 is deploy/serve_config.yaml verbatim, so `make run` and the cluster cannot drift.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+SERVE_CONFIG = HERE.parent / "serve_config.yaml"
+IMAGE = "REGISTRY/mha-encoder:0.1.0"  # replace REGISTRY with yours (README, "Deploy to Kubernetes")
+RAY_VERSION = "2.60.0"
+TERMINATION_GRACE_S = 60  # > graceful_shutdown_timeout_s (20) in the Serve config: requests drain first
+
+SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+}
+ENV = [
+    # Serve binds to 127.0.0.1 by default (right for `make run`); in a pod it must face the pod network.
+    {"name": "RAY_SERVE_DEFAULT_HTTP_HOST", "value": "0.0.0.0"},
+    {"name": "HF_HUB_OFFLINE", "value": "1"},
+]
+# Liveness asks the raylet (is Ray alive?), never the model: a replica that is still loading
+# must not get its pod killed. Readiness asks the service: ready only when an encoder answers.
+LIVENESS = {
+    "exec": {"command": ["bash", "-c", "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success"]},
+    "initialDelaySeconds": 30,
+    "periodSeconds": 10,
+    "timeoutSeconds": 5,
+    "failureThreshold": 6,
+}
+READINESS = {
+    "httpGet": {"path": "/v2/health/ready", "port": 8000},
+    "initialDelaySeconds": 10,
+    "periodSeconds": 5,
+    "timeoutSeconds": 5,
+    "failureThreshold": 3,
+}
+HEAD_READINESS = {
+    "httpGet": {"path": "/-/healthz", "port": 8000},  # the head's Serve proxy
+    "initialDelaySeconds": 10,
+    "periodSeconds": 5,
+    "timeoutSeconds": 5,
+    "failureThreshold": 6,
+}
+
+
+def container(name: str, image: str, resources: dict, readiness: dict, ports: list[dict], env: list[dict] = ENV) -> dict:
+    return {
+        "name": name,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "workingDir": "/home/ray/app",  # the Serve config's relative bundle path starts here
+        "env": env,
+        "ports": ports,
+        "resources": resources,
+        "securityContext": SECURITY,
+        "livenessProbe": LIVENESS,
+        "readinessProbe": readiness,
+        # Stop taking traffic before Ray is torn down, so in-flight requests finish.
+        "lifecycle": {"preStop": {"exec": {"command": ["bash", "-c", "sleep 5 && ray stop"]}}},
+    }
+
+
+def pod(containers: list[dict], extra: dict | None = None) -> dict:
+    spec = {
+        "containers": containers,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 100},
+        **(extra or {}),
+    }
+    return {"metadata": {"labels": {"app.kubernetes.io/name": "mha-encoder"}}, "spec": spec}
+
+
+def rayservice(variant: str) -> dict:
+    gpu = variant == "gpu"
+    image = f"{IMAGE}-{'cuda' if gpu else 'cpu'}"
+    worker_resources = (
+        {"requests": {"cpu": "4", "memory": "8Gi", "nvidia.com/gpu": "1"},
+         "limits": {"cpu": "4", "memory": "8Gi", "nvidia.com/gpu": "1"}}
+        if gpu
+        else {"requests": {"cpu": "4", "memory": "4Gi"}, "limits": {"cpu": "4", "memory": "4Gi"}}
+    )
+    ports = [{"containerPort": 8000, "name": "serve"}, {"containerPort": 8080, "name": "metrics"}]
+    head_ports = [
+        {"containerPort": 6379, "name": "gcs"},
+        {"containerPort": 8265, "name": "dashboard"},
+        {"containerPort": 10001, "name": "client"},
+        *ports,
+    ]
+    worker_env = ENV + (
+        # Ray hides GPUs from actors that did not ask for one; the one Serve config is the same for
+        # CPU and GPU clusters, so let the encoder replicas on a GPU pod see its GPU.
+        [{"name": "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "value": "1"}] if gpu else []
+    )
+    worker_pod_extra = (
+        {
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        }
+        if gpu
+        else {}
+    )
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {"name": f"mha-encoder-{variant}", "labels": {"app.kubernetes.io/name": "mha-encoder"}},
+        "spec": {
+            # Zero downtime: on a cluster-level change a new RayCluster is brought up and serves
+            # before traffic moves and the old one is deleted.
+            "upgradeStrategy": {"type": "NewCluster"},
+            "serveConfigV2": SERVE_CONFIG.read_text(),
+            "rayClusterConfig": {
+                "rayVersion": RAY_VERSION,
+                "enableInTreeAutoscaling": True,  # Serve autoscaling asks for replicas; Ray adds pods
+                "headGroupSpec": {
+                    # num-cpus 0: no replicas on the head, it only coordinates
+                    "rayStartParams": {"num-cpus": "0", "metrics-export-port": "8080", "dashboard-host": "0.0.0.0"},
+                    "template": pod([container("ray-head", image,
+                                               {"requests": {"cpu": "1", "memory": "3Gi"},
+                                                "limits": {"cpu": "2", "memory": "3Gi"}},
+                                               HEAD_READINESS, head_ports)]),
+                },
+                "workerGroupSpecs": [
+                    {
+                        "groupName": f"{variant}-workers",
+                        "replicas": 1,
+                        "minReplicas": 1,
+                        "maxReplicas": 4,
+                        "rayStartParams": {"metrics-export-port": "8080", **({"num-gpus": "1"} if gpu else {})},
+                        "template": pod([container("ray-worker", image, worker_resources, READINESS, ports, worker_env)],
+                                        worker_pod_extra),
+                    }
+                ],
+            },
+        },
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (serveConfigV2) as literal blocks, readable in the manifest."""
+
+
+_Dumper.add_representer(
+    str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+)
+
+
+def render(variant: str) -> str:
+    header = "# Generated by deploy/k8s/render.py from deploy/serve_config.yaml; edit those, not this file.\n"
+    return header + yaml.dump(rayservice(variant), Dumper=_Dumper, sort_keys=False, width=120)
+
+
+def main(argv: list[str]) -> int:
+    stale = []
+    for variant in ("cpu", "gpu"):
+        path = HERE / f"rayservice-{variant}.yaml"
+        text = render(variant)
+        if "--check" in argv:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            path.write_text(text)
+    if stale:
+        print(f"stale: {', '.join(stale)}; run python deploy/k8s/render.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

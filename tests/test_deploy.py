@@ -1,0 +1,349 @@
+"""deploy/ validated offline: Kubernetes schemas (kubernetes-validate, strict), the RayService
+against the real KubeRay CRD schema (plus a strict unknown-key pass), its pod templates as
+Kubernetes pod templates, policies a reviewer asks for, the Serve config it embeds, and the
+Dockerfiles. Every check is also shown to fail on a deliberately broken manifest."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import httpx
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from service.config import ServiceSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+CRD = ROOT.parent / "shared" / "k8s" / "ray.io_rayservices.yaml"
+K8S_VERSION = "1.33.0"  # a current Kubernetes release with schemas in kubernetes-validate
+RAY_PORTS = {6379, 8265, 10001}
+RAYSERVICES = ["rayservice-cpu.yaml", "rayservice-gpu.yaml"]
+STANDARD = ["service.yaml"]  # PodMonitor and PrometheusRule are CRDs of the Prometheus Operator
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((K8S / name).read_text())
+
+
+# --- checks -------------------------------------------------------------------------------------
+
+
+def k8s_validate(manifest: dict) -> None:
+    """Strict Kubernetes schema validation; raises on any error."""
+    kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+@cache
+def rayservice_schema() -> dict:
+    crd = yaml.safe_load(CRD.read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return version["schema"]["openAPIV3Schema"]
+
+
+def _strict(schema: dict) -> dict:
+    """The schema with unknown keys forbidden wherever it lists properties and does not say
+    x-kubernetes-preserve-unknown-fields (what the API server's pruning would drop silently)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if (
+                "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+def crd_validate(manifest: dict, strict: bool) -> None:
+    schema = _strict(rayservice_schema()) if strict else rayservice_schema()
+    # metadata is the API server's ObjectMeta, typed only as `object` in the CRD
+    jsonschema.validate(manifest, schema, cls=jsonschema.Draft7Validator)
+
+
+def pod_templates(rayservice: dict) -> list[tuple[str, dict]]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    found = [("head", cluster["headGroupSpec"]["template"])]
+    found += [(g["groupName"], g["template"]) for g in cluster.get("workerGroupSpecs", [])]
+    return found
+
+
+def validate_pod_template(name: str, template: dict) -> None:
+    k8s_validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": template})
+
+
+def containers(rayservice: dict) -> list[dict]:
+    return [c for _, t in pod_templates(rayservice) for c in t["spec"]["containers"]]
+
+
+# --- the real manifests pass ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", STANDARD)
+def test_standard_manifests_validate_strictly(name):
+    k8s_validate(load(name))
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_rayservice_validates_against_the_kuberay_crd(name):
+    manifest = load(name)
+    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayService"
+    crd_validate(manifest, strict=False)
+    crd_validate(manifest, strict=True)
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_rayservice_pod_templates_are_valid_pod_templates(name):
+    templates = pod_templates(load(name))
+    assert len(templates) >= 2  # head and at least one worker group
+    for group, template in templates:
+        validate_pod_template(group, template)
+
+
+def test_kubernetes_validate_cannot_check_a_rayservice_by_itself():
+    """Why the CRD check exists: kubernetes-validate has no schema for a custom resource, so
+    even a nonsense RayService is not reported as invalid by it."""
+    broken = load("rayservice-cpu.yaml")
+    broken["spec"]["rayClusterConfig"]["headGroupSpec"] = "not an object"
+    with pytest.raises(kubernetes_validate.utils.SchemaNotFoundError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+    with pytest.raises(jsonschema.ValidationError):
+        crd_validate(broken, strict=False)
+
+
+# --- and broken ones fail each check ----------------------------------------------------------
+
+
+def _break_service(kind: str) -> dict:
+    m = load("service.yaml")
+    if kind == "wrong type":
+        m["spec"]["ports"][0]["port"] = "eighty"
+    elif kind == "unknown key":
+        m["spec"]["loadBalancerPorts"] = [80]
+    else:  # missing required field
+        del m["spec"]["ports"][0]["port"]
+    return m
+
+
+def _break_rayservice(kind: str) -> dict:
+    m = load("rayservice-cpu.yaml")
+    if kind == "wrong type":
+        m["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "two"
+    elif kind == "unknown key":
+        m["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParamz"] = {}
+    else:
+        del m["spec"]["rayClusterConfig"]
+    return m
+
+
+def _break_pod(kind: str) -> dict:
+    template = copy.deepcopy(pod_templates(load("rayservice-cpu.yaml"))[1][1])
+    c = template["spec"]["containers"][0]
+    if kind == "wrong type":
+        c["ports"][0]["containerPort"] = "8000"
+    elif kind == "unknown key":
+        c["readinessProbe"]["httpGett"] = c["readinessProbe"].pop("httpGet")
+    else:
+        del c["name"]
+    return template
+
+
+BREAKS = ["wrong type", "unknown key", "missing required field"]
+
+
+@pytest.mark.parametrize("kind", BREAKS)
+def test_broken_service_fails_kubernetes_validation(kind):
+    with pytest.raises(kubernetes_validate.ValidationError):
+        k8s_validate(_break_service(kind))
+
+
+@pytest.mark.parametrize("kind", BREAKS)
+def test_broken_rayservice_fails_the_crd_check(kind):
+    broken = _break_rayservice(kind)
+    with pytest.raises(jsonschema.ValidationError):
+        crd_validate(broken, strict=True)
+    if kind != "unknown key":  # the lenient pass catches type and required errors by itself
+        with pytest.raises(jsonschema.ValidationError):
+            crd_validate(broken, strict=False)
+
+
+@pytest.mark.parametrize("kind", BREAKS)
+def test_broken_pod_template_fails_validation(kind):
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_pod_template("worker", _break_pod(kind))
+
+
+# --- policies -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_gpu_requests_equal_limits_and_only_the_gpu_variant_asks_for_gpus(name):
+    gpus = []
+    for c in containers(load(name)):
+        requests, limits = c["resources"].get("requests", {}), c["resources"].get("limits", {})
+        assert "cpu" in requests and "memory" in requests and "memory" in limits, c["name"]
+        if "nvidia.com/gpu" in requests or "nvidia.com/gpu" in limits:
+            assert requests.get("nvidia.com/gpu") == limits.get("nvidia.com/gpu"), c["name"]
+            gpus.append(limits["nvidia.com/gpu"])
+    assert bool(gpus) == ("gpu" in name)
+    if gpus:
+        assert gpus == ["1"]
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_containers_run_as_non_root_without_privilege_escalation(name):
+    for group, template in pod_templates(load(name)):
+        pod_security = template["spec"].get("securityContext", {})
+        for c in template["spec"]["containers"]:
+            security = {**pod_security, **c.get("securityContext", {})}
+            assert security.get("runAsNonRoot") is True, (group, c["name"])
+            assert security.get("runAsUser", 0) != 0, (group, c["name"])
+            assert c["securityContext"].get("allowPrivilegeEscalation") is False, (group, c["name"])
+
+
+def test_no_service_exposes_ray_internal_ports():
+    for path in K8S.glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "Service":
+                for port in doc["spec"]["ports"]:
+                    assert port["port"] not in RAY_PORTS and port.get("targetPort") not in RAY_PORTS, path
+
+
+def serve_config() -> dict:
+    return yaml.safe_load((ROOT / "deploy/serve_config.yaml").read_text())
+
+
+def settings_of(config: dict) -> ServiceSettings:
+    return ServiceSettings.model_validate(config["applications"][0]["args"])
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_serve_limits_are_sane(name):
+    config = yaml.safe_load(load(name)["spec"]["serveConfigV2"])
+    s = settings_of(config)
+    # a batch can only fill with as many requests in flight as it has room for
+    assert s.encoder_max_ongoing_requests >= s.batching.max_sub_batch_size
+    assert s.encoder_max_ongoing_requests >= s.batching.max_concurrent_batches
+    assert 0 < s.encoder_max_queued_requests < 100_000 and 0 < s.ingress_max_queued_requests < 100_000
+    for _, template in pod_templates(load(name)):
+        assert s.graceful_shutdown_timeout_s < template["spec"]["terminationGracePeriodSeconds"]
+
+
+# --- one Serve config -------------------------------------------------------------------------
+
+
+def test_rayservice_manifests_are_rendered_from_the_current_serve_config():
+    result = subprocess.run([sys.executable, str(K8S / "render.py"), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_serve_config_v2_is_the_serve_config_file(name):
+    embedded = yaml.safe_load(load(name)["spec"]["serveConfigV2"])
+    assert embedded == serve_config()
+
+
+def test_serve_config_import_path_and_args_are_real():
+    for app in serve_config()["applications"]:
+        module, attr = app["import_path"].split(":")
+        builder = getattr(importlib.import_module(module), attr)
+        from service.app import build_app
+
+        assert builder is build_app
+        settings = settings_of({"applications": [app]})
+        assert settings.encoder_autoscaling is not None and settings.encoder_autoscaling.max_replicas >= 1
+
+
+def test_serve_config_args_with_a_typo_are_refused():
+    config = serve_config()
+    config["applications"][0]["args"]["max_batch_token"] = 1
+    with pytest.raises(ValueError, match="max_batch_token"):
+        settings_of(config)
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_probe_paths_answer_200_on_a_ready_service(name, service_url):
+    """Every HTTP probe of the Serve port, asked of the real running service."""
+    paths = set()
+    for c in containers(load(name)):
+        for probe in (c.get("readinessProbe"), c.get("livenessProbe")):
+            if probe and "httpGet" in probe and probe["httpGet"]["port"] == 8000:
+                paths.add(probe["httpGet"]["path"])
+    assert paths, "no HTTP probe on the Serve port"
+    for path in sorted(paths):
+        assert httpx.get(f"{service_url}{path}", timeout=10).status_code == 200, path
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_liveness_never_depends_on_the_model(name):
+    for c in containers(load(name)):
+        live = c["livenessProbe"]
+        assert "httpGet" not in live or live["httpGet"]["path"] not in ("/health", "/v2/health/ready")
+        assert "local_raylet_healthz" in " ".join(live.get("exec", {}).get("command", []))
+
+
+# --- Dockerfiles ------------------------------------------------------------------------------
+
+DOCKERFILES = [ROOT / "deploy/Dockerfile", ROOT / "deploy/Dockerfile.cuda"]
+
+
+def stages(dockerfile: Path) -> list[tuple[str, list[str]]]:
+    """(FROM line, instructions) for each build stage."""
+    out: list[tuple[str, list[str]]] = []
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            out.append((line, []))
+        elif out:
+            out[-1][1].append(line)
+    return out
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_passes(dockerfile):
+    hadolint = Path(sys.executable).with_name("hadolint")
+    result = subprocess.run(
+        [str(hadolint), "--config", str(ROOT / ".hadolint.yaml"), str(dockerfile)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_rules(dockerfile):
+    all_stages = stages(dockerfile)
+    assert len(all_stages) >= 2, "an export stage and a serving stage"
+    for from_line, _ in all_stages:
+        image = from_line.split()[1]
+        tag = image.rsplit(":", 1)[-1] if ":" in image else ""
+        assert tag and tag != "latest" and re.search(r"\d", tag), f"unpinned base image: {from_line}"
+    serve_from, serve_body = all_stages[-1]
+    assert "rayproject/ray:2.60.0" in serve_from, "the serving image is Ray's image of the version we pin"
+    body = "\n".join(serve_body)
+    users = [line.split()[1] for line in serve_body if line.upper().startswith("USER ")]
+    assert users and users[-1] not in ("root", "0"), "the serving stage must end as a non-root user"
+    assert "torch" not in re.sub(r"find_spec\('torch'\)", "", body), "no torch in the serving stage"
+    assert "[export]" not in body and ".[serve]" in body
+    assert any(line.upper().startswith("HEALTHCHECK") for line in serve_body)
+    assert "COPY --from=export" in body, "the bundle comes from the export stage"
+    export_body = "\n".join(all_stages[0][1])
+    assert "python -m export" in export_body and ".[export]" in export_body
