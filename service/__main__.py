@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"serving {load_bundle(settings.bundle).manifest.model.name} at http://{http['host']}:{http['port']} "
-            f"on {info['provider']} ({info['intra_op_threads'] or 'auto'} intra-op threads, {replicas}) "
+            f"on {info['provider']} ({info['intra_op_threads']} intra-op threads, {replicas}) "
             f"in {time.perf_counter() - started:.1f}s; Ctrl-C or SIGTERM stops it",
             flush=True,
         )

@@ -85,7 +85,7 @@ class ServiceSettings(BaseModel):
     # onnxruntime
     provider: ProviderPreference = Field("auto", description="auto: CUDA if it can be created, else CPU")
     intra_op_threads: int = Field(
-        0, ge=0, description="0: onnxruntime's default, one per physical core; set it when replicas share a node"
+        0, ge=0, description="0: the CPUs this replica may use (affinity, cgroup quota); set it when replicas share a node"
     )
     inter_op_threads: int = Field(1, ge=1)
     allow_spinning: bool = Field(False, description="let idle onnxruntime threads spin (only for dedicated cores)")

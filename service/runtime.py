@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -15,6 +18,22 @@ logger = logging.getLogger("service.runtime")
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota.
+
+    onnxruntime's own default counts the host's cores, which in a container limited to 4 CPUs
+    on a 64-core node means 64 threads fighting over 4 CPUs.
+    """
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
 
 
 def choose_providers(preference: str, available: Sequence[str] | None = None) -> list[str]:
@@ -36,7 +55,7 @@ class OrtEncoder:
     def __init__(self, bundle: Bundle, preference: str = "auto", intra_op_threads: int = 0, inter_op_threads: int = 1, allow_spinning: bool = False):
         self.manifest = bundle.manifest
         options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads
+        options.intra_op_num_threads = intra_op_threads or available_cpus()
         options.inter_op_num_threads = inter_op_threads
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -53,7 +72,7 @@ class OrtEncoder:
             raise RuntimeError(f"provider 'cuda' was required but the session runs on {self.provider}")
         if CUDA in requested and self.provider != CUDA:
             logger.warning("CUDA was requested but could not be created; running on %s", self.provider)
-        self.threads = intra_op_threads  # 0: onnxruntime's own choice, one per physical core
+        self.threads = options.intra_op_num_threads
         self._check_io()
 
     def _check_io(self) -> None:
