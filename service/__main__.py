@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"starting Ray and the service (bundle {settings.bundle}) ...", flush=True)
     # Loopback only: Ray's own ports (GCS, dashboard, client) must not face the network.
     local = args.address == "local"
+    # Ctrl-C in a terminal signals the whole foreground process group, Ray's raylet and GCS
+    # included; if they die first, shutting Serve down hangs. Ray's processes inherit an ignored
+    # SIGINT from here; this process takes SIGINT/SIGTERM back below and stops them in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ray.init(
         address=args.address,
         num_cpus=args.num_cpus if local else None,
