@@ -24,7 +24,7 @@ from service.config import ServiceSettings
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 CRD = ROOT.parent / "shared" / "k8s" / "ray.io_rayservices.yaml"
-K8S_VERSION = "1.33.0"  # a current Kubernetes release with schemas in kubernetes-validate
+K8S_VERSION = kubernetes_validate.utils.latest_version()  # the newest Kubernetes it has schemas for
 RAY_PORTS = {6379, 8265, 10001}
 RAYSERVICES = ["rayservice-cpu.yaml", "rayservice-gpu.yaml"]
 STANDARD = ["service.yaml"]  # PodMonitor and PrometheusRule are CRDs of the Prometheus Operator
