@@ -23,6 +23,15 @@ def as_list(inputs: Texts) -> list[str]:
     return [inputs] if isinstance(inputs, str) else list(inputs)
 
 
+def check_text_list(value: Any, field: str) -> Any:
+    """A list of texts must be non-empty and within the schema cap (the configured cap is a 413 later)."""
+    if isinstance(value, list) and not value:
+        raise ValueError(f"{field} must not be an empty list")
+    if isinstance(value, list) and len(value) > SCHEMA_MAX_INPUTS:
+        raise ValueError(f"at most {SCHEMA_MAX_INPUTS} {field}")
+    return value
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -54,18 +63,17 @@ class EncodeRequest(_Request):
     @field_validator("inputs")
     @classmethod
     def _non_empty(cls, value: Texts) -> Texts:
-        if isinstance(value, list) and not value:
-            raise ValueError("inputs must not be an empty list")
-        if isinstance(value, list) and len(value) > SCHEMA_MAX_INPUTS:
-            raise ValueError(f"at most {SCHEMA_MAX_INPUTS} inputs")
-        return value
+        return check_text_list(value, "inputs")
 
 
 class TokenizeRequest(_Request):
     inputs: Texts = Field(examples=[["Hello world", "Grüße"]])
     truncate: bool = True
 
-    _non_empty = field_validator("inputs")(EncodeRequest._non_empty.__func__)  # type: ignore[attr-defined]
+    @field_validator("inputs")
+    @classmethod
+    def _non_empty(cls, value: Texts) -> Texts:
+        return check_text_list(value, "inputs")
 
 
 class Token(BaseModel):
@@ -132,11 +140,7 @@ class OpenAIEmbeddingRequest(BaseModel):
     def _texts_only(cls, value: Any) -> Any:
         if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
             raise ValueError("input must be a string or a list of strings (token arrays are not accepted)")
-        if isinstance(value, list) and not value:
-            raise ValueError("input must not be an empty list")
-        if isinstance(value, list) and len(value) > SCHEMA_MAX_INPUTS:
-            raise ValueError(f"at most {SCHEMA_MAX_INPUTS} inputs")
-        return value
+        return check_text_list(value, "input")
 
 
 class OpenAIEmbedding(BaseModel):
