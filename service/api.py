@@ -2,8 +2,10 @@
 
 Routes raise `service.errors` exceptions; one set of handlers turns every failure (ours,
 FastAPI's validation, unknown routes, anything unexpected) into a JSON error body.
-"""
 
+No `from __future__ import annotations` here: FastAPI must see real annotation objects on the
+route methods that Ray Serve's ingress rebinds.
+"""
 
 import asyncio
 import base64
@@ -27,7 +29,6 @@ from bundle.manifest import load_bundle
 from service import __doc__ as service_doc
 from service.batching import EncodeJob, EncodeResult, l2_normalize
 from service.config import ServiceSettings
-from service.metrics import refresh_periodically, service_metrics, status_class
 from service.errors import (
     BackendError,
     InvalidRequest,
@@ -38,6 +39,7 @@ from service.errors import (
     Timeout,
     TooLarge,
 )
+from service.metrics import refresh_periodically, service_metrics, status_class
 from service.schemas import (
     EncodeRequest,
     EncodeResponse,
@@ -72,6 +74,7 @@ class JSONResponse(Response):
 
 
 ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (401, 404, 408, 413, 422, 429, 503)}
+
 
 def _record_route(request: Request) -> None:
     """An app-wide dependency: tell the metrics middleware which route template served the
