@@ -18,17 +18,20 @@ EXPORT_ARGS ?=
 # extra flags for python -m service, e.g. SERVE_ARGS='--replicas 2 --port 8080'
 SERVE_ARGS ?=
 BENCH_ARGS ?=
+LOADTEST_ARGS ?=
 
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install run test export bundle bench clean
+.PHONY: help install run test export bundle bench loadtest loadtest-overload clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
 	@echo "make test    install into $(VENV) and run the whole test suite"
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
 	@echo "make bench   in-process references vs the service over HTTP, batching on and off"
+	@echo "make loadtest           locust, headless, about a minute; summary and SLO check (LOADTEST_ARGS=...)"
+	@echo "make loadtest-overload  above capacity: load shedding with 503 + Retry-After, bounded p99"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,6 +56,13 @@ run: bundle
 
 bench: bundle
 	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) $(BENCH_ARGS)
+
+# LOADTEST_ARGS, e.g. '--host http://10.0.0.5:8000 --users 32 --duration 2m --max-p99-ms 2000'
+loadtest: bundle
+	$(BIN)/python -m loadtests.run $(LOADTEST_ARGS)
+
+loadtest-overload: bundle
+	$(BIN)/python -m loadtests.run --overload --users 48 --spawn-rate 48 --duration 30s --results results/overload $(LOADTEST_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
