@@ -23,13 +23,14 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install run test export bundle bench loadtest loadtest-overload clean
+.PHONY: help install run test export bundle bench report loadtest loadtest-overload clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
 	@echo "make test    install into $(VENV) and run the whole test suite"
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
 	@echo "make bench   in-process references vs the service over HTTP, batching on and off"
+	@echo "make report  make bench with a concurrency sweep, and the plot docs/performance.png"
 	@echo "make loadtest           locust, headless, about a minute; summary and SLO check (LOADTEST_ARGS=...)"
 	@echo "make loadtest-overload  above capacity: load shedding with 503 + Retry-After, bounded p99"
 
@@ -56,6 +57,11 @@ run: bundle
 
 bench: bundle
 	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) $(BENCH_ARGS)
+
+# the performance report: the benchmark with a concurrency sweep, then the plot in docs/
+report: bundle
+	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) --sweep $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.plot results/bench.json docs/performance.png
 
 # LOADTEST_ARGS, e.g. '--host http://10.0.0.5:8000 --users 32 --duration 2m --max-p99-ms 2000'
 loadtest: bundle

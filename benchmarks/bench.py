@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import statistics
@@ -140,6 +141,9 @@ def main() -> int:
     p.add_argument("--texts", type=int, default=512)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="onnxruntime intra-op threads")
+    p.add_argument("--json", type=Path, default=Path("results/bench.json"), help="where to write the rows")
+    p.add_argument("--sweep", action="store_true",
+                   help="also single-text requests at concurrency 2, 4 and 16 (for the plot)")
     args = p.parse_args()
 
     texts = sentences(args.texts)
@@ -149,12 +153,11 @@ def main() -> int:
     print(f"  sentence-transformers: {st:.0f} texts/s", flush=True)
     ort_unsorted, ort_sorted, one_call_ms = bench_onnxruntime(texts, args.batch, args.bundle, args.threads)
     print(f"  onnxruntime: {ort_unsorted:.0f} texts/s unsorted, {ort_sorted:.0f} sorted; one short text {one_call_ms:.1f} ms", flush=True)
+    single = [1, 2, 4, 8, 16, 32] if args.sweep else [1, 8, 32]
     scenarios = [
         (f"client batches of {args.batch}", args.batch, 1),
         (f"client batches of {args.batch}", args.batch, 4),
-        ("single texts", 1, 1),
-        ("single texts", 1, 8),
-        ("single texts", 1, 32),
+        *(("single texts", 1, c) for c in single),
     ]
     rows = [
         {"engine": "in-process sentence-transformers (torch fp32)", "concurrency": 1, "texts_s": st},
@@ -170,6 +173,11 @@ def main() -> int:
     for r in rows:
         lat = " | ".join(f"{r[k]:.1f}" if k in r else "" for k in ("p50", "p95", "p99"))
         print(f"| {r['engine']} | {r['concurrency']} | {r['texts_s']:.0f} | {r['texts_s'] / st:.2f}x | {lat} |")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs, {platform.machine()}",
+        "threads": args.threads, "one_call_ms": one_call_ms, "rows": rows,
+    }, indent=2))
     failed = sum(r.get("failures", 0) for r in rows)
     print(f"\none in-process onnxruntime call on a short text: {one_call_ms:.1f} ms; failed requests: {failed}")
     return 1 if failed else 0
