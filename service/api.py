@@ -9,7 +9,9 @@ route methods that Ray Serve's ingress rebinds.
 
 import asyncio
 import base64
+import hmac
 import logging
+import os
 import struct
 import time
 from typing import Any
@@ -274,8 +276,57 @@ class MetricsMiddleware:
 _IN_FLIGHT = [0]  # requests inside this replica's app right now
 
 
+class BearerAuthMiddleware:
+    """Optional bearer-token authentication of the inference routes.
+
+    Health, readiness, model metadata, /info and the docs stay open (probes and scrapers carry
+    no token). A missing or wrong token is a 401 before the body is read: nothing reaches the
+    tokenizer or the model. Tokens are compared in constant time.
+    """
+
+    token: bytes | None = None  # set by the ingress from its settings; None: authentication off
+
+    def __init__(self, app_: Any) -> None:
+        self.app = app_
+
+    @staticmethod
+    def protected(method: str, path: str) -> bool:
+        return method == "POST" and (path.startswith("/v1/") or (path.startswith("/v2/models/") and path.endswith("/infer")))
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        token = BearerAuthMiddleware.token
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # an application under a route prefix
+            path = path[len(root):]
+        if scope["type"] != "http" or token is None or not self.protected(scope.get("method", ""), path):
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, provided = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(provided.strip(), token):
+            return await self.app(scope, receive, send)
+        scope["failure_reason"] = "unauthorized"
+        response = error_response(
+            401, "unauthorized", "missing or invalid bearer token", {"WWW-Authenticate": 'Bearer realm="encoder"'}
+        )
+        await response(scope, receive, send)
+
+
+def load_token(settings: ServiceSettings) -> bytes | None:
+    """The API token: from the file named in the settings (a mounted secret), else from the
+    environment variable named in the settings; None when neither is set (authentication off)."""
+    if settings.auth_token_file is not None:
+        token = settings.auth_token_file.read_text().strip()
+        if not token:
+            raise ValueError(f"{settings.auth_token_file}: the token file is empty")
+        return token.encode()
+    value = os.environ.get(settings.auth_token_env, "").strip()
+    return value.encode() if value else None
+
+
 app.add_middleware(BodyLimitMiddleware)
-app.add_middleware(MetricsMiddleware)  # added last: outermost, so it sees body-limit refusals too
+app.add_middleware(BearerAuthMiddleware)
+app.add_middleware(MetricsMiddleware)  # added last: outermost, so it sees every refusal too
 
 
 # --- the ingress deployment ---------------------------------------------------------------
@@ -444,6 +495,9 @@ class Ingress:
         self.tokenizer = TextTokenizer(bundle.tokenizer_path, self.model.max_tokens)
         self.encoder = encoder
         BodyLimitMiddleware.limit = settings.max_body_bytes
+        BearerAuthMiddleware.token = load_token(settings)
+        if BearerAuthMiddleware.token is None:
+            logger.warning("no API token configured (%s / auth_token_file): inference routes are open", settings.auth_token_env)
         refresh_periodically(lambda: service_metrics().in_flight.set(_IN_FLIGHT[0]))
 
     # ---- shared steps ----

@@ -97,6 +97,11 @@ class ServiceSettings(BaseModel):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="request body limit (413 above)")
     max_response_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="estimated response limit (413 above)")
 
+    # access control: a bearer token on the inference routes, from a mounted secret file or an
+    # environment variable (never from this config, which is not a secret)
+    auth_token_file: Path | None = Field(None, description="file holding the API token (e.g. a mounted Secret)")
+    auth_token_env: str = Field("ENCODER_API_TOKEN", description="environment variable holding the API token")
+
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
 
     @model_validator(mode="after")

@@ -1,0 +1,80 @@
+"""Optional bearer-token authentication: inference routes need the token, health and metadata
+stay open, and a refused request never reaches the model."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.conftest import deploy
+
+TOKEN = "s3cret-token-for-tests"
+
+
+@pytest.fixture(scope="module")
+def secured(ray_serve, default_bundle, tmp_path_factory):
+    token_file = tmp_path_factory.mktemp("secret") / "token"
+    token_file.write_text(TOKEN + "\n")  # mounted secrets often end with a newline
+    deploy({"auth_token_file": str(token_file), "encoder_num_cpus": 0.5, "ingress_num_cpus": 0.25},
+           "secured", "/secured", default_bundle)
+    yield f"{ray_serve.url}/secured"
+    from ray import serve
+
+    serve.delete("secured")
+
+
+def encoder_requests() -> int:
+    from ray import serve
+
+    return serve.get_deployment_handle("Encoder", "secured").info.remote().result()["counters"]["requests"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/encode", {"inputs": "x"}),
+        ("/v1/embeddings", {"input": "x"}),
+        ("/v1/tokenize", {"inputs": "x"}),
+        ("/v2/models/all-MiniLM-L6-v2/infer", {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}),
+    ],
+)
+def test_inference_routes_need_the_token(secured, path, body):
+    before = encoder_requests()
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}):
+        r = httpx.post(f"{secured}{path}", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["type"] == "unauthorized"
+        assert r.headers["www-authenticate"].startswith("Bearer")
+    assert encoder_requests() == before, "a refused request reached the model"
+    ok = httpx.post(f"{secured}{path}", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert ok.status_code == 200, ok.text
+
+
+def test_unauthorized_request_is_refused_before_its_body_is_read(secured):
+    r = httpx.post(f"{secured}/v1/encode", content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 401
+
+
+@pytest.mark.parametrize("path", ["/health", "/v2/health/live", "/v2/health/ready", "/v2/models/all-MiniLM-L6-v2", "/info", "/v2"])
+def test_health_and_metadata_stay_open(secured, path):
+    assert httpx.get(f"{secured}{path}", timeout=30).status_code == 200
+
+
+def test_openai_client_with_the_token_as_api_key(secured):
+    from openai import AuthenticationError, OpenAI
+
+    good = OpenAI(base_url=f"{secured}/v1", api_key=TOKEN, max_retries=0)
+    assert len(good.embeddings.create(model="all-MiniLM-L6-v2", input="hello").data[0].embedding) == 384
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{secured}/v1", api_key="nope", max_retries=0).embeddings.create(model="all-MiniLM-L6-v2", input="x")
+
+
+def test_unauthorized_is_counted_with_its_reason(secured, metrics_url):
+    from tests.metrics_scrape import poll, settled, total
+
+    def refused(f):
+        return total(f, "ray_encoder_request_failures_total", application="secured", reason="unauthorized")
+
+    before = refused(settled(metrics_url, refused))
+    assert httpx.post(f"{secured}/v1/encode", json={"inputs": "x"}, timeout=30).status_code == 401
+    assert refused(poll(metrics_url, lambda f: refused(f) > before)) == before + 1
