@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         settings, http = load_settings(args)
-        load_bundle(settings.bundle)
-    except (ValidationError, BundleError, OSError, yaml.YAMLError) as exc:
+        from service.runtime import preflight
+
+        preflight(load_bundle(settings.bundle))
+    except (ValidationError, BundleError, OSError, RuntimeError, yaml.YAMLError) as exc:
         reason = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else str(exc).replace("\n", " ")
         print(f"service refused to start: {reason}", file=sys.stderr)
         return 1

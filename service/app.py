@@ -12,6 +12,7 @@ from bundle.manifest import load_bundle
 from service.api import Ingress
 from service.batching import Encoder
 from service.config import ServiceSettings
+from service.runtime import preflight
 
 
 def build_app(args: ServiceSettings) -> Application:
@@ -19,7 +20,7 @@ def build_app(args: ServiceSettings) -> Application:
     # Ray validates `args` into ServiceSettings from this annotation (so no postponed
     # annotations in this module); a plain dict is accepted too for direct callers.
     settings = (args if isinstance(args, ServiceSettings) else ServiceSettings.model_validate(args)).resolved()
-    load_bundle(settings.bundle)  # refuse here, in one line, before any replica starts
+    preflight(load_bundle(settings.bundle))  # refuse here, in one line, before any replica starts
     backpressure = BackpressureConfig(status_code=503, retry_after_s=settings.retry_after_s)
     if settings.encoder_autoscaling is not None:
         replicas: dict = {"autoscaling_config": settings.encoder_autoscaling.model_dump()}

@@ -111,3 +111,16 @@ class OrtEncoder:
         for name, value in result.items():
             if not np.all(np.isfinite(value)):
                 raise RuntimeError(f"smoke test: output {name} is not finite")
+
+
+def preflight(bundle: Bundle) -> None:
+    """Before any replica starts: the graph loads, matches the manifest and computes finite numbers.
+
+    Raises BundleError (or RuntimeError) with a one-line reason; a bundle whose hashes match but
+    whose graph is another model's must never be served.
+    """
+    encoder = OrtEncoder(bundle, preference="cpu", intra_op_threads=1)
+    try:
+        encoder.smoke_test()
+    except Exception as exc:
+        raise BundleError(f"{bundle.graph_path}: smoke test failed: {exc}") from None
