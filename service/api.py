@@ -124,7 +124,7 @@ def _describe(errors: list[dict]) -> str:
     client wrote, and an error on a field is dropped when a deeper one explains it.
     """
     located = []
-    for err in errors:
+    for err in errors[:50]:  # a 100k-element body can carry 100k errors; describing 50 is plenty
         parts = [
             str(p) for p in err.get("loc", ())
             if p != "body" and not (isinstance(p, str) and (p in _UNION_TAGS or "[" in p or p.startswith("function-")))
@@ -138,7 +138,8 @@ def _describe(errors: list[dict]) -> str:
         if (parts, msg) not in kept:
             kept.append((parts, msg))
     lines = [f"{'.'.join(parts) or 'body'}: {msg}" for parts, msg in kept[:3]]
-    more = f" (and {len(kept) - 3} more)" if len(kept) > 3 else ""
+    hidden = max(len(kept) - 3, 0) + max(len(errors) - 50, 0)
+    more = f" (and {hidden} more)" if hidden else ""
     return "; ".join(lines) + more
 
 
@@ -509,6 +510,10 @@ class Ingress:
         for i, text in enumerate(texts):
             if len(text) > self.settings.max_text_chars:
                 raise TooLarge(f"input {i} has {len(text)} characters; the limit is {self.settings.max_text_chars}")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # JSON allows "\ud800"; the tokenizer does not
+                raise InvalidRequest(f"input {i} is not valid Unicode: {exc.reason} at character {exc.start}") from None
         return texts
 
     async def _tokenize(self, texts: list[str], truncate: bool, route: str) -> list[TokenizedText]:

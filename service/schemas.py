@@ -186,8 +186,8 @@ class V2InferRequest(BaseModel):
 
     id: str | None = None
     parameters: dict[str, Any] | None = None
-    inputs: list[V2Tensor] = Field(min_length=1)
-    outputs: list[V2RequestedOutput] | None = None
+    inputs: list[V2Tensor] = Field(min_length=1, max_length=8)
+    outputs: list[V2RequestedOutput] | None = Field(None, max_length=16)
 
 
 class V2TensorMetadata(BaseModel):

@@ -1,0 +1,133 @@
+"""Hostile input against the running service: property-based tests (hypothesis) and fuzzing of
+the OpenAPI spec (schemathesis). No 5xx, no crash, and every refusal is a 4xx JSON error."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.reliability import record
+
+STATUSES: dict[str, int] = {}
+
+
+@pytest.fixture(scope="module")
+def client(service_url):
+    with httpx.Client(base_url=service_url, timeout=60) as c:
+        yield c
+    record("hostile input (hypothesis + raw payloads)",
+           "arbitrary Unicode, control characters, 1 MB strings, deep nesting, huge lists, NaN/Infinity, wrong types",
+           dict(STATUSES), note="no 5xx; every refusal a 4xx JSON error")
+
+
+def check(r: httpx.Response) -> None:
+    STATUSES[str(r.status_code)] = STATUSES.get(str(r.status_code), 0) + 1
+    assert r.status_code < 500, r.text[:500]
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert isinstance(error["type"], str) and isinstance(error["message"], str)
+
+
+any_text = st.text(alphabet=st.characters(codec="utf-8"), max_size=600)  # control characters included
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=50),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5),
+    max_leaves=20,
+)
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FAST
+@given(texts=st.lists(any_text, min_size=1, max_size=8))
+def test_any_unicode_texts_are_encoded_or_refused_cleanly(client, texts):
+    r = client.post("/v1/encode", json={"inputs": texts, "tokens": True})
+    check(r)
+    if r.status_code == 200:
+        data = r.json()["data"]
+        assert len(data) == len(texts)
+        for item, text in zip(data, texts, strict=True):
+            assert len(item["embedding"]) == 384 and all(math.isfinite(v) for v in item["embedding"])
+            assert all(0 <= t["start"] <= t["end"] <= len(text) for t in item["tokens"])
+
+
+@FAST
+@given(body=st.dictionaries(st.sampled_from(["inputs", "input", "truncate", "normalize", "attention", "tokens", "model",
+                                             "dimensions", "encoding_format", "x"]), json_values, max_size=5),
+       route=st.sampled_from(["/v1/encode", "/v1/embeddings", "/v1/tokenize", "/v2/models/all-MiniLM-L6-v2/infer"]))
+def test_arbitrary_json_bodies_never_cause_a_server_error(client, body, route):
+    check(client.post(route, json=body))
+
+
+RAW = {
+    "NaN": b'{"inputs": NaN}',
+    "Infinity in a number field": b'{"inputs": "x", "attention": {"layers": [Infinity]}}',
+    "dimensions NaN": b'{"input": "x", "dimensions": NaN}',
+    "lone surrogate": b'{"inputs": ["\\ud800 broken"]}',
+    "NUL and controls": b'{"inputs": ["a\\u0000b\\u0007c\\u001b[31m"]}',
+    "deeply nested": b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "huge list": json.dumps({"inputs": ["x"] * 100_000}).encode(),
+    "1 MB string": json.dumps({"inputs": "a" * 1_000_000}).encode(),
+    "1 MB of one word, truncation off": json.dumps({"inputs": "word " * 200_000, "truncate": False}).encode(),
+    "not an object": b'["inputs", "x"]',
+    "empty body": b"",
+    "binary garbage": bytes(range(256)) * 100,
+    "utf-16": '{"inputs": "x"}'.encode("utf-16"),
+}
+
+
+@pytest.mark.parametrize("name", list(RAW))
+@pytest.mark.parametrize("route", ["/v1/encode", "/v1/embeddings", "/v2/models/all-MiniLM-L6-v2/infer"])
+def test_raw_hostile_payloads_get_4xx_json(client, name, route):
+    r = client.post(route, content=RAW[name], headers={"content-type": "application/json"})
+    check(r)
+    # control characters are text like any other; UTF-16 JSON is decoded as Python's json does
+    assert 400 <= r.status_code < 500 or (r.status_code == 200 and name in ("NUL and controls", "utf-16"))
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/xml", "multipart/form-data; boundary=x", ""])
+def test_wrong_content_types_get_4xx_json(client, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    r = client.post("/v1/encode", content=b'{"inputs": "x"}', headers=headers)
+    check(r)
+    assert 400 <= r.status_code < 500
+
+
+def test_service_answers_after_the_abuse(client):
+    r = client.post("/v1/encode", json={"inputs": "still healthy"})
+    assert r.status_code == 200
+
+
+def test_openapi_fuzzing_finds_no_server_errors(service_url):
+    """schemathesis generates requests for every operation of our OpenAPI spec, valid and not."""
+    schema = schemathesis.openapi.from_url(f"{service_url}/openapi.json")
+    statuses: dict[str, int] = {}
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 10
+
+    for operation in operations:
+
+        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=operation.as_strategy())
+        def fuzz(case) -> None:
+            response = case.call(base_url=service_url, timeout=60)
+            key = str(response.status_code)
+            statuses[key] = statuses.get(key, 0) + 1
+            where = f"{case.method} {case.formatted_path}"
+            assert response.status_code < 500, f"{where}: {response.status_code} {response.text[:300]}"
+            headers = {k.lower(): v for k, v in response.headers.items()}
+            content_type = headers.get("content-type", "")
+            content_type = content_type[0] if isinstance(content_type, list) else content_type
+            assert content_type.startswith("application/json"), (where, content_type)
+            if response.status_code >= 400:
+                assert set(response.json()["error"]) == {"type", "message"}, where
+
+        fuzz()
+    record("schema-driven fuzzing (schemathesis)", f"{len(operations)} OpenAPI operations, 20 generated requests each",
+           statuses, note="no 5xx; every refusal a 4xx JSON error")
