@@ -683,7 +683,9 @@ class Ingress:
 
     # ---- service info and health ----
 
-    async def _encoder_info(self, timeout: float = 5.0) -> dict:
+    async def _encoder_info(self, timeout: float = 2.0) -> dict:
+        """Ask an encoder replica what it runs; fast enough for probes, which must not hang
+        while no replica can serve."""
         try:
             return await asyncio.wait_for(self.encoder.info.remote(), timeout=timeout)
         except Exception as exc:
@@ -698,7 +700,7 @@ class Ingress:
     @app.get("/info")
     async def info(self) -> JSONResponse:
         """The served model, where it runs, how requests are batched and limited, its parity report."""
-        encoder = await self._encoder_info()
+        encoder = await self._encoder_info(timeout=10.0)
         s = self.settings
         return JSONResponse(
             {

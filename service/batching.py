@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -161,6 +162,7 @@ class Encoder:
     def info(self) -> dict:
         """What this replica runs and has done (counters are per replica)."""
         return {
+            "pid": os.getpid(),
             "provider": self.runtime.provider,
             "intra_op_threads": self.runtime.threads,
             "batching": self.batching.model_dump(),

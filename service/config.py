@@ -81,6 +81,7 @@ class ServiceSettings(BaseModel):
     retry_after_s: int = Field(1, ge=0, description="Retry-After on 429/503")
     request_timeout_s: float = Field(30.0, gt=0, description="end-to-end limit of one request (408 after)")
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="drain time for in-flight requests")
+    health_check_period_s: float = Field(10.0, gt=0, description="how often Serve runs an encoder's tiny inference")
 
     # onnxruntime
     provider: ProviderPreference = Field("auto", description="auto: CUDA if it can be created, else CPU")
