@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.wait(1.0):
             pass
         print("stopping: draining in-flight requests ...", flush=True)
+        # Deleting the application first lets its replicas finish what they accepted (up to
+        # graceful_shutdown_timeout_s) while the HTTP proxy still delivers the responses;
+        # serve.shutdown() alone would stop the proxy with them and cut those responses off.
+        serve.delete(APP_NAME)
     except Exception as exc:  # deployment failed: say why in one line
         print(f"service failed to start: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
         code = 1

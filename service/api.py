@@ -232,6 +232,11 @@ class MetricsMiddleware:
     """Counts every request by route template and status, its total time, in-flight requests,
     failures by reason, and response bytes (the routes report bytes per output kind)."""
 
+    # Requests inside this replica's app now. A class attribute, not a module variable: Ray
+    # Serve pickles the ingress's methods by value, module variables they read included, while
+    # this class is imported by reference, so every reader sees the same number.
+    in_flight = 0
+
     def __init__(self, app_: Any) -> None:
         self.app = app_
 
@@ -242,8 +247,8 @@ class MetricsMiddleware:
         started = time.perf_counter()
         status = 500
         sent = 0
-        _IN_FLIGHT[0] += 1
-        metrics.in_flight.set(_IN_FLIGHT[0])
+        MetricsMiddleware.in_flight += 1
+        metrics.in_flight.set(MetricsMiddleware.in_flight)
 
         async def counting_send(message: dict) -> None:
             nonlocal status, sent
@@ -256,8 +261,8 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            _IN_FLIGHT[0] -= 1
-            metrics.in_flight.set(_IN_FLIGHT[0])
+            MetricsMiddleware.in_flight -= 1
+            metrics.in_flight.set(MetricsMiddleware.in_flight)
             # set by _record_route (or an error handler): the template, so label values stay few
             route = scope.get("route_template", "unmatched")
             metrics.requests.inc(tags={"route": route, "status_class": status_class(status)})
@@ -274,7 +279,6 @@ class MetricsMiddleware:
                 metrics.response_bytes.inc(other, tags={"route": route, "kind": "other"})
 
 
-_IN_FLIGHT = [0]  # requests inside this replica's app right now
 
 
 class BearerAuthMiddleware:
@@ -499,7 +503,7 @@ class Ingress:
         BearerAuthMiddleware.token = load_token(settings)
         if BearerAuthMiddleware.token is None:
             logger.warning("no API token configured (%s / auth_token_file): inference routes are open", settings.auth_token_env)
-        refresh_periodically(lambda: service_metrics().in_flight.set(_IN_FLIGHT[0]))
+        refresh_periodically(lambda: service_metrics().in_flight.set(MetricsMiddleware.in_flight))
 
     # ---- shared steps ----
 

@@ -144,3 +144,42 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert_no_orphans(spawned)
+
+
+def test_sigterm_during_load_drains_in_flight_requests(default_bundle):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.reliability import record
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
+         "--metrics-port", str(free_port()), "--replicas", "1", "--threads", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = collect(proc)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, proc)
+        spawned = descendants(proc.pid)
+        texts = [f"in-flight request text {i} " + "with several more words " * 10 for i in range(32)]
+
+        def one(_: int) -> int:
+            return httpx.post(f"{url}/v1/encode", json={"inputs": texts}, timeout=60).status_code
+
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            futures = [pool.submit(one, i) for i in range(6)]
+            time.sleep(0.5)  # all six are in flight or queued
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            statuses = [f.result() for f in futures]
+        code = proc.wait(timeout=60)
+        exit_s = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert statuses == [200] * 6, f"{statuses}\n{''.join(lines)[-3000:]}"
+    assert code == 0 and exit_s < 20 + 30, (code, exit_s)  # graceful_shutdown_timeout_s is 20
+    assert_no_orphans(spawned)
+    record("SIGTERM during load", "SIGTERM to python -m service with 6 requests of 32 texts in flight",
+           {"200": statuses.count(200)}, None, note=f"all drained; exited 0 after {exit_s:.1f} s")
