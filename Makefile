@@ -23,7 +23,7 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install run test export bundle bench report loadtest loadtest-overload clean
+.PHONY: help install run test export bundle bench report reliability loadtest loadtest-overload clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
@@ -31,6 +31,7 @@ help:
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
 	@echo "make bench   in-process references vs the service over HTTP, batching on and off"
 	@echo "make report  make bench with a concurrency sweep, and the plot docs/performance.png"
+	@echo "make reliability        fault tests (overload, kills, shutdown, hostile input, bad bundles, auth) -> RELIABILITY.md"
 	@echo "make loadtest           locust, headless, about a minute; summary and SLO check (LOADTEST_ARGS=...)"
 	@echo "make loadtest-overload  above capacity: load shedding with 503 + Retry-After, bounded p99"
 
@@ -62,6 +63,14 @@ bench: bundle
 report: bundle
 	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) --sweep $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.plot results/bench.json docs/performance.png
+
+# RELIABILITY.md from the fault tests' own records
+RELIABILITY_TESTS := tests/test_service_errors.py tests/test_cancellation.py tests/test_replica_failure.py \
+	tests/test_service_cli.py tests/test_hostile_input.py tests/test_bad_artifacts.py tests/test_auth.py
+reliability: $(STAMP)
+	rm -f results/reliability.jsonl
+	RELIABILITY_LOG=results/reliability.jsonl $(BIN)/python -m pytest -q $(RELIABILITY_TESTS)
+	$(BIN)/python -m tests.reliability RELIABILITY.md
 
 # LOADTEST_ARGS, e.g. '--host http://10.0.0.5:8000 --users 32 --duration 2m --max-p99-ms 2000'
 loadtest: bundle

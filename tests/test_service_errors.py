@@ -97,5 +97,10 @@ def test_overload_is_refused_at_once_with_retry_after(ray_serve, default_bundle)
         assert c.post("/tight/v1/encode", json={"inputs": "after the burst"}).status_code == 200
     from ray import serve
 
+    from tests.reliability import record
+
     serve.delete("tight")  # give its CPUs back to the apps that later tests deploy
+    record("overload burst", "10 concurrent 32-text requests against max 1 in flight + 1 queued",
+           {"200": statuses.count(200), "503 + Retry-After": statuses.count(503)}, None,
+           note=f"refusals at once (slowest refusal {max(t for t, _ in refused):.2f} s); healthy right after")
     print(f"\noverload burst: {statuses.count(200)} accepted, {statuses.count(503)} refused with 503")
