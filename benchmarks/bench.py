@@ -106,7 +106,7 @@ def bench_service(texts: list[str], bundle_dir: Path, scenarios: list[tuple[str,
     from service.config import ServiceSettings
 
     port = 18000 + os.getpid() % 1000
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="ERROR")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
     rows = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False, "log_level": "WARNING"})

@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     print(f"starting Ray and the service (bundle {settings.bundle}) ...", flush=True)
-    # Loopback only: Ray's own ports (GCS, dashboard, client) must not face the network.
+    # No dashboard and no Ray client server. Ray 2.60 turns a requested 127.0.0.1 node address
+    # into the machine's own address (services.resolve_ip_for_localhost), so its GCS and raylet
+    # ports are not loopback-only here: keep the host behind a firewall (see README).
     local = args.address == "local"
     # Ctrl-C in a terminal signals the whole foreground process group, Ray's raylet and GCS
     # included; if they die first, shutting Serve down hangs. Ray's processes inherit an ignored
@@ -109,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         address=args.address,
         num_cpus=args.num_cpus if local else None,
         include_dashboard=False if local else None,
-        _node_ip_address="127.0.0.1" if local else None,
         _metrics_export_port=args.metrics_port if local else None,
         logging_level="WARNING",
         configure_logging=True,

@@ -53,7 +53,7 @@ def ray_serve(default_bundle):
     # fit beside the main one on a 2-core machine. Metrics are flushed every second (10 s by
     # default) so tests that read them wait less.
     ray.init(
-        address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
+        address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
         _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000},
     )
     try:
