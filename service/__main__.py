@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"service refused to start: {reason}", file=sys.stderr)
         return 1
 
+    if args.address == "local":
+        # Ray picks the machine's network address for a local cluster and listens there (a
+        # requested 127.0.0.1 is rewritten to it). This switch, read when ray is imported, makes
+        # it use 127.0.0.1 instead, so GCS, raylet, agents, metrics and the proxy stay on loopback.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import serve
 
@@ -99,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     print(f"starting Ray and the service (bundle {settings.bundle}) ...", flush=True)
-    # No dashboard and no Ray client server. Ray 2.60 turns a requested 127.0.0.1 node address
-    # into the machine's own address (services.resolve_ip_for_localhost), so its GCS and raylet
-    # ports are not loopback-only here: keep the host behind a firewall (see README).
+    # No dashboard and no Ray client server; the rest of Ray is on loopback (see above).
     local = args.address == "local"
     # Ctrl-C in a terminal signals the whole foreground process group, Ray's raylet and GCS
     # included; if they die first, shutting Serve down hangs. Ray's processes inherit an ignored

@@ -183,3 +183,71 @@ def test_sigterm_during_load_drains_in_flight_requests(default_bundle):
     assert_no_orphans(spawned)
     record("SIGTERM during load", "SIGTERM to python -m service with 6 requests of 32 texts in flight",
            {"200": statuses.count(200)}, None, note=f"all drained; exited 0 after {exit_s:.1f} s")
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[str, str, int]]:
+    """(process name, address, port) of every TCP socket in LISTEN state owned by pids."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_ip, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_ip)
+            if len(raw) == 4:
+                address = ".".join(str(b) for b in raw[::-1])
+            else:  # IPv6 in 4-byte little-endian words
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                address = ":".join(words[i : i + 2].hex() for i in range(0, 16, 2))
+            name = Path(f"/proc/{inodes[inode]}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            found.append((name, address, int(hex_port, 16)))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("0000:0000:0000:0000:0000:0000:0000:0001",) or (
+        address.startswith("0000:0000:0000:0000:0000:ffff:7f")
+    )
+
+
+def test_ray_listens_on_loopback_only_under_python_m_service(default_bundle):
+    """GCS, raylet, agents, metrics and the HTTP proxy of `make run` face loopback only."""
+    from tests.reliability import record
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
+         "--metrics-port", str(free_port()), "--replicas", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    collect(proc)
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}", proc)
+        spawned = descendants(proc.pid) | {proc.pid}
+        sockets = listening_sockets(spawned)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sockets, "found no listening socket at all"
+    names = {name for name, _, _ in sockets}
+    assert any("gcs_server" in n for n in names) and any("raylet" in n for n in names), names
+    exposed = [s for s in sockets if not is_loopback(s[1]) and not s[0].startswith("ray::ServeReplica")]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    replica_ports = [s for s in sockets if not is_loopback(s[1])]
+    record("Ray's own ports under make run", "every listening TCP socket of the service's processes, read from /proc",
+           f"{len(sockets) - len(replica_ports)} loopback-only (GCS, raylet, agents, metrics, HTTP proxy); "
+           f"{len(replica_ports)} on all interfaces (Serve replicas' own gRPC ports)",
+           note="no dashboard, no Ray client server")
