@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from bundle.manifest import BundleError, load_bundle, parity_lines
+from bundle.manifest import BundleError, load_bundle, parity_lines, quality_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,8 +26,17 @@ def main(argv: list[str] | None = None) -> int:
         f"hidden {m.model.hidden_size}, max {m.model.max_tokens} tokens, opset {m.graph.opset}, "
         f"{len(m.files)} files verified"
     )
+    print("  full graph (every output, attention weights included):")
     for line in parity_lines(m.parity):
-        print("  " + line)
+        print("    " + line)
+    for precision, variant in m.variants.items():
+        fused = ", ".join(f"{n} {op}" for op, n in variant.fusions.items()) or "nothing fused"
+        print(f"  {precision} encodings graph {variant.file} ({fused}; for {', '.join(variant.providers)}):")
+        if variant.parity is not None:
+            for line in parity_lines(variant.parity):
+                print("    " + line)
+        if variant.quality is not None:
+            print("    " + quality_line(precision, variant.quality))
     return 0
 
 

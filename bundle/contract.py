@@ -11,6 +11,10 @@ INPUT_NAMES: Final = ("input_ids", "attention_mask", "token_type_ids")
 # number of outputs whatever the depth of the model.
 OUTPUT_NAMES: Final = ("last_hidden_state", "sentence_embedding", "attentions")
 
+# The encodings-only graphs (fused attention cannot expose its probabilities) return the
+# first two outputs, under the same names.
+ENCODINGS_OUTPUT_NAMES: Final = OUTPUT_NAMES[:2]
+
 DYNAMIC_AXES: Final = {
     "input_ids": {0: "batch", 1: "seq"},
     "attention_mask": {0: "batch", 1: "seq"},
@@ -33,4 +37,17 @@ DEFAULT_RTOL: Final = 1e-4
 
 BUNDLE_MANIFEST: Final = "bundle.json"
 GRAPH_FILE: Final = "model.onnx"
+# Encodings-only graph of each precision: encodings-fp32.onnx, encodings-int8.onnx, encodings-fp16.onnx
+PRECISIONS: Final = ("fp32", "int8", "fp16")
+
+
+def encodings_file(precision: str) -> str:
+    return f"encodings-{precision}.onnx"
+
+
+# Lossy precisions are gated against fp32 PyTorch on a probe corpus and a labelled retrieval set:
+# mean cosine over the corpus, and a floor no single text may fall below (one-word texts move
+# most under int8: measured 0.96 for "yes" with per-channel dynamic int8).
+DEFAULT_MEAN_COSINE: Final = 0.99
+DEFAULT_COSINE_FLOOR: Final = 0.95
 TOKENIZER_FILE: Final = "tokenizer.json"

@@ -14,10 +14,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from bundle.contract import BUNDLE_MANIFEST, INPUT_NAMES, MIN_OPSET, OUTPUT_NAMES
+from bundle.contract import BUNDLE_MANIFEST, ENCODINGS_OUTPUT_NAMES, INPUT_NAMES, MIN_OPSET, OUTPUT_NAMES
 
-SCHEMA_VERSION = 1
+# 2: encodings-only graph variants (fp32 fused, int8, fp16) beside the full graph
+SCHEMA_VERSION = 2
 Pooling = Literal["mean", "cls", "max"]
+Precision = Literal["fp32", "int8", "fp16"]
 
 
 class BundleError(Exception):
@@ -76,6 +78,60 @@ def parity_lines(report: ParityReport) -> list[str]:
     return lines
 
 
+class QualityGate(_Strict):
+    """The gate of a lossy variant: embeddings close to fp32 PyTorch, and retrieval unchanged.
+
+    Cosine per probe text against the reference embedding (mean over the corpus, and a floor
+    for every single text); on a small labelled retrieval set,
+    every query's top-ranked document must be the reference's, and no query the reference
+    answers correctly may be lost.
+    """
+
+    passed: bool
+    reference: str = "pytorch fp32"
+    provider: str
+    texts: int = Field(ge=0, description="probe texts compared")
+    min_cosine: float
+    mean_cosine: float
+    mean_cosine_required: float
+    min_cosine_floor: float
+    queries: int = Field(ge=0, description="labelled retrieval queries")
+    top1_agreement: int = Field(ge=0, description="queries whose top document is the reference's")
+    reference_hits: int = Field(ge=0, description="queries the reference ranks the labelled document first")
+    candidate_hits: int = Field(ge=0, description="queries the candidate ranks the labelled document first")
+    problems: list[str] = Field(default_factory=list)
+
+
+def quality_line(precision: str, gate: QualityGate) -> str:
+    """One line: the lossy variant's gate figures and verdict."""
+    return (
+        f"{precision}: cosine vs {gate.reference} mean {gate.mean_cosine:.5f} (>= {gate.mean_cosine_required:g}), "
+        f"min {gate.min_cosine:.5f} (>= {gate.min_cosine_floor:g}) over {gate.texts} texts; retrieval top-1 agreement "
+        f"{gate.top1_agreement}/{gate.queries}, labelled hits {gate.candidate_hits} vs {gate.reference_hits}: "
+        f"{'PASS' if gate.passed else 'FAIL'}" + "".join(f"; {p}" for p in gate.problems)
+    )
+
+
+class VariantInfo(_Strict):
+    """An encodings-only graph (no attention weights), optimised for speed, at one precision."""
+
+    file: str
+    precision: Precision
+    opset: int = Field(ge=MIN_OPSET)
+    inputs: list[str]
+    outputs: list[str]
+    optimizer: str = Field(description="what rewrote the graph after export")
+    fusions: dict[str, int] = Field(description="fused operators the optimizer produced, by type")
+    providers: list[str] = Field(description="execution providers this variant is meant for")
+    parity: ParityReport | None = Field(None, description="strict gate vs PyTorch (fp32)")
+    quality: QualityGate | None = Field(None, description="cosine/retrieval gate vs PyTorch (lossy precisions)")
+
+    @property
+    def passed(self) -> bool:
+        gates = [g for g in (self.parity, self.quality) if g is not None]
+        return bool(gates) and all(g.passed for g in gates)
+
+
 class ModelInfo(_Strict):
     name: str = Field(min_length=1, description="served model name (OpenAI `model`, v2 `{name}`)")
     architecture: str
@@ -98,12 +154,15 @@ class GraphInfo(_Strict):
 
 
 class BundleManifest(_Strict):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[2] = SCHEMA_VERSION
     model: ModelInfo
-    graph: GraphInfo
+    graph: GraphInfo = Field(description="the full graph: every output, attention weights included")
     tokenizer: str
     files: dict[str, FileEntry]
     parity: ParityReport
+    variants: dict[Precision, VariantInfo] = Field(
+        description="encodings-only graphs by precision; fp32 is always there, int8/fp16 when their gate passed"
+    )
     versions: dict[str, str]
     created_at: str
 
@@ -124,6 +183,9 @@ class Bundle:
     @property
     def graph_path(self) -> Path:
         return self.root / self.manifest.graph.file
+
+    def variant_path(self, precision: str) -> Path:
+        return self.root / self.manifest.variants[precision].file
 
     @property
     def tokenizer_path(self) -> Path:
@@ -149,6 +211,14 @@ def file_entry(path: Path) -> FileEntry:
     return FileEntry(sha256=sha256_file(path), bytes=path.stat().st_size)
 
 
+def _schema_version(path: Path) -> object:
+    """The manifest's schema_version, if it is JSON with one (to name a version mismatch)."""
+    try:
+        return json.loads(path.read_bytes()).get("schema_version")
+    except (ValueError, AttributeError):
+        return None
+
+
 def load_bundle(root: str | Path) -> Bundle:
     """Read and verify a bundle (schema, contract, file hashes); raise BundleError if unfit."""
     root = Path(root)
@@ -160,6 +230,12 @@ def load_bundle(root: str | Path) -> Bundle:
     try:
         manifest = BundleManifest.model_validate_json(manifest_path.read_bytes())
     except ValidationError as exc:
+        version = _schema_version(manifest_path)
+        if version is not None and version != SCHEMA_VERSION:
+            raise BundleError(
+                f"{manifest_path}: manifest schema {version}, this service reads {SCHEMA_VERSION}; "
+                "export the bundle again with this version"
+            ) from None
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "(root)"
         raise BundleError(
@@ -175,7 +251,21 @@ def load_bundle(root: str | Path) -> Bundle:
         )
     if not manifest.parity.passed:
         raise BundleError(f"{manifest_path}: parity report says failed; this bundle must not be served")
-    for required in (manifest.graph.file, manifest.tokenizer):
+    if "fp32" not in manifest.variants:
+        raise BundleError(f"{manifest_path}: no fp32 encodings graph in 'variants'")
+    for precision, variant in manifest.variants.items():
+        if variant.precision != precision:
+            raise BundleError(f"{manifest_path}: variant {precision!r} says precision {variant.precision!r}")
+        if tuple(variant.inputs) != INPUT_NAMES or tuple(variant.outputs) != ENCODINGS_OUTPUT_NAMES:
+            raise BundleError(
+                f"{manifest_path}: {precision} graph I/O {variant.inputs} -> {variant.outputs} is not the "
+                f"contract {list(INPUT_NAMES)} -> {list(ENCODINGS_OUTPUT_NAMES)}"
+            )
+        if not variant.passed:
+            raise BundleError(f"{manifest_path}: the {precision} graph has no passing gate; it must not be served")
+    if manifest.variants["fp32"].parity is None:
+        raise BundleError(f"{manifest_path}: the fp32 encodings graph has no strict parity report")
+    for required in (manifest.graph.file, manifest.tokenizer, *(v.file for v in manifest.variants.values())):
         if required not in manifest.files:
             raise BundleError(f"{manifest_path}: {required} is used but has no hash in 'files'")
     for name, entry in sorted(manifest.files.items()):

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL, MIN_OPSET
+from bundle.contract import DEFAULT_ATOL, DEFAULT_COSINE_FLOOR, DEFAULT_MEAN_COSINE, DEFAULT_OPSET, DEFAULT_RTOL, MIN_OPSET
 from bundle.manifest import BundleError
 from export.checkpoint import CheckpointError
 from export.pipeline import ExportError, ExportOptions, build_bundle
@@ -28,8 +28,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset, >= {MIN_OPSET}")
     parser.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="parity absolute tolerance")
     parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="parity relative tolerance")
+    parser.add_argument(
+        "--lossy", default="int8,fp16",
+        help="lossy encodings graphs to build, comma-separated (int8, fp16; '' for none); "
+        "each is published only if its gate passes",
+    )
+    parser.add_argument("--mean-cosine", type=float, default=DEFAULT_MEAN_COSINE,
+                        help="lossy gate: mean cosine vs PyTorch fp32 over the probe corpus")
+    parser.add_argument("--cosine-floor", type=float, default=DEFAULT_COSINE_FLOOR,
+                        help="lossy gate: the lowest cosine any single probe text may have")
     parser.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
     args = parser.parse_args(argv)
+    args.lossy = tuple(p for p in args.lossy.replace(" ", "").split(",") if p)
+    if unknown := set(args.lossy) - {"int8", "fp16"}:
+        parser.error(f"--lossy: unknown precision(s) {sorted(unknown)}; expected int8, fp16")
     if args.opset < MIN_OPSET:
         parser.error(f"--opset must be >= {MIN_OPSET}")
     if args.atol < 0 or args.rtol < 0:
@@ -49,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         rtol=args.rtol,
         name=args.name,
         force=args.force,
+        lossy=args.lossy,
+        mean_cosine=args.mean_cosine,
+        cosine_floor=args.cosine_floor,
     )
     try:
         result = build_bundle(options, progress=lambda line: print(line, flush=True))
@@ -59,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"published {result.out}: model {m.model.name}, opset {m.graph.opset}, "
         f"{sum(f.bytes for f in m.files.values()) / 1e6:.1f} MB, parity passed on "
-        f"{len(m.parity.probe_shapes)} probes, in {time.perf_counter() - started:.1f}s",
+        f"{len(m.parity.probe_shapes)} probes, encodings graphs {', '.join(m.variants)}, "
+        f"in {time.perf_counter() - started:.1f}s",
         flush=True,
     )
     return 0

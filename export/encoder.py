@@ -31,9 +31,11 @@ def scaled_dot_product_attention(
     d_k = q.size(-1)
     scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., Tq, Tk)
     if mask is not None:
-        # The dtype's minimum, not -inf: a row with every key masked gets uniform weights
-        # instead of NaN, and exp(min - max) is exactly 0 for every masked key otherwise.
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        # An additive bias of the dtype's minimum on hidden keys: exp(min - max) is exactly 0
+        # for them, and a row with every key hidden gets uniform weights instead of NaN (-inf
+        # would give NaN). Written as BERT writes it, (1 - mask) * min added to the scores, so
+        # that onnxruntime's transformer optimizer recognises the pattern and fuses attention.
+        scores = scores + (1.0 - mask.to(scores.dtype)) * torch.finfo(scores.dtype).min
     weights = scores.softmax(dim=-1)
     attended = dropout(weights) if dropout is not None else weights
     return attended @ v, weights

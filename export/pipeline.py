@@ -18,10 +18,29 @@ import tokenizers
 import torch
 from tokenizers import Tokenizer
 
-from bundle.contract import GRAPH_FILE, INPUT_NAMES, OUTPUT_NAMES, TOKENIZER_FILE
-from bundle.manifest import BundleManifest, GraphInfo, ModelInfo, ParityReport, file_entry, load_bundle, parity_lines
-from export import onnx_export, parity
-from export.checkpoint import load_checkpoint
+from bundle.contract import (
+    DEFAULT_COSINE_FLOOR,
+    DEFAULT_MEAN_COSINE,
+    ENCODINGS_OUTPUT_NAMES,
+    GRAPH_FILE,
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    TOKENIZER_FILE,
+    encodings_file,
+)
+from bundle.manifest import (
+    BundleManifest,
+    GraphInfo,
+    ModelInfo,
+    ParityReport,
+    VariantInfo,
+    file_entry,
+    load_bundle,
+    parity_lines,
+    quality_line,
+)
+from export import onnx_export, optimize, parity, quality
+from export.checkpoint import Checkpoint, load_checkpoint
 
 
 class ExportError(Exception):
@@ -37,6 +56,10 @@ class ExportOptions:
     rtol: float
     name: str | None = None
     force: bool = False
+    # lossy encodings graphs to build; each is published only if its quality gate passes
+    lossy: tuple[str, ...] = ("int8", "fp16")
+    mean_cosine: float = DEFAULT_MEAN_COSINE
+    cosine_floor: float = DEFAULT_COSINE_FLOOR
 
 
 @dataclass(frozen=True)
@@ -70,7 +93,7 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
     out = options.out.resolve()
     if out.exists() and not options.force:
         raise ExportError(f"{out} already exists (use --force to replace it)")
-    total = 5
+    total = 7
 
     started = _step(progress, 1, total, f"loading checkpoint {options.checkpoint}")
     ckpt = load_checkpoint(options.checkpoint, options.name)
@@ -105,7 +128,20 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
             raise ExportError("parity gate failed: nothing published")
         progress(f"      ({time.perf_counter() - started:.1f}s)")
 
-        _step(progress, 4, total, "writing tokenizer, manifest and hashes")
+        started = _step(progress, 4, total, "encodings-only fp32 graph: export, transformer optimizer, parity gate")
+        variants = {"fp32": _encodings_fp32(ckpt, staging, probes, options, progress)}
+        progress(f"      ({time.perf_counter() - started:.1f}s)")
+
+        started = _step(progress, 5, total, f"lossy variants {', '.join(options.lossy) or '(none)'}: "
+                        f"gate mean cosine >= {options.mean_cosine:g} and every text >= {options.cosine_floor:g} "
+                        "vs PyTorch fp32, retrieval unchanged")
+        for precision in options.lossy:
+            variant = _lossy_variant(precision, ckpt, tokenizer, staging, variants["fp32"], options, progress)
+            if variant is not None:
+                variants[precision] = variant
+        progress(f"      ({time.perf_counter() - started:.1f}s)")
+
+        _step(progress, 6, total, "writing tokenizer, manifest and hashes")
         _save_tokenizer(ckpt.tokenizer_path, staging / TOKENIZER_FILE, ckpt.max_tokens)
         manifest = BundleManifest(
             model=ModelInfo(
@@ -123,15 +159,19 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
             ),
             graph=GraphInfo(file=GRAPH_FILE, opset=opset, inputs=list(INPUT_NAMES), outputs=list(OUTPUT_NAMES)),
             tokenizer=TOKENIZER_FILE,
-            files={name: file_entry(staging / name) for name in [*graph_files, TOKENIZER_FILE]},
+            files={
+                name: file_entry(staging / name)
+                for name in [*graph_files, *(v.file for v in variants.values()), TOKENIZER_FILE]
+            },
             parity=report,
+            variants=variants,
             versions={
                 "python": platform.python_version(),
                 "torch": torch.__version__,
                 "onnx": onnx.__version__,
                 "onnxruntime": onnxruntime.__version__,
                 "tokenizers": tokenizers.__version__,
-                "exporter": "torch.onnx.export(dynamo=True)",
+                "exporter": "torch.onnx.export(dynamo=True); encodings graphs: torch.onnx.export(dynamo=False)",
             },
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
@@ -139,11 +179,73 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
         staging.chmod(0o755)  # mkdtemp makes it owner-only; a service user must be able to read it
         load_bundle(staging)  # the service's own loader must accept it before anyone else sees it
 
-        _step(progress, 5, total, f"publishing {out}")
+        _step(progress, 7, total, f"publishing {out}")
         _publish(staging, out)
         return ExportResult(out=out, manifest=manifest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _encodings_fp32(ckpt: Checkpoint, staging: Path, probes, options: ExportOptions, progress: Progress) -> VariantInfo:
+    """Trace the encodings-only graph, fuse it, and hold it to the same strict gate as the full graph."""
+    cfg = ckpt.config
+    target = encodings_file("fp32")
+    with tempfile.TemporaryDirectory(prefix="encodings-") as scratch:
+        traced = Path(scratch) / "traced.onnx"
+        onnx_export.export_encodings_onnx(ckpt.encoder, traced, options.opset)
+        fusions = optimize.optimize_fp32(traced, staging / target, cfg)
+    progress(f"      fused: {', '.join(f'{n} {op}' for op, n in fusions.items()) or 'nothing'}")
+    report = parity.check_parity(
+        ckpt.encoder, staging / target, probes, options.atol, options.rtol, outputs=ENCODINGS_OUTPUT_NAMES
+    )
+    for line in parity_lines(report):
+        progress("      " + line)
+    if not report.passed:
+        raise ExportError("parity gate of the fp32 encodings graph failed: nothing published")
+    return VariantInfo(
+        file=target, precision="fp32", opset=onnx_export.graph_opset(staging / target),
+        inputs=list(INPUT_NAMES), outputs=list(ENCODINGS_OUTPUT_NAMES), optimizer=optimize.OPTIMIZER,
+        fusions=fusions, providers=["CUDAExecutionProvider", "CPUExecutionProvider"], parity=report,
+    )
+
+
+def _lossy_variant(
+    precision: str,
+    ckpt: Checkpoint,
+    tokenizer: Tokenizer,
+    staging: Path,
+    fp32: VariantInfo,
+    options: ExportOptions,
+    progress: Progress,
+) -> VariantInfo | None:
+    """Build the int8 or fp16 graph and gate it; None (and no file left) if it fails."""
+    target = staging / encodings_file(precision)
+    if precision == "int8":  # quantized from the fused fp32 graph: its fusions stay
+        optimize.quantize_int8(staging / fp32.file, target)
+        fusions, providers = fp32.fusions, ["CPUExecutionProvider"]
+    elif precision == "fp16":
+        with tempfile.TemporaryDirectory(prefix="encodings-") as scratch:
+            traced = Path(scratch) / "traced.onnx"
+            onnx_export.export_encodings_onnx(ckpt.encoder, traced, options.opset)
+            fusions = optimize.optimize_fp16(traced, target, ckpt.config)
+        providers = ["CUDAExecutionProvider"]
+    else:
+        raise ExportError(f"unknown precision {precision!r}: expected int8 or fp16")
+    gate = quality.check_quality(
+        ckpt.encoder, tokenizer, target, ckpt.max_tokens, ckpt.config.pad_token_id, options.mean_cosine,
+        options.cosine_floor,
+    )
+    progress("      " + quality_line(precision, gate))
+    if not gate.passed:
+        target.unlink()
+        progress(f"      {precision} rejected by its gate: not published")
+        return None
+    return VariantInfo(
+        file=target.name, precision=precision, opset=onnx_export.graph_opset(target), inputs=list(INPUT_NAMES),
+        outputs=list(ENCODINGS_OUTPUT_NAMES),
+        optimizer=optimize.OPTIMIZER + (", quantize_dynamic int8 weights" if precision == "int8" else ", float16"),
+        fusions=fusions, providers=providers, quality=gate,
+    )
 
 
 def _publish(staging: Path, out: Path) -> None:

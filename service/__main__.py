@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--encoder-num-cpus", type=float)
     p.add_argument("--threads", type=int, dest="intra_op_threads", help="onnxruntime intra-op threads per replica")
     p.add_argument("--provider", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--precision", choices=["fp32", "int8", "fp16"],
+                   help="encodings graph for requests without attention weights (default fp32)")
     p.add_argument("--max-batch-tokens", type=int)
     p.add_argument("--batch-wait-timeout-s", type=float)
     p.add_argument("--sub-batch-tokens", type=int)
@@ -66,7 +68,7 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
             batching[key] = getattr(args, key)
     settings["batching"] = batching
     for key in ("bundle", "encoder_replicas", "ingress_replicas", "encoder_num_cpus", "intra_op_threads",
-                "provider", "encoder_max_queued_requests", "encoder_max_ongoing_requests", "request_timeout_s"):
+                "provider", "precision", "encoder_max_queued_requests", "encoder_max_ongoing_requests", "request_timeout_s"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     if args.host:
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         settings, http = load_settings(args)
         from service.runtime import preflight
 
-        preflight(load_bundle(settings.bundle))
+        preflight(load_bundle(settings.bundle), settings.precision)
     except (ValidationError, BundleError, OSError, RuntimeError, yaml.YAMLError) as exc:
         reason = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else str(exc).replace("\n", " ")
         print(f"service refused to start: {reason}", file=sys.stderr)
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"serving {load_bundle(settings.bundle).manifest.model.name} at http://{http['host']}:{http['port']} "
-            f"on {info['provider']} ({info['intra_op_threads']} intra-op threads, {replicas}) "
+            f"on {info['provider']} ({info['precision']} encodings graph, {info['intra_op_threads']} intra-op "
+            f"threads, {replicas}) "
             f"in {time.perf_counter() - started:.1f}s; Ctrl-C or SIGTERM stops it",
             flush=True,
         )

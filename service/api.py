@@ -717,6 +717,9 @@ class Ingress:
                 "normalize": self.model.normalize,
                 "provider": encoder["provider"],
                 "intra_op_threads": encoder["intra_op_threads"],
+                "precision": encoder["precision"],
+                "precision_requested": encoder["precision_requested"],
+                "graphs": encoder["graphs"],
                 "batching": encoder["batching"],
                 "replicas": {"encoder": s.encoder_replicas, "ingress": s.ingress_replicas},
                 "limits": {
@@ -730,6 +733,11 @@ class Ingress:
                 },
                 "bundle": {"path": str(s.bundle), "sha256": self.bundle_sha256, "opset": self.manifest.graph.opset},
                 "parity": self.manifest.parity.model_dump(mode="json"),
+                "variants": {
+                    p: {"file": v.file, "fusions": v.fusions, "providers": v.providers,
+                        "gate": (v.quality or v.parity).model_dump(mode="json")}
+                    for p, v in self.manifest.variants.items()
+                },
                 "versions": self.manifest.versions,
             }
         )

@@ -26,7 +26,7 @@ def build_app(args: ServiceSettings) -> Application:
 def compose(settings: ServiceSettings, encoder_class=Encoder) -> Application:
     """Bind the deployments; `encoder_class` lets fault tests deploy an encoder that breaks."""
     settings = settings.resolved()
-    preflight(load_bundle(settings.bundle))  # refuse here, in one line, before any replica starts
+    preflight(load_bundle(settings.bundle), settings.precision)  # refuse here, in one line, before any replica starts
     backpressure = BackpressureConfig(status_code=503, retry_after_s=settings.retry_after_s)
     if settings.encoder_autoscaling is not None:
         replicas: dict = {"autoscaling_config": settings.encoder_autoscaling.model_dump()}

@@ -3,7 +3,9 @@
 Each request (one client call, one or more texts) is one item of Ray Serve's batch queue;
 `batch_size_fn` counts its tokens, so a batch is bounded by a token budget, not a request
 count. Inside a batch, all texts are sorted by length and cut into sub-batches whose padded
-size stays under `sub_batch_tokens`: on a CPU, padding is the first cost.
+size stays under `sub_batch_tokens`: on a CPU, padding is the first cost. Texts whose request
+wants attention weights run on the bundle's full graph; all others on its fused encodings-only
+graph of the configured precision (the `graph` label of the inference-runs metric says which).
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ class Encoder:
         bundle = load_bundle(settings.bundle)
         self.manifest = bundle.manifest
         self.runtime = OrtEncoder(
-            bundle, settings.provider, settings.intra_op_threads, settings.inter_op_threads, settings.allow_spinning
+            bundle, settings.provider, settings.intra_op_threads, settings.inter_op_threads, settings.allow_spinning,
+            settings.precision,
         )
         self.batching = settings.batching
         # Wrapped here rather than decorated on the class, so that every knob, including
@@ -123,14 +126,16 @@ class Encoder:
         )(self._run_batch)
         self.metrics = service_metrics()
         self.counters = {"batches": 0, "requests": 0, "texts": 0, "real_tokens": 0, "padded_tokens": 0, "ort_runs": 0}
+        self.runs_by_graph = {self.runtime.full.label: 0, self.runtime.fast.label: 0}
         if settings.warmup:
             self._warm_up()
         info_tags = {"model": settings.model_name or self.manifest.model.name, "bundle_sha256": bundle.sha256,
                      "provider": self.runtime.provider}
         refresh_periodically(lambda: self.metrics.model_info.set(1, tags=info_tags))
         logger.info(
-            "encoder replica ready: model %s, provider %s, %d intra-op threads, bundle %s (%.1fs)",
-            self.manifest.model.name, self.runtime.provider, self.runtime.threads, settings.bundle,
+            "encoder replica ready: model %s, provider %s, graphs %s and %s, %d intra-op threads, bundle %s (%.1fs)",
+            self.manifest.model.name, self.runtime.provider, self.runtime.full.label, self.runtime.fast.label,
+            self.runtime.threads, settings.bundle,
             time.perf_counter() - started,
         )
 
@@ -140,6 +145,8 @@ class Encoder:
         for length in (8, self.manifest.model.max_tokens):
             ids = np.full((4, length), 1000, dtype=np.int64)
             self.runtime.run(ids, np.ones_like(ids), ["sentence_embedding"])
+        ids = np.full((2, 8), 1000, dtype=np.int64)
+        self.runtime.run(ids, np.ones_like(ids), ["sentence_embedding", "attentions"])
 
     def reconfigure(self, user_config: dict) -> None:
         """Apply batching knobs from the Serve config's user_config without a restart."""
@@ -165,6 +172,10 @@ class Encoder:
             "pid": os.getpid(),
             "provider": self.runtime.provider,
             "intra_op_threads": self.runtime.threads,
+            "precision": self.runtime.precision,
+            "precision_requested": self.runtime.precision_requested,
+            "graphs": {"attentions": self.runtime.full.label, "encodings": self.runtime.fast.label},
+            "ort_runs_by_graph": dict(self.runs_by_graph),
             "batching": self.batching.model_dump(),
             "counters": dict(self.counters),
         }
@@ -179,7 +190,8 @@ class Encoder:
             self.metrics.duration.observe(started - job.enqueued, tags={"route": job.route, "stage": "queue"})
         model = self.manifest.model
         # Flatten texts; texts that need attention or hidden states run apart from those that
-        # need only the embedding, so the cheap ones never pay for the big outputs.
+        # need only the embedding, so the cheap ones never pay for the big outputs. Texts that
+        # need attention weights run on the full graph, all others on the fused encodings graph.
         texts = [(j, t) for j, job in enumerate(jobs) for t in range(len(job.ids))]
         needs = lambda j: (jobs[j].attention is not None, self._needs_hidden(jobs[j]))  # noqa: E731
         results = [
@@ -193,15 +205,17 @@ class Encoder:
         by_need: dict[tuple[bool, bool], list[tuple[int, int]]] = {}
         for j, t in texts:
             by_need.setdefault(needs(j), []).append((j, t))
-        real = padded = runs = 0
+        real = padded = 0
+        runs: dict[str, int] = {}
         for (want_attention, want_hidden), members in by_need.items():
             lengths = [int(jobs[j].ids[t].shape[0]) for j, t in members]
             outputs = ["sentence_embedding"] + (["last_hidden_state"] if want_hidden else []) + (["attentions"] if want_attention else [])
             for group in plan_sub_batches(lengths, self.batching.sub_batch_tokens, self.batching.max_sub_batch_size):
                 rows = [members[g] for g in group]
                 input_ids, mask = pad([jobs[j].ids[t] for j, t in rows], model.pad_token_id)
-                out = self.runtime.run(input_ids, mask, outputs)
-                runs += 1
+                graph = self.runtime.graph_for(outputs)
+                out = graph.run(input_ids, mask, outputs)
+                runs[graph.label] = runs.get(graph.label, 0) + 1
                 real += int(mask.sum())
                 padded += int(mask.size)
                 self._scatter(jobs, results, rows, mask, out)
@@ -215,16 +229,17 @@ class Encoder:
         if real:
             m.tokens.inc(real)
             m.padded_tokens.inc(padded)
-        if runs:
-            m.inference_runs.inc(runs, tags={"graph": "full"})
+        for label, n in runs.items():
+            m.inference_runs.inc(n, tags={"graph": label})
+            self.runs_by_graph[label] = self.runs_by_graph.get(label, 0) + n
         self.counters["batches"] += 1
         self.counters["requests"] += len(jobs)
         self.counters["texts"] += len(texts)
         self.counters["real_tokens"] += real
         self.counters["padded_tokens"] += padded
-        self.counters["ort_runs"] += runs
+        self.counters["ort_runs"] += sum(runs.values())
         for result, job in zip(results, jobs, strict=True):
-            result.stats = {"batch_requests": len(jobs), "batch_texts": len(texts), "ort_runs": runs,
+            result.stats = {"batch_requests": len(jobs), "batch_texts": len(texts), "ort_runs": sum(runs.values()),
                             "padding_ratio": 1 - real / padded if padded else 0.0}
         return results
 

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ProviderPreference = Literal["auto", "cuda", "cpu"]
+Precision = Literal["fp32", "int8", "fp16"]
 
 
 class BatchingSettings(BaseModel):
@@ -89,6 +90,11 @@ class ServiceSettings(BaseModel):
         0, ge=0, description="0: the CPUs this replica may use (affinity, cgroup quota); set it when replicas share a node"
     )
     inter_op_threads: int = Field(1, ge=1)
+    precision: Precision = Field(
+        "fp32",
+        description="encodings graph for requests without attention weights: fp32 (strict parity), "
+        "int8 (CPU, gated: mean cosine >= 0.99 vs fp32) or fp16 (CUDA; fp32 on a CPU replica)",
+    )
     allow_spinning: bool = Field(False, description="let idle onnxruntime threads spin (only for dedicated cores)")
     warmup: bool = True
 

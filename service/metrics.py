@@ -16,7 +16,8 @@ Families (exported names; one question each):
   ray_encoder_batch_padding_ratio                       padded share of the tokens computed, per batch
   ray_encoder_tokens_total                              real tokens processed
   ray_encoder_padded_tokens_total                       tokens computed, padding included
-  ray_encoder_inference_runs_total{graph}               onnxruntime runs, by graph
+  ray_encoder_inference_runs_total{graph}               onnxruntime runs, by graph: full (attention
+                                                        weights) or encodings-fp32/-int8/-fp16
   ray_encoder_model_info{model,bundle_sha256,provider}  1 per encoder replica: what it serves, and where
 """
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from bundle.contract import INPUT_NAMES, OUTPUT_NAMES
+from bundle.contract import ENCODINGS_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES
 from bundle.manifest import Bundle, BundleError
 
 logger = logging.getLogger("service.runtime")
@@ -44,82 +44,154 @@ def choose_providers(preference: str, available: Sequence[str] | None = None) ->
     return [CPU]
 
 
-class OrtEncoder:
-    """An onnxruntime session over a verified bundle's graph, checked against its manifest.
+def _session_options(threads: int, inter_op_threads: int, allow_spinning: bool) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = inter_op_threads
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    # Idle onnxruntime threads spin by default; in a replica that shares cores with the
+    # HTTP proxy and the ingress, spinning steals the CPU those need to feed it.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+    return options
+
+
+class OrtGraph:
+    """One onnxruntime session over one graph file of a verified bundle.
 
     `provider` is what the created session actually uses: onnxruntime-gpu lists CUDA as
     available whenever it was compiled in, and silently falls back to CPU when the CUDA
     libraries or the device are missing, so only the session can tell.
     """
 
-    def __init__(self, bundle: Bundle, preference: str = "auto", intra_op_threads: int = 0, inter_op_threads: int = 1, allow_spinning: bool = False):
-        self.manifest = bundle.manifest
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads or available_cpus()
-        options.inter_op_num_threads = inter_op_threads
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # Idle onnxruntime threads spin by default; in a replica that shares cores with the
-        # HTTP proxy and the ingress, spinning steals the CPU those need to feed it.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
-        requested = choose_providers(preference)
+    def __init__(self, path: Path, outputs: Sequence[str], label: str, providers: list[str], options: ort.SessionOptions):
+        self.path, self.outputs, self.label = path, tuple(outputs), label
         try:
-            self.session = ort.InferenceSession(str(bundle.graph_path), options, providers=requested)
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
-            raise BundleError(f"{bundle.graph_path}: onnxruntime cannot load the graph: {exc}") from None
+            raise BundleError(f"{path}: onnxruntime cannot load the graph: {exc}") from None
         self.provider = self.session.get_providers()[0]
+        inputs = [i.name for i in self.session.get_inputs()]
+        got = tuple(o.name for o in self.session.get_outputs())
+        if tuple(inputs) != INPUT_NAMES or got != self.outputs:
+            raise BundleError(
+                f"{path}: graph I/O {inputs} -> {list(got)} does not match the manifest "
+                f"{list(INPUT_NAMES)} -> {list(self.outputs)}"
+            )
+        self.shapes = {o.name: o.shape for o in self.session.get_outputs()}
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        """One padded batch through the graph; returns only the outputs asked for."""
+        feed = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": np.zeros_like(input_ids)}
+        if self.provider == CUDA:
+            return self._run_bound(feed, outputs)
+        return dict(zip(outputs, self.session.run(list(outputs), feed), strict=True))
+
+    def _run_bound(self, feed: dict[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        """CUDA: inputs copied to the device once, outputs left there and copied back once each.
+
+        Without IO binding, session.run stages every input and output through extra host
+        buffers on each call.
+        """
+        binding = self.session.io_binding()
+        for name, array in feed.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
+        for name in outputs:
+            binding.bind_output(name, "cuda", 0)
+        self.session.run_with_iobinding(binding)
+        return dict(zip(outputs, binding.copy_outputs_to_cpu(), strict=True))
+
+
+class OrtEncoder:
+    """Both graphs of a bundle: the full one (attention weights) and the fast encodings-only one.
+
+    A run that needs attention weights goes to the full graph, every other run to the
+    encodings graph of the configured precision. A precision whose graph is meant for another
+    provider (fp16 is for CUDA) falls back to fp32, with a warning, rather than run slowly.
+    """
+
+    def __init__(
+        self,
+        bundle: Bundle,
+        preference: str = "auto",
+        intra_op_threads: int = 0,
+        inter_op_threads: int = 1,
+        allow_spinning: bool = False,
+        precision: str = "fp32",
+    ):
+        self.manifest = bundle.manifest
+        self.threads = intra_op_threads or available_cpus()
+        options = _session_options(self.threads, inter_op_threads, allow_spinning)
+        requested = choose_providers(preference)
+        self.full = OrtGraph(bundle.graph_path, OUTPUT_NAMES, "full", requested, options)
+        self.provider = self.full.provider
         if preference == "cuda" and self.provider != CUDA:
             raise RuntimeError(f"provider 'cuda' was required but the session runs on {self.provider}")
         if CUDA in requested and self.provider != CUDA:
             logger.warning("CUDA was requested but could not be created; running on %s", self.provider)
-        self.threads = options.intra_op_num_threads
-        self._check_io()
+        self._check_dims(self.full.shapes)
 
-    def _check_io(self) -> None:
-        """The graph must be the one the manifest describes: names, and the dims it states."""
+        self.precision_requested = precision
+        self.precision = resolve_precision(bundle, precision, self.provider)
+        if self.precision != precision:
+            logger.warning("precision %s is meant for %s; this replica runs on %s, so it serves %s",
+                           precision, self.manifest.variants[precision].providers, self.provider, self.precision)
+        variant = self.manifest.variants[self.precision]
+        providers = [p for p in requested if p in variant.providers] or [CPU]
+        self.fast = OrtGraph(
+            bundle.variant_path(self.precision), ENCODINGS_OUTPUT_NAMES, f"encodings-{self.precision}", providers, options
+        )
+        self._check_dims(self.fast.shapes)
+
+    def _check_dims(self, shapes: dict) -> None:
+        """The graph must be the one the manifest describes: the dims it states."""
         m = self.manifest.model
-        inputs = [i.name for i in self.session.get_inputs()]
-        outputs = {o.name: o.shape for o in self.session.get_outputs()}
-        if tuple(inputs) != INPUT_NAMES or tuple(outputs) != OUTPUT_NAMES:
-            raise BundleError(
-                f"graph I/O {inputs} -> {list(outputs)} does not match the manifest {list(INPUT_NAMES)} -> {list(OUTPUT_NAMES)}"
-            )
         expected = {
             "last_hidden_state": {2: m.hidden_size},
             "sentence_embedding": {1: m.hidden_size},
             "attentions": {0: m.num_layers, 2: m.num_heads},
         }
-        for name, dims in expected.items():
-            shape = outputs[name]
-            for axis, size in dims.items():
+        for name, shape in shapes.items():
+            for axis, size in expected[name].items():
                 if len(shape) <= axis or (isinstance(shape[axis], int) and shape[axis] != size):
                     raise BundleError(f"graph output {name} has shape {shape}, the manifest implies {size} at axis {axis}")
 
+    def graph_for(self, outputs: Sequence[str]) -> OrtGraph:
+        return self.full if "attentions" in outputs else self.fast
+
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        """One padded batch through the graph; returns only the outputs asked for."""
-        feed = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "token_type_ids": np.zeros_like(input_ids),
-        }
-        return dict(zip(outputs, self.session.run(list(outputs), feed), strict=True))
+        """One padded batch through the graph that can produce `outputs`, the cheaper one when both can."""
+        return self.graph_for(outputs).run(input_ids, attention_mask, outputs)
 
     def smoke_test(self) -> None:
-        """A tiny inference with every output: proves the session computes finite numbers."""
+        """A tiny inference through both graphs, every output: proves the sessions compute finite numbers."""
         ids = np.array([[101, 7592, 102]], dtype=np.int64)
-        result = self.run(ids, np.ones_like(ids), OUTPUT_NAMES)
-        for name, value in result.items():
-            if not np.all(np.isfinite(value)):
-                raise RuntimeError(f"smoke test: output {name} is not finite")
+        for graph in (self.full, self.fast):
+            for name, value in graph.run(ids, np.ones_like(ids), graph.outputs).items():
+                if not np.all(np.isfinite(value)):
+                    raise RuntimeError(f"smoke test: output {name} of the {graph.label} graph is not finite")
 
 
-def preflight(bundle: Bundle) -> None:
-    """Before any replica starts: the graph loads, matches the manifest and computes finite numbers.
+def resolve_precision(bundle: Bundle, precision: str, provider: str) -> str:
+    """The precision a replica on `provider` serves: the one asked for, or fp32 when its graph is
+    meant for other providers. A precision the bundle lacks is an error, never a silent change."""
+    variants = bundle.manifest.variants
+    if precision not in variants:
+        raise BundleError(
+            f"{bundle.root}: no {precision} encodings graph in this bundle (has {', '.join(variants)}); "
+            "export it again, or check the export log: a variant whose quality gate failed is not published"
+        )
+    return precision if provider in variants[precision].providers else "fp32"
+
+
+def preflight(bundle: Bundle, precision: str = "fp32") -> None:
+    """Before any replica starts: the graphs load, match the manifest and compute finite numbers.
 
     Raises BundleError (or RuntimeError) with a one-line reason; a bundle whose hashes match but
     whose graph is another model's must never be served.
     """
-    encoder = OrtEncoder(bundle, preference="cpu", intra_op_threads=1)
+    encoder = OrtEncoder(bundle, preference="cpu", intra_op_threads=1, precision=precision)
     try:
         encoder.smoke_test()
     except Exception as exc:

@@ -29,7 +29,8 @@ def test_default_bundle_is_complete_and_verified(default_bundle):
     assert (m.model.name, m.model.hidden_size, m.model.num_layers, m.model.num_heads) == ("all-MiniLM-L6-v2", 384, 6, 12)
     assert (m.model.max_tokens, m.model.pooling, m.model.normalize) == (256, "mean", True)
     assert m.graph.opset >= 17
-    assert set(m.files) == {"model.onnx", "tokenizer.json"}
+    assert set(m.files) == {"model.onnx", "tokenizer.json", "encodings-fp32.onnx", "encodings-int8.onnx", "encodings-fp16.onnx"}
+    assert set(m.variants) == {"fp32", "int8", "fp16"} and all(v.passed for v in m.variants.values())
     assert m.parity.passed and [o.output for o in m.parity.outputs] == ["last_hidden_state", "sentence_embedding", "attentions"]
     for o in m.parity.outputs:
         assert o.passed and o.values > 0 and o.atol <= 1e-4 and o.max_abs_diff <= o.atol
@@ -60,18 +61,28 @@ def test_bundle_tokenizer_truncates_at_model_limit_without_fixed_padding(default
 
 
 def test_cli_publishes_a_bundle_and_prints_the_parity_table(tmp_path):
+    """Also: an int8 graph held to a gate it cannot meet is not published, the rest is, and
+    the service then refuses to serve int8 from that bundle (before starting Ray)."""
     out = tmp_path / "b"
     result = subprocess.run(
-        [sys.executable, "-m", "export", "--checkpoint", "default", "--out", str(out)],
+        [sys.executable, "-m", "export", "--checkpoint", "default", "--out", str(out),
+         "--lossy", "int8", "--mean-cosine", "0.9999"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    for step in ("[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"):
+    for step in ("[1/7]", "[2/7]", "[3/7]", "[4/7]", "[5/7]", "[6/7]", "[7/7]"):
         assert step in result.stdout
     table = [line for line in result.stdout.splitlines() if "PASS (atol" in line]
-    assert len(table) == 3, result.stdout
+    assert len(table) == 5, result.stdout  # full graph: 3 outputs; fp32 encodings graph: 2
+    assert "int8 rejected by its gate: not published" in result.stdout
     assert "published" in result.stdout
-    load_bundle(out)
+    bundle = load_bundle(out)
+    assert set(bundle.manifest.variants) == {"fp32"} and not (out / "encodings-int8.onnx").exists()
+    refused = subprocess.run(
+        [sys.executable, "-m", "service", "--bundle", str(out), "--precision", "int8"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert refused.returncode == 1 and "no int8 encodings graph in this bundle (has fp32)" in refused.stderr
     # refuses to overwrite without --force, and leaves the bundle as it was
     before = (out / "bundle.json").read_text()
     again = subprocess.run(
@@ -127,5 +138,5 @@ def test_cli_rejects_an_opset_below_17(tmp_path):
 def test_bundle_cli_verifies_and_prints_the_table(default_bundle):
     result = subprocess.run([sys.executable, "-m", "bundle", str(default_bundle)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "files verified" in result.stdout and result.stdout.count("PASS (atol") == 3
+    assert "files verified" in result.stdout and result.stdout.count("PASS (atol") == 5 and "int8: cosine vs pytorch fp32" in result.stdout
     assert json.loads((default_bundle / "bundle.json").read_text())["parity"]["passed"] is True

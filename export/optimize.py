@@ -1,0 +1,86 @@
+"""Encodings-only graph variants: fused by onnxruntime's transformer optimizer, int8, fp16.
+
+Only onnxruntime's own tools rewrite graphs here; what they produce is gated by the caller
+(export.parity for fp32, export.quality for the lossy precisions) before it is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from pathlib import Path
+
+import onnx
+
+from export.config import EncoderConfig
+
+OPTIMIZER = "onnxruntime.transformers.optimizer (model_type bert)"
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The optimizer and quantizer print and log every pattern they try and every hint they have;
+    the fusion counts and the gates we record say what they did."""
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _optimize(source: Path, config: EncoderConfig, for_gpu: bool):
+    """Attention, SkipLayerNormalization and BiasGelu fusions; returns the optimizer's model."""
+    from onnxruntime.transformers import optimizer
+
+    with _quiet():
+        return optimizer.optimize_model(
+            str(source),
+            model_type="bert",
+            num_heads=config.n_heads,
+            hidden_size=config.d_model,
+            opt_level=0,  # onnxruntime's session does its own graph optimisations at load time
+            use_gpu=for_gpu,
+        )
+
+
+def _fusion_counts(model) -> dict[str, int]:
+    return {op: n for op, n in sorted(model.get_fused_operator_statistics().items()) if n}
+
+
+def optimize_fp32(source: Path, target: Path, config: EncoderConfig) -> dict[str, int]:
+    """The fp32 encodings graph; returns the fused operators by type."""
+    model = _optimize(source, config, for_gpu=False)
+    model.save_model_to_file(str(target))
+    return _fusion_counts(model)
+
+
+def quantize_int8(source: Path, target: Path, per_channel: bool = True) -> None:
+    """Dynamic int8 quantization: weights of every MatMul and Attention, activations per run.
+
+    per_channel: one scale per output column. Measured on all-MiniLM-L6-v2 against PyTorch fp32:
+    mean cosine 0.991 with it, 0.950 without (per-tensor scales fail the gate).
+    DefaultTensorType: the optimizer's fused nodes carry no type information for some
+    intermediate tensors, and quantize_dynamic refuses to guess without it.
+    """
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with _quiet():
+        quantize_dynamic(
+            str(source),
+            str(target),
+            weight_type=QuantType.QInt8,
+            per_channel=per_channel,
+            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+        )
+
+
+def optimize_fp16(source: Path, target: Path, config: EncoderConfig) -> dict[str, int]:
+    """Fused for the CUDA provider, then weights and activations in fp16 (inputs/outputs keep their types)."""
+    model = _optimize(source, config, for_gpu=True)
+    counts = _fusion_counts(model)
+    with _quiet():
+        model.convert_float_to_float16(keep_io_types=True)
+    model.save_model_to_file(str(target))
+    return counts

@@ -1,0 +1,167 @@
+"""The gate of lossy variants (int8, fp16): same embeddings and same retrieval as fp32 PyTorch.
+
+A lossy graph cannot meet the fp32 parity tolerances, and does not need to: what a user of an
+embedding service relies on is the direction of each embedding and the order of search
+results. So the gate measures exactly that, against PyTorch fp32 on the same texts:
+
+- cosine similarity of every probe text's embedding: the mean over the corpus >= a threshold
+  (0.99 by default), and no single text below a floor (0.95);
+- a small labelled retrieval set: each query's top-ranked document must be the reference's,
+  and no query the reference answers correctly may be lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from tokenizers import Tokenizer
+
+from bundle.manifest import QualityGate
+from export.encoder import Encoder
+from export.parity import PROBE_TEXTS, _pad
+
+# Everyday text an embedding service receives: support questions, reviews, facts, code talk,
+# several languages; short and long.
+CORPUS = (
+    *PROBE_TEXTS,
+    "The delivery arrived two days late, but the support team refunded the shipping cost.",
+    "Quarterly revenue grew by eleven percent, driven by strong demand in Asia.",
+    "best noise cancelling headphones under 200 dollars",
+    "Die Lieferung kam zwei Tage zu spät, aber der Kundendienst hat die Versandkosten erstattet.",
+    "Comment puis-je changer l'adresse de facturation de mon abonnement ?",
+    "El pedido llegó incompleto y todavía no he recibido respuesta del vendedor.",
+    "このレストランの料理はとても美味しかったです。",
+    "Il museo è chiuso il lunedì e nei giorni festivi.",
+    "def add(a, b): return a + b",
+    "SELECT name, email FROM users WHERE created_at > '2024-01-01' ORDER BY name;",
+    "Error: connection refused while contacting 10.0.0.12:5432 after 3 retries",
+    "The patient reported mild headaches and dizziness after starting the new medication.",
+    "Rain is expected tomorrow afternoon with temperatures around twelve degrees.",
+    "I loved the first half of the film, but the ending felt rushed and predictable.",
+    "The committee will vote on the proposal next Thursday after a public consultation.",
+    "Replace the air filter every twelve months or fifteen thousand kilometres.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "OK",
+    "yes",
+    " ".join(["A very long support ticket that keeps going."] * 60),  # truncated at the model's limit
+)
+
+# (query, index of its relevant document in DOCUMENTS)
+QUERIES = (
+    ("How do I reset my password?", 0),
+    ("When will my order arrive?", 1),
+    ("Can I get my money back for a returned item?", 2),
+    ("What is the capital of France?", 3),
+    ("How high is Mount Everest?", 4),
+    ("What are the symptoms of the flu?", 5),
+    ("How do plants make food from sunlight?", 6),
+    ("Is the museum open on Mondays?", 7),
+    ("How often should I change my car's air filter?", 8),
+    ("Will it rain tomorrow?", 9),
+)
+DOCUMENTS = (
+    "To change a forgotten password, click 'Forgot password' on the sign-in page and follow the emailed link.",
+    "Standard shipping takes three to five business days after the order is dispatched.",
+    "Refunds are issued to the original payment method within 14 days of receiving the returned item.",
+    "Paris is the capital and largest city of France.",
+    "Mount Everest's summit is 8,849 metres above sea level.",
+    "Influenza usually causes fever, cough, sore throat, muscle aches and tiredness.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "The museum is closed on Mondays and public holidays.",
+    "Replace the air filter every twelve months or fifteen thousand kilometres.",
+    "Rain is expected tomorrow afternoon with temperatures around twelve degrees.",
+    "The committee will vote on the proposal next Thursday after a public consultation.",
+    "SELECT name, email FROM users WHERE created_at > '2024-01-01' ORDER BY name;",
+)
+
+
+def _batches(tokenizer: Tokenizer, texts: Sequence[str], max_tokens: int, pad_id: int, size: int = 16):
+    tokenizer = Tokenizer.from_str(tokenizer.to_str())  # a copy: settings made here must not leak
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_tokens)
+    encodings = [e.ids for e in tokenizer.encode_batch(list(texts))]
+    for start in range(0, len(encodings), size):
+        yield _pad(encodings[start : start + size], None, pad_id)
+
+
+def embed_reference(encoder: Encoder, batches) -> np.ndarray:
+    encoder.eval()
+    rows = []
+    with torch.no_grad():
+        for p in batches:
+            _, embedding, _ = encoder(torch.from_numpy(p.input_ids), torch.from_numpy(p.attention_mask), torch.from_numpy(p.token_type_ids))
+            rows.append(embedding.numpy())
+    return np.concatenate(rows).astype(np.float64)
+
+
+def embed_candidate(session: ort.InferenceSession, batches) -> np.ndarray:
+    rows = []
+    for p in batches:
+        feed = {"input_ids": p.input_ids, "attention_mask": p.attention_mask, "token_type_ids": p.token_type_ids}
+        rows.append(session.run(["sentence_embedding"], feed)[0])
+    return np.concatenate(rows).astype(np.float64)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def check_quality(
+    encoder: Encoder,
+    tokenizer: Tokenizer,
+    graph_path: Path,
+    max_tokens: int,
+    pad_id: int,
+    mean_cosine: float,
+    cosine_floor: float,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+) -> QualityGate:
+    """Embed the corpus, queries and documents with PyTorch fp32 and with the candidate graph; compare."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(graph_path), options, providers=list(providers))
+    texts = [*CORPUS, *(q for q, _ in QUERIES), *DOCUMENTS]
+    reference = _unit(embed_reference(encoder, _batches(tokenizer, texts, max_tokens, pad_id)))
+    candidate = _unit(embed_candidate(session, _batches(tokenizer, texts, max_tokens, pad_id)))
+    problems = []
+    if not np.all(np.isfinite(candidate)):
+        problems.append("non-finite embeddings")
+    cosines = np.nan_to_num((reference * candidate).sum(axis=1), nan=-1.0)
+
+    n_corpus, n_queries = len(CORPUS), len(QUERIES)
+    ranks = {}
+    for name, emb in (("reference", reference), ("candidate", candidate)):
+        queries, documents = emb[n_corpus : n_corpus + n_queries], emb[n_corpus + n_queries :]
+        ranks[name] = np.argmax(queries @ documents.T, axis=1)
+    labels = np.array([doc for _, doc in QUERIES])
+    agreement = int((ranks["reference"] == ranks["candidate"]).sum())
+    reference_hits = int((ranks["reference"] == labels).sum())
+    candidate_hits = int((ranks["candidate"] == labels).sum())
+
+    if cosines.mean() < mean_cosine:
+        problems.append(f"mean cosine {cosines.mean():.5f} < {mean_cosine:g}")
+    if cosines.min() < cosine_floor:
+        worst = int(np.argmin(cosines))
+        problems.append(f"cosine {cosines[worst]:.5f} < {cosine_floor:g} on text {texts[worst][:40]!r}")
+    if agreement < n_queries:
+        problems.append(f"top-1 document differs from the reference on {n_queries - agreement} queries")
+    if candidate_hits < reference_hits:
+        problems.append(f"labelled retrieval lost: {candidate_hits} hits vs {reference_hits}")
+    return QualityGate(
+        passed=not problems,
+        provider=session.get_providers()[0],
+        texts=len(texts),
+        min_cosine=float(cosines.min()),
+        mean_cosine=float(cosines.mean()),
+        mean_cosine_required=mean_cosine,
+        min_cosine_floor=cosine_floor,
+        queries=n_queries,
+        top1_agreement=agreement,
+        reference_hits=reference_hits,
+        candidate_hits=candidate_hits,
+        problems=problems,
+    )
