@@ -29,7 +29,7 @@ help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
 	@echo "make test    install into $(VENV) and run the whole test suite"
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
-	@echo "make bench   in-process references vs the service over HTTP, batching on and off"
+	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes the README table"
 	@echo "make report  make bench with a concurrency sweep, and the plot docs/performance.png"
 	@echo "make reliability        fault tests (overload, kills, shutdown, hostile input, bad bundles, auth) -> RELIABILITY.md"
 	@echo "make loadtest           locust, headless, about a minute; summary and SLO check (LOADTEST_ARGS=...)"
@@ -44,10 +44,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-$(BUNDLE)/bundle.json: | $(STAMP)
-	$(BIN)/python -m export --checkpoint default --out $(BUNDLE)
-
-bundle: $(BUNDLE)/bundle.json
+# Exported when missing, or again when it was written by an older version (another manifest schema).
+bundle: | $(STAMP)
+	@$(BIN)/python -c "import json, sys; from bundle.manifest import SCHEMA_VERSION as v; \
+	  sys.exit(json.load(open('$(BUNDLE)/bundle.json')).get('schema_version') != v)" 2>/dev/null || { \
+	  echo "exporting the default model to $(BUNDLE) (missing, or from an older version)"; \
+	  $(BIN)/python -m export --checkpoint default --out $(BUNDLE) --force; }
 
 export: $(STAMP)
 	$(BIN)/python -m export --checkpoint $(CHECKPOINT) --out $(OUT) $(EXPORT_ARGS)

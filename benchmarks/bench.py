@@ -1,30 +1,32 @@
-"""make bench: in-process references and the service over HTTP, on the same texts, in one run.
+"""make bench: the performance targets, measured side by side in one run on the same texts.
 
-Rows: sentence-transformers (torch), onnxruntime in-process (our bundle's graph, length-sorted
-batches of 32), and the service on loopback with client batches of 32 and with single-text
-requests at several concurrencies, dynamic batching on and off (a batch of one). Prints texts/s,
-tokens/s and p50/p95/p99 latency; figures move +-10 % between runs on a shared machine.
+In-process references first (sentence-transformers, and onnxruntime on each of the bundle's
+graphs), then the service over HTTP on loopback, one process per configuration (precision,
+ingress), see benchmarks/service_phase.py. Prints every row (texts/s, p50/p95/p99, CPU per text
+by component), then the targets table with the measured ratios, and writes that table, with the
+machine it ran on, into the README between the bench markers.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from benchmarks.corpus import sentences
 
-
-def percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+README_START = "<!-- bench:start -->"
+README_END = "<!-- bench:end -->"
+SHORT_TEXT = "A short text."
 
 
 def bench_sentence_transformers(texts: list[str], batch: int) -> float:
@@ -41,98 +43,144 @@ def bench_sentence_transformers(texts: list[str], batch: int) -> float:
     return len(texts) / (time.perf_counter() - started)
 
 
-def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: int) -> tuple[float, float]:
-    """texts/s in arrival order and length-sorted; plus the time of one short-text call (ms)."""
+def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: int) -> dict:
+    """texts/s of each graph on length-sorted batches (full graph also in arrival order), and
+    the time of one call on a short text through the fp32 encodings graph (ms)."""
     from bundle.manifest import load_bundle
     from service.batching import pad
     from service.runtime import OrtEncoder
     from service.tokenization import TextTokenizer
 
     bundle = load_bundle(bundle_dir)
-    encoder = OrtEncoder(bundle, "auto", intra_op_threads=threads)
     tokenizer = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens)
+    ids = [t.ids for t in tokenizer.encode(texts, True)]
+    by_length = sorted(range(len(texts)), key=lambda i: len(ids[i]))
 
-    def run(order: list[int]) -> float:
+    def speed(run, order: list[int], outputs: list[str]) -> float:
+        for i in range(0, 64, batch):  # warm-up
+            run(*pad([ids[j] for j in order[i : i + batch]], 0), outputs)
         started = time.perf_counter()
         for i in range(0, len(order), batch):
-            chunk = [texts[j] for j in order[i : i + batch]]
-            ids, mask = pad([t.ids for t in tokenizer.encode(chunk, True)], 0)
-            encoder.run(ids, mask, ["sentence_embedding"])
-        return len(texts) / (time.perf_counter() - started)
+            run(*pad([ids[j] for j in order[i : i + batch]], 0), outputs)
+        return len(order) / (time.perf_counter() - started)
 
-    run(list(range(64)))
-    lengths = [len(t.split()) for t in texts]
-    unsorted = run(list(range(len(texts))))
-    by_length = run(sorted(range(len(texts)), key=lengths.__getitem__))
-    one = [t.ids for t in tokenizer.encode(["A short text."], True)]
-    calls = []
-    for _ in range(50):
-        started = time.perf_counter()
-        ids, mask = pad(one, 0)
-        encoder.run(ids, mask, ["sentence_embedding"])
-        calls.append(time.perf_counter() - started)
-    return unsorted, by_length, statistics.median(calls) * 1000
-
-
-async def load(url: str, payloads: list[dict], concurrency: int) -> tuple[float, list[float], int]:
-    """Send payloads with `concurrency` clients; return wall time, latencies, and failures."""
-    latencies: list[float] = []
-    failures = 0
-    queue: asyncio.Queue = asyncio.Queue()
-    for p in payloads:
-        queue.put_nowait(p)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-
-        async def worker() -> None:
-            nonlocal failures
-            while not queue.empty():
-                payload = queue.get_nowait()
+    out = {"provider": None, "threads": None}
+    for precision in ("fp32", "int8"):
+        if precision not in bundle.manifest.variants:
+            continue
+        encoder = OrtEncoder(bundle, "auto", intra_op_threads=threads, precision=precision)
+        out["provider"], out["threads"] = encoder.provider, encoder.threads
+        if precision == "fp32":
+            out["full_unsorted"] = speed(encoder.full.run, list(range(len(texts))), ["sentence_embedding"])
+            out["full_sorted"] = speed(encoder.full.run, by_length, ["sentence_embedding"])
+            one = [t.ids for t in tokenizer.encode([SHORT_TEXT], True)]
+            calls = []
+            for _ in range(100):
                 started = time.perf_counter()
-                r = await client.post("/v1/encode", json=payload)
-                latencies.append(time.perf_counter() - started)
-                failures += r.status_code != 200
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - started, latencies, failures
+                encoder.fast.run(*pad(one, 0), ["sentence_embedding"])
+                calls.append(time.perf_counter() - started)
+            out["one_call_ms"] = statistics.median(calls[10:]) * 1000
+        out[f"{precision}_sorted"] = speed(encoder.fast.run, by_length, ["sentence_embedding"])
+    return out
 
 
-def bench_service(texts: list[str], bundle_dir: Path, scenarios: list[tuple[str, int, int]], batching: bool, threads: int) -> list[dict]:
-    import ray
-    from ray import serve
+def service_phase(spec: dict) -> list[dict]:
+    """Run one service configuration in its own process (see service_phase.py); its rows."""
+    with tempfile.TemporaryDirectory() as scratch:
+        spec_path, out = Path(scratch) / "spec.json", Path(scratch) / "rows.json"
+        spec_path.write_text(json.dumps({**spec, "out": str(out)}))
+        result = subprocess.run([sys.executable, "-m", "benchmarks.service_phase", str(spec_path)], timeout=1200)
+        if result.returncode != 0 or not out.exists():
+            raise SystemExit(f"service phase {spec['label']} failed (exit {result.returncode})")
+        return json.loads(out.read_text())
 
-    from service.app import build_app
-    from service.config import ServiceSettings
 
-    port = 18000 + os.getpid() % 1000
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
-    rows = []
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False, "log_level": "WARNING"})
-        settings = ServiceSettings.model_validate(
-            {"bundle": str(bundle_dir), "intra_op_threads": threads, "batching": {"enabled": batching}}
-        )
-        serve.run(build_app(settings), name="bench", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        asyncio.run(load(url, [{"inputs": t} for t in texts[:64]], 8))  # warm-up
-        for label, per_request, concurrency in scenarios:
-            payloads = [{"inputs": texts[i : i + per_request]} for i in range(0, len(texts), per_request)]
-            wall, latencies, failures = asyncio.run(load(url, payloads, concurrency))
-            rows.append({
-                "engine": f"service, {label}, batching {'on' if batching else 'off'}",
-                "concurrency": concurrency,
-                "texts_s": len(texts) / wall,
-                "p50": percentile(latencies, 50) * 1000,
-                "p95": percentile(latencies, 95) * 1000,
-                "p99": percentile(latencies, 99) * 1000,
-                "failures": failures,
-            })
-            print(f"  {rows[-1]['engine']}, concurrency {concurrency}: {rows[-1]['texts_s']:.0f} texts/s", flush=True)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    return rows
+def machine() -> str:
+    model = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")), platform.processor() or "unknown CPU",
+    ) if Path("/proc/cpuinfo").exists() else platform.processor()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    isa = [name for name, flag in (("AVX-512", "avx512f"), ("VNNI", "avx512_vnni"), ("AMX", "amx_tile")) if flag in flags]
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} CPUs ({model}{', ' + '/'.join(isa) if isa else ''}), {mem:.0f} GiB, {platform.machine()}"
+
+
+def targets(rows: list[dict], st: float, one_call_ms: float) -> list[dict]:
+    """The issue's targets, each with the row that measures it (best ingress where there are two)."""
+
+    def pick(precision: str, per_request: int, concurrency: int, short: bool = False, mixed: bool = False):
+        found = [r for r in rows if r.get("precision") == precision and r.get("per_request") == per_request
+                 and r.get("concurrency") == concurrency and r.get("short", False) == short
+                 and r.get("mixed", False) == mixed and r.get("batching", True)]
+        return found
+
+    def best_throughput(found):
+        return max(found, key=lambda r: r["texts_s"]) if found else None
+
+    out = []
+    for label, precision, goal in (
+        ("service, client batches of 32 texts, fp32 graph, concurrency 4", "fp32", 1.2),
+        ("service, client batches of 32 texts, int8 graph, concurrency 4", "int8", 2.5),
+    ):
+        r = best_throughput(pick(precision, 32, 4))
+        if r:
+            ratio = r["texts_s"] / st
+            out.append({"measure": label, "target": f">= {goal}x in-process sentence-transformers",
+                        "measured": f"{r['texts_s']:.0f} texts/s = {ratio:.2f}x ({r['ingress']})",
+                        "met": ratio >= goal, "gap": f"{ratio / goal:.0%} of the target"})
+    r = best_throughput(pick("fp32", 1, 32))
+    if r:
+        ratio = r["texts_s"] / st
+        out.append({"measure": "service, single-text requests at concurrency 32 (dynamic batching), fp32",
+                    "target": ">= 0.6x in-process sentence-transformers",
+                    "measured": f"{r['texts_s']:.0f} texts/s = {ratio:.2f}x ({r['ingress']}; "
+                                f"{r['texts_per_batch']:.1f} texts per batch)",
+                    "met": ratio >= 0.6, "gap": f"{ratio / 0.6:.0%} of the target"})
+    found = pick("fp32", 1, 1, short=True)
+    if found:
+        r = min(found, key=lambda r: r["p50"])
+        limit = one_call_ms + 10
+        out.append({"measure": "p50 latency of one short text at concurrency 1, fp32",
+                    "target": f"<= one in-process onnxruntime call ({one_call_ms:.1f} ms) + 10 ms = {limit:.1f} ms",
+                    "measured": f"{r['p50']:.1f} ms ({r['ingress']})", "met": r["p50"] <= limit,
+                    "gap": f"{r['p50'] - limit:+.1f} ms"})
+    found = [r for r in rows if r.get("mixed")]
+    if found:
+        r = min(found, key=lambda r: r["padding_waste"])
+        out.append({"measure": "padding waste in batches under mixed-length load (ray_encoder_padded_tokens_total)",
+                    "target": "<= 15 % of tokens",
+                    "measured": f"{r['padding_waste']:.1%} ({r['ingress']}, client batches of {r['per_request']} "
+                                f"texts of 1-200 words, concurrency {r['concurrency']})",
+                    "met": r["padding_waste"] <= 0.15, "gap": f"{(r['padding_waste'] - 0.15) * 100:+.1f} points"})
+    return out
+
+
+def render(rows: list[dict], goals: list[dict], header: str) -> str:
+    lines = [header, "", "| measure | target | measured | met |", "| --- | --- | --- | --- |"]
+    for g in goals:
+        lines.append(f"| {g['measure']} | {g['target']} | {g['measured']} | "
+                     f"{'yes' if g['met'] else 'no (' + g['gap'] + ')'} |")
+    lines += ["", "All rows of the same run (texts/s, latency in ms; CPU ms per text by component):", "",
+              "| engine | conc. | texts/s | vs ST | p50 | p95 | p99 | texts per batch | CPU ms per text |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    st = rows[0]["texts_s"]
+    for r in rows:
+        lat = " | ".join(f"{r[k]:.1f}" if k in r else "" for k in ("p50", "p95", "p99"))
+        batch = f"{r['texts_per_batch']:.1f}" if "texts_per_batch" in r else ""
+        cpu = ", ".join(f"{c} {v:.1f}" for c, v in r.get("cpu_ms_per_text", {}).items())
+        lines.append(f"| {r['engine']} | {r.get('concurrency', 1)} | {r['texts_s']:.0f} | {r['texts_s'] / st:.2f}x | "
+                     f"{lat} | {batch} | {cpu} |")
+    return "\n".join(lines)
+
+
+def write_readme(readme: Path, text: str) -> None:
+    content = readme.read_text()
+    if README_START not in content or README_END not in content:
+        raise SystemExit(f"{readme}: no {README_START} ... {README_END} section to replace")
+    head, rest = content.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    readme.write_text(f"{head}{README_START}\n{text}\n{README_END}{tail}")
 
 
 def main() -> int:
@@ -140,46 +188,85 @@ def main() -> int:
     p.add_argument("--bundle", type=Path, default=Path("bundles/all-MiniLM-L6-v2"))
     p.add_argument("--texts", type=int, default=512)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="onnxruntime intra-op threads")
+    p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: the CPUs this process may use)")
+    p.add_argument("--ingress", default="proxy,haproxy",
+                   help="ingress configurations to measure, comma-separated: proxy, haproxy, direct")
     p.add_argument("--json", type=Path, default=Path("results/bench.json"), help="where to write the rows")
+    p.add_argument("--readme", type=Path, default=Path("README.md"), help="README to write the table into")
+    p.add_argument("--no-readme", action="store_true", help="print only")
     p.add_argument("--sweep", action="store_true",
-                   help="also single-text requests at concurrency 2, 4 and 16 (for the plot)")
+                   help="also single-text requests at concurrency 2-16, and with batching off (for the plot)")
     args = p.parse_args()
+    if args.threads == 0:
+        from service.runtime import available_cpus
+
+        args.threads = available_cpus()
 
     texts = sentences(args.texts)
-    print(f"benchmark: {len(texts)} texts of 8-40 words, batch {args.batch}, {args.threads} ORT threads, "
-          f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.processor() or platform.platform()}", flush=True)
+    mixed = sentences(args.texts, min_words=1, max_words=200, seed=1)
+    where = machine()
+    print(f"benchmark: {len(texts)} texts of 8-40 words, batch {args.batch}, {args.threads} ORT threads, {where}", flush=True)
     st = bench_sentence_transformers(texts, args.batch)
     print(f"  sentence-transformers: {st:.0f} texts/s", flush=True)
-    ort_unsorted, ort_sorted, one_call_ms = bench_onnxruntime(texts, args.batch, args.bundle, args.threads)
-    print(f"  onnxruntime: {ort_unsorted:.0f} texts/s unsorted, {ort_sorted:.0f} sorted; one short text {one_call_ms:.1f} ms", flush=True)
-    single = [1, 2, 4, 8, 16, 32] if args.sweep else [1, 8, 32]
-    scenarios = [
-        (f"client batches of {args.batch}", args.batch, 1),
-        (f"client batches of {args.batch}", args.batch, 4),
-        *(("single texts", 1, c) for c in single),
-    ]
+    ort = bench_onnxruntime(texts, args.batch, args.bundle, args.threads)
+    print(f"  onnxruntime ({ort['provider']}, {ort['threads']} threads): full graph {ort['full_unsorted']:.0f} texts/s "
+          f"unsorted, {ort['full_sorted']:.0f} sorted; encodings fp32 {ort['fp32_sorted']:.0f}, "
+          f"int8 {ort.get('int8_sorted', float('nan')):.0f}; one short text {ort['one_call_ms']:.1f} ms", flush=True)
     rows = [
-        {"engine": "in-process sentence-transformers (torch fp32)", "concurrency": 1, "texts_s": st},
-        {"engine": "in-process onnxruntime fp32, batches in arrival order", "concurrency": 1, "texts_s": ort_unsorted},
-        {"engine": "in-process onnxruntime fp32, length-sorted batches", "concurrency": 1, "texts_s": ort_sorted},
+        {"engine": "in-process sentence-transformers (torch fp32)", "texts_s": st},
+        {"engine": "in-process onnxruntime, full graph (attention weights), arrival order", "texts_s": ort["full_unsorted"]},
+        {"engine": "in-process onnxruntime, full graph (attention weights), length-sorted", "texts_s": ort["full_sorted"]},
+        {"engine": "in-process onnxruntime, fused encodings graph fp32, length-sorted", "texts_s": ort["fp32_sorted"]},
     ]
-    rows += bench_service(texts, args.bundle, scenarios, batching=True, threads=args.threads)
-    rows += bench_service(texts, args.bundle, scenarios, batching=False, threads=args.threads)
+    if "int8_sorted" in ort:
+        rows.append({"engine": "in-process onnxruntime, fused encodings graph int8, length-sorted", "texts_s": ort["int8_sorted"]})
 
+    def scenario(label, per_request, concurrency, **flags):
+        return {"label": label, "per_request": per_request, "concurrency": concurrency, **flags}
+
+    fp32 = [
+        scenario(f"client batches of {args.batch}", args.batch, 4),
+        scenario("single texts", 1, 32),
+        scenario("one short text", 1, 1, short=True),
+        scenario(f"mixed-length client batches of {args.batch}", args.batch, 4, mixed=True),
+    ]
+    if args.sweep:
+        fp32 += [scenario("single texts", 1, c) for c in (1, 2, 4, 8, 16)]
+    settings = {"bundle": str(args.bundle.resolve()), "intra_op_threads": args.threads}
+    ingresses = [i for i in args.ingress.replace(" ", "").split(",") if i]
+    for ingress in ingresses:
+        rows += service_phase({"label": f"fp32, {ingress}", "ingress": ingress, "texts": texts, "mixed_texts": mixed,
+                               "short_text": SHORT_TEXT, "settings": {**settings, "precision": "fp32"}, "scenarios": fp32})
+    if "int8_sorted" in ort:
+        best = ingresses[-1]
+        rows += service_phase({"label": f"int8, {best}", "ingress": best, "texts": texts, "mixed_texts": mixed,
+                               "short_text": SHORT_TEXT, "settings": {**settings, "precision": "int8"},
+                               "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
+                                             scenario("single texts", 1, 32)]})
+    if args.sweep:
+        rows += service_phase({"label": f"fp32, {ingresses[0]}, batching off", "ingress": ingresses[0], "texts": texts,
+                               "mixed_texts": mixed, "short_text": SHORT_TEXT,
+                               "settings": {**settings, "precision": "fp32", "batching": {"enabled": False}},
+                               "scenarios": [scenario("single texts", 1, c) for c in (1, 2, 4, 8, 16, 32)]})
+
+    goals = targets(rows, st, ort["one_call_ms"])
+    header = (f"Measured {time.strftime('%Y-%m-%d')} by `make bench` on {where}; {ort['provider']}, "
+              f"{ort['threads']} onnxruntime threads per replica; {len(texts)} texts of 8-40 words, the load "
+              f"generator on the same machine. Ratios are against in-process sentence-transformers "
+              f"({st:.0f} texts/s) in the same run.")
+    table = render(rows, goals, header)
     print()
-    print("| engine | concurrency | texts/s | vs sentence-transformers | p50 ms | p95 ms | p99 ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        lat = " | ".join(f"{r[k]:.1f}" if k in r else "" for k in ("p50", "p95", "p99"))
-        print(f"| {r['engine']} | {r['concurrency']} | {r['texts_s']:.0f} | {r['texts_s'] / st:.2f}x | {lat} |")
+    print(table)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs, {platform.machine()}",
-        "threads": args.threads, "one_call_ms": one_call_ms, "rows": rows,
+        "date": time.strftime("%Y-%m-%d"), "machine": where, "threads": ort["threads"], "provider": ort["provider"],
+        "one_call_ms": ort["one_call_ms"], "rows": rows, "targets": goals,
     }, indent=2))
+    if not args.no_readme:
+        write_readme(args.readme, table)
+        print(f"\nwrote the table into {args.readme}")
     failed = sum(r.get("failures", 0) for r in rows)
-    print(f"\none in-process onnxruntime call on a short text: {one_call_ms:.1f} ms; failed requests: {failed}")
+    print(f"failed requests: {failed}")
     return 1 if failed else 0
 
 

