@@ -23,13 +23,14 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install run test export bundle bench report reliability loadtest loadtest-overload clean
+.PHONY: help install run test export bundle bench profile report reliability loadtest loadtest-overload clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
 	@echo "make test    install into $(VENV) and run the whole test suite"
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes the README table"
+	@echo "make profile py-spy flame graphs of proxy, ingress and encoder under load -> results/profile/"
 	@echo "make report  make bench with a concurrency sweep, and the plot docs/performance.png"
 	@echo "make reliability        fault tests (overload, kills, shutdown, hostile input, bad bundles, auth) -> RELIABILITY.md"
 	@echo "make loadtest           locust, headless, about a minute; summary and SLO check (LOADTEST_ARGS=...)"
@@ -60,6 +61,11 @@ run: bundle
 
 bench: bundle
 	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) $(BENCH_ARGS)
+
+# py-spy flame graphs of the proxy, ingress and encoder under single-text load (PROFILE_ARGS=--ingress haproxy)
+PROFILE_ARGS ?=
+profile: bundle
+	$(BIN)/python -m benchmarks.profile --bundle $(BUNDLE) $(PROFILE_ARGS)
 
 # the performance report: the benchmark with a concurrency sweep, then the plot in docs/
 report: bundle

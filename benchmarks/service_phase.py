@@ -64,6 +64,7 @@ async def load(url: str, payloads: list[dict], concurrency: int) -> tuple[float,
 COMPONENTS = (  # process title fragment -> component, first match wins
     ("ServeReplica:bench:Encoder", "encoder"),
     ("ServeReplica:bench:Ingress", "ingress"),
+    ("ServeReplica:bench:Echo", "echo replica"),
     ("ProxyActor", "proxy"),
     ("haproxy", "proxy"),
 )
@@ -121,6 +122,26 @@ def settled_counters(metrics_url: str, at_least: float = 0.0, timeout: float = 3
     return last or (0.0, 0.0)
 
 
+def echo_app():
+    """The ceiling of the HTTP path: a Ray Serve deployment that answers at once, no model."""
+    from ray import serve
+
+    @serve.deployment(name="Echo", max_ongoing_requests=256)
+    class Echo:
+        async def __call__(self, request) -> dict:
+            await request.body()
+            return {"data": [{"embedding": []}]}
+
+    return Echo.bind()
+
+
+def encoder_counters(url: str, spec: dict) -> dict:
+    """The answering encoder replica's counters (/info); zeros for the echo deployment."""
+    if spec.get("echo"):
+        return {"batches": 0, "texts": 0, "ort_runs": 0, "compute_ms": 0.0}
+    return httpx.get(f"{url}/info", timeout=30).json()["encoder_counters"]
+
+
 def run(spec: dict) -> list[dict]:
     for key, value in {**INGRESS_ENV[spec["ingress"]], **spec.get("env", {})}.items():
         os.environ[key] = value
@@ -140,8 +161,8 @@ def run(spec: dict) -> list[dict]:
         serve.start(http_options={"host": "127.0.0.1", "port": port},
                     logging_config={"enable_access_log": False, "log_level": "WARNING"})
         settings = ServiceSettings.model_validate(spec["settings"])
-        serve.run(build_app(settings), name="bench", route_prefix="/",
-                  logging_config={"enable_access_log": False, "log_level": "WARNING"})
+        app = echo_app() if spec.get("echo") else build_app(settings)
+        serve.run(app, name="bench", route_prefix="/", logging_config={"enable_access_log": False, "log_level": "WARNING"})
         url = f"http://127.0.0.1:{port}"
         texts = spec["texts"]
         asyncio.run(load(url, [{"inputs": t} for t in texts[:64]], 8))  # warm-up
@@ -154,15 +175,15 @@ def run(spec: dict) -> list[dict]:
             payloads = [{"inputs": pool[i : i + per_request]} for i in range(0, len(pool), per_request)]
             if scenario.get("mixed"):
                 before = settled_counters(metrics_url)
-            counters_before = httpx.get(f"{url}/info", timeout=30).json()["encoder_counters"]
+            counters_before = encoder_counters(url, spec)
             cpu_before = cpu_seconds()
             wall, latencies, failures = asyncio.run(load(url, payloads, concurrency))
             cpu_after = cpu_seconds()
-            counters_after = httpx.get(f"{url}/info", timeout=30).json()["encoder_counters"]
+            counters_after = encoder_counters(url, spec)
             counters = {k: v - counters_before[k] for k, v in counters_after.items()}
             row = {
                 "engine": f"service {spec['label']}, {scenario['label']}",
-                "precision": settings.precision,
+                "precision": "none (echo)" if spec.get("echo") else settings.precision,
                 "ingress": spec["ingress"],
                 "batching": settings.batching.enabled,
                 "per_request": per_request,

@@ -78,9 +78,10 @@ class JSONResponse(Response):
 ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (401, 404, 408, 413, 422, 429, 503)}
 
 
-def _record_route(request: Request) -> None:
+async def _record_route(request: Request) -> None:
     """An app-wide dependency: tell the metrics middleware which route template served the
-    request (the scope dict is shared with it)."""
+    request (the scope dict is shared with it). Async: FastAPI runs a plain `def` dependency in
+    a thread pool, a thread hop per request (seen in py-spy profiles of the ingress)."""
     route = request.scope.get("route")
     if route is not None:
         request.scope["route_template"] = getattr(route, "path", "unmatched")

@@ -1,0 +1,122 @@
+"""make profile: where the service's CPU time goes, per process, under single-text load.
+
+    python -m benchmarks.profile [--ingress proxy|haproxy] [--precision fp32|int8] [--seconds 15]
+
+Starts the service on loopback (its own Ray), drives single-text requests at concurrency 32, and
+records each Serve process (HTTP proxy, ingress, encoder) with py-spy: a flame graph per process
+(results/profile/*.svg) and the functions with the most samples, printed. This is how the request
+path was profiled before and after each change of the performance work (see README, Performance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.corpus import sentences
+from benchmarks.service_phase import INGRESS_ENV, free_port, load
+
+PROCESSES = {"Encoder": "encoder", "Ingress": "ingress", "ProxyActor": "proxy"}
+
+
+def serve_pids() -> dict[str, int]:
+    """pid of each Serve process, from the process titles Ray gives its workers."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        for fragment, name in PROCESSES.items():
+            if title.startswith("ray::") and fragment in title:
+                found[name] = int(entry.name)
+    return found
+
+
+def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:
+    """The functions with the most samples (self time) in a py-spy raw (collapsed stacks) file."""
+    counts: collections.Counter = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        total += int(count)
+        counts[stack.split(";")[-1]] += int(count)
+    return [(100 * c / max(total, 1), frame) for frame, c in counts.most_common(n)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__)
+    p.add_argument("--bundle", type=Path, default=Path("bundles/all-MiniLM-L6-v2"))
+    p.add_argument("--ingress", choices=["proxy", "haproxy"], default="proxy")
+    p.add_argument("--precision", choices=["fp32", "int8"], default="fp32")
+    p.add_argument("--seconds", type=int, default=15)
+    p.add_argument("--out", type=Path, default=Path("results/profile"))
+    args = p.parse_args()
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).exists():
+        print("py-spy not found: pip install py-spy (it is in the test extra)", file=sys.stderr)
+        return 2
+
+    os.environ.update(INGRESS_ENV[args.ingress])
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+    from ray import serve
+
+    from service.app import build_app
+    from service.config import ServiceSettings
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+        settings = ServiceSettings.model_validate({"bundle": str(args.bundle.resolve()), "precision": args.precision})
+        serve.run(build_app(settings), name="bench", route_prefix="/", logging_config={"enable_access_log": False})
+        url = f"http://127.0.0.1:{port}"
+        texts = sentences(4096)
+        asyncio.run(load(url, [{"inputs": t} for t in texts[:64]], 8))  # warm-up
+        pids = serve_pids()
+        print(f"profiling {', '.join(f'{n} (pid {pid})' for n, pid in pids.items())} for {args.seconds}s "
+              f"under single-text load at concurrency 32", flush=True)
+        recorders = {
+            name: [subprocess.Popen([py_spy, "record", "-p", str(pid), "-d", str(args.seconds), "-r", "100",
+                                     "--nonblocking", "-f", fmt, "-o", str(args.out / f"{name}.{ext}")],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   for fmt, ext in (("flamegraph", "svg"), ("raw", "txt"))]
+            for name, pid in pids.items()
+        }
+
+        async def drive() -> None:
+            loop = asyncio.get_running_loop()
+            task = asyncio.ensure_future(load(url, [{"inputs": t} for t in texts], 32))
+            await loop.run_in_executor(None, lambda: [r.wait() for rs in recorders.values() for r in rs])
+            task.cancel()
+
+        try:
+            asyncio.run(drive())
+        except asyncio.CancelledError:
+            pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    for name in recorders:
+        raw = args.out / f"{name}.txt"
+        if raw.exists():
+            print(f"\n{name}: most samples (flame graph: {args.out / (name + '.svg')})")
+            for share, frame in top_frames(raw):
+                print(f"  {share:5.1f}%  {frame[:120]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
