@@ -195,6 +195,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: the CPUs this process may use)")
     p.add_argument("--ingress", default="proxy,haproxy",
                    help="ingress configurations to measure, comma-separated: proxy, haproxy, direct")
+    p.add_argument("--encoding-format", choices=["float", "base64"], default="base64",
+                   help="how the service returns embeddings to the benchmark's clients")
     p.add_argument("--json", type=Path, default=Path("results/bench.json"), help="where to write the rows")
     p.add_argument("--readme", type=Path, default=Path("README.md"), help="README to write the table into")
     p.add_argument("--no-readme", action="store_true", help="print only")
@@ -237,29 +239,27 @@ def main() -> int:
     if args.sweep:
         fp32 += [scenario("single texts", 1, c) for c in (1, 2, 4, 8, 16)]
     settings = {"bundle": str(args.bundle.resolve()), "intra_op_threads": args.threads}
+    common = {"texts": texts, "mixed_texts": mixed, "short_text": SHORT_TEXT, "encoding_format": args.encoding_format}
     ingresses = [i for i in args.ingress.replace(" ", "").split(",") if i]
     for ingress in ingresses:
-        rows += service_phase({"label": f"fp32, {ingress}", "ingress": ingress, "texts": texts, "mixed_texts": mixed,
-                               "short_text": SHORT_TEXT, "settings": {**settings, "precision": "fp32"}, "scenarios": fp32})
+        rows += service_phase({"label": f"fp32, {ingress}", "ingress": ingress, **common,
+                               "settings": {**settings, "precision": "fp32"}, "scenarios": fp32})
     best = ingresses[-1]
-    rows += service_phase({"label": f"echo (no model), {best}", "ingress": best, "texts": texts, "mixed_texts": mixed,
-                           "short_text": SHORT_TEXT, "settings": settings, "echo": True,
+    rows += service_phase({"label": f"echo (no model), {best}", "ingress": best, **common, "settings": settings, "echo": True,
                            "scenarios": [scenario("single texts", 1, 32)]})
     if "int8_sorted" in ort:
-        rows += service_phase({"label": f"int8, {best}", "ingress": best, "texts": texts, "mixed_texts": mixed,
-                               "short_text": SHORT_TEXT, "settings": {**settings, "precision": "int8"},
+        rows += service_phase({"label": f"int8, {best}", "ingress": best, **common, "settings": {**settings, "precision": "int8"},
                                "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
                                              scenario("single texts", 1, 32)]})
     if args.sweep:
-        rows += service_phase({"label": f"fp32, {ingresses[0]}, batching off", "ingress": ingresses[0], "texts": texts,
-                               "mixed_texts": mixed, "short_text": SHORT_TEXT,
+        rows += service_phase({"label": f"fp32, {ingresses[0]}, batching off", "ingress": ingresses[0], **common,
                                "settings": {**settings, "precision": "fp32", "batching": {"enabled": False}},
                                "scenarios": [scenario("single texts", 1, c) for c in (1, 2, 4, 8, 16, 32)]})
 
     goals = targets(rows, st, ort["one_call_ms"])
     header = (f"Measured {time.strftime('%Y-%m-%d')} by `make bench` on {where}; {ort['provider']}, "
               f"{ort['threads']} onnxruntime threads per replica; {len(texts)} texts of 8-40 words, the load "
-              f"generator on the same machine. Ratios are against in-process sentence-transformers "
+              f"generator on the same machine, embeddings returned as {args.encoding_format}. Ratios are against in-process sentence-transformers "
               f"({st:.0f} texts/s) in the same run.")
     table = render(rows, goals, header)
     print()

@@ -172,7 +172,8 @@ def run(spec: dict) -> list[dict]:
             else:
                 pool = spec["mixed_texts"] if scenario.get("mixed") else texts
             per_request, concurrency = scenario["per_request"], scenario["concurrency"]
-            payloads = [{"inputs": pool[i : i + per_request]} for i in range(0, len(pool), per_request)]
+            fmt = {"encoding_format": spec["encoding_format"]} if spec.get("encoding_format") else {}
+            payloads = [{"inputs": pool[i : i + per_request], **fmt} for i in range(0, len(pool), per_request)]
             if scenario.get("mixed"):
                 before = settled_counters(metrics_url)
             counters_before = encoder_counters(url, spec)

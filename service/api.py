@@ -603,9 +603,13 @@ class Ingress:
         for i, tok in enumerate(tokenized):
             item: dict[str, Any] = {"index": i, "n_tokens": tok.n_tokens}
             if body.embedding:
-                item["embedding"] = kinds.fragment("embedding", result.embeddings[i])
+                item["embedding"] = kinds.fragment(
+                    "embedding", _encode_array(result.embeddings[i], body.encoding_format, "float32")
+                )
             if body.token_embeddings:
-                item["token_embeddings"] = kinds.fragment("token_embeddings", result.hidden[i])
+                item["token_embeddings"] = kinds.fragment(
+                    "token_embeddings", _encode_array(result.hidden[i], body.encoding_format, "float32")
+                )
             if body.tokens:
                 item["tokens"] = kinds.fragment("tokens", token_list(tok.encoding))
             if attention is not None:

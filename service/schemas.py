@@ -59,6 +59,11 @@ class EncodeRequest(_Request):
     token_embeddings: bool = Field(False, description="return one vector per real token")
     tokens: bool = Field(False, description="return tokens with ids and character offsets")
     attention: AttentionSpec | None = Field(None, description="return attention weights (trimmed to real tokens)")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float",
+        description="embedding and token_embeddings as JSON floats, or base64 of little-endian float32 "
+        "(shape [hidden] and [n_tokens, hidden]): about a third of the bytes, and no float parsing",
+    )
 
     @field_validator("inputs")
     @classmethod
@@ -96,8 +101,8 @@ class AttentionOut(BaseModel):
 class EncodeItem(BaseModel):
     index: int
     n_tokens: int
-    embedding: list[float] | None = None
-    token_embeddings: list[list[float]] | None = None
+    embedding: list[float] | str | None = Field(None, description="floats, or base64 (encoding_format)")
+    token_embeddings: list[list[float]] | str | None = Field(None, description="floats, or base64 (encoding_format)")
     tokens: list[Token] | None = None
     attention: AttentionOut | None = None
 

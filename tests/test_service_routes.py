@@ -71,6 +71,19 @@ def test_encode_embeddings_match_sentence_transformers(client, st_embeddings):
     assert body["usage"]["tokens"] == sum(d["n_tokens"] for d in body["data"])
 
 
+def test_encode_base64_output_decodes_to_the_float_output(client):
+    floats = client.post("/v1/encode", json={"inputs": TEXTS[:3], "token_embeddings": True}).json()["data"]
+    r = client.post("/v1/encode", json={"inputs": TEXTS[:3], "token_embeddings": True, "encoding_format": "base64"})
+    assert r.status_code == 200, r.text
+    packed = r.json()["data"]
+    for f, b in zip(floats, packed, strict=True):
+        embedding = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+        tokens = np.frombuffer(base64.b64decode(b["token_embeddings"]), dtype="<f4").reshape(b["n_tokens"], 384)
+        np.testing.assert_array_equal(embedding, np.array(f["embedding"], dtype=np.float32))
+        np.testing.assert_array_equal(tokens, np.array(f["token_embeddings"], dtype=np.float32))
+    assert len(r.content) < len(client.post("/v1/encode", json={"inputs": TEXTS[:3], "token_embeddings": True}).content) / 2
+
+
 def test_encode_single_string_input(client, st_embeddings):
     r = client.post("/v1/encode", json={"inputs": TEXTS[0]})
     assert r.status_code == 200
