@@ -38,7 +38,9 @@ class BatchingSettings(BaseModel):
         "previous batch ran (measured: p50 of one text 12.5 ms vs 17.9 ms with 5 ms, same throughput)",
     )
     max_concurrent_batches: int = Field(
-        1, ge=1, description="batches one replica runs at once; 1 keeps ORT's threads uncontended"
+        2, ge=1,
+        description="batches one replica runs at once; 2 overlaps one batch's onnxruntime run with the next "
+        "one's (measured on 2 cores: +15 % single-text and +5 % client-batch throughput over 1)",
     )
     sub_batch_tokens: int = Field(
         4096, ge=1, description="padded tokens per onnxruntime run; texts are length-sorted into sub-batches"
