@@ -203,6 +203,7 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true",
                    help="also single-text requests at concurrency 2-16, and with batching off (for the plot)")
     args = p.parse_args()
+    explicit_threads = args.threads != 0
     if args.threads == 0:
         from service.runtime import available_cpus
 
@@ -238,7 +239,8 @@ def main() -> int:
     ]
     if args.sweep:
         fp32 += [scenario("single texts", 1, c) for c in (1, 2, 4, 8, 16)]
-    settings = {"bundle": str(args.bundle.resolve()), "intra_op_threads": args.threads}
+    # the service's own thread default (CPUs / concurrent batches) unless --threads was given
+    settings = {"bundle": str(args.bundle.resolve()), **({"intra_op_threads": args.threads} if explicit_threads else {})}
     common = {"texts": texts, "mixed_texts": mixed, "short_text": SHORT_TEXT, "encoding_format": args.encoding_format}
     ingresses = [i for i in args.ingress.replace(" ", "").split(",") if i]
     for ingress in ingresses:
@@ -257,8 +259,12 @@ def main() -> int:
                                "scenarios": [scenario("single texts", 1, c) for c in (1, 2, 4, 8, 16, 32)]})
 
     goals = targets(rows, st, ort["one_call_ms"])
-    header = (f"Measured {time.strftime('%Y-%m-%d')} by `make bench` on {where}; {ort['provider']}, "
-              f"{ort['threads']} onnxruntime threads per replica; {len(texts)} texts of 8-40 words, the load "
+    service_threads = sorted({r["intra_op_threads"] for r in rows if "intra_op_threads" in r})
+    header = (f"Measured {time.strftime('%Y-%m-%d')} by `make bench` on {where}; {ort['provider']}; "
+              f"onnxruntime in-process with {ort['threads']} threads, in the service "
+              f"{'/'.join(map(str, service_threads))} thread(s) per session and "
+              f"{'/'.join(map(str, sorted({r['concurrent_batches'] for r in rows if 'concurrent_batches' in r})))} "
+              f"batches at once per replica; {len(texts)} texts of 8-40 words, the load "
               f"generator on the same machine, embeddings returned as {args.encoding_format}. Ratios are against in-process sentence-transformers "
               f"({st:.0f} texts/s) in the same run.")
     table = render(rows, goals, header)

@@ -165,6 +165,7 @@ def run(spec: dict) -> list[dict]:
         serve.run(app, name="bench", route_prefix="/", logging_config={"enable_access_log": False, "log_level": "WARNING"})
         url = f"http://127.0.0.1:{port}"
         texts = spec["texts"]
+        info = {} if spec.get("echo") else httpx.get(f"{url}/info", timeout=30).json()
         asyncio.run(load(url, [{"inputs": t} for t in texts[:64]], 8))  # warm-up
         for scenario in spec["scenarios"]:
             if scenario.get("short"):
@@ -196,6 +197,8 @@ def run(spec: dict) -> list[dict]:
                 "p95": percentile(latencies, 95) * 1000,
                 "p99": percentile(latencies, 99) * 1000,
                 "failures": failures,
+                **({"intra_op_threads": info["intra_op_threads"],
+                    "concurrent_batches": info["batching"]["max_concurrent_batches"]} if info else {}),
                 # one encoder replica: its counters say how well requests were batched
                 "texts_per_batch": counters["texts"] / max(counters["batches"], 1),
                 "texts_per_ort_run": counters["texts"] / max(counters["ort_runs"], 1),

@@ -22,7 +22,7 @@ from ray import serve
 from bundle.manifest import load_bundle
 from service.config import BatchingSettings, ServiceSettings
 from service.metrics import refresh_periodically, service_metrics
-from service.runtime import OrtEncoder
+from service.runtime import OrtEncoder, available_cpus
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,6 +50,15 @@ class EncodeResult:
     hidden: list[np.ndarray] | None = None  # per text (n_tokens, hidden)
     attentions: list[np.ndarray] | None = None  # per text (layers, heads, n_tokens, n_tokens)
     stats: dict = field(default_factory=dict)
+
+
+def intra_op_threads(settings: ServiceSettings) -> int:
+    """onnxruntime threads per session: as set, or the replica's CPUs shared by the batches that run
+    at once (measured on 2 CPUs with 2 concurrent batches of 1 thread each against 2 of 2 threads:
+    +10 % client-batch and +12 % mixed-length throughput, single texts level)."""
+    if settings.intra_op_threads:
+        return settings.intra_op_threads
+    return max(1, available_cpus() // settings.batching.max_concurrent_batches)
 
 
 def job_tokens(jobs: list[EncodeJob]) -> int:
@@ -119,7 +128,7 @@ class Encoder:
         bundle = load_bundle(settings.bundle)
         self.manifest = bundle.manifest
         self.runtime = OrtEncoder(
-            bundle, settings.provider, settings.intra_op_threads, settings.inter_op_threads, settings.allow_spinning,
+            bundle, settings.provider, intra_op_threads(settings), settings.inter_op_threads, settings.allow_spinning,
             settings.precision,
         )
         self.batching = settings.batching

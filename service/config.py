@@ -102,7 +102,10 @@ class ServiceSettings(BaseModel):
     # onnxruntime
     provider: ProviderPreference = Field("auto", description="auto: CUDA if it can be created, else CPU")
     intra_op_threads: int = Field(
-        0, ge=0, description="0: the CPUs this replica may use (affinity, cgroup quota); set it when replicas share a node"
+        0, ge=0,
+        description="0: the CPUs this replica may use (affinity, cgroup quota) divided by batching."
+        "max_concurrent_batches, so the batches running at once fill the CPUs without oversubscribing them; "
+        "set it when replicas share a node",
     )
     inter_op_threads: int = Field(1, ge=1)
     precision: Precision = Field(
