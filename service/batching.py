@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -144,6 +145,7 @@ class Encoder:
         self.counters = {"batches": 0, "requests": 0, "texts": 0, "real_tokens": 0, "padded_tokens": 0, "ort_runs": 0,
                          "compute_ms": 0.0}
         self.runs_by_graph = {self.runtime.full.label: 0, self.runtime.fast.label: 0}
+        self._counters_lock = threading.Lock()
         if settings.warmup:
             self._warm_up()
         info_tags = {"model": settings.model_name or self.manifest.model.name, "bundle_sha256": bundle.sha256,
@@ -249,14 +251,16 @@ class Encoder:
             m.padded_tokens.inc(padded)
         for label, n in runs.items():
             m.inference_runs.inc(n, tags={"graph": label})
-            self.runs_by_graph[label] = self.runs_by_graph.get(label, 0) + n
-        self.counters["batches"] += 1
-        self.counters["requests"] += len(jobs)
-        self.counters["texts"] += len(texts)
-        self.counters["real_tokens"] += real
-        self.counters["padded_tokens"] += padded
-        self.counters["ort_runs"] += sum(runs.values())
-        self.counters["compute_ms"] += elapsed * 1000
+        with self._counters_lock:  # two batches may finish at once, each in its own thread
+            for label, n in runs.items():
+                self.runs_by_graph[label] = self.runs_by_graph.get(label, 0) + n
+            self.counters["batches"] += 1
+            self.counters["requests"] += len(jobs)
+            self.counters["texts"] += len(texts)
+            self.counters["real_tokens"] += real
+            self.counters["padded_tokens"] += padded
+            self.counters["ort_runs"] += sum(runs.values())
+            self.counters["compute_ms"] += elapsed * 1000
         for result, job in zip(results, jobs, strict=True):
             result.stats = {"batch_requests": len(jobs), "batch_texts": len(texts), "ort_runs": sum(runs.values()),
                             "padding_ratio": 1 - real / padded if padded else 0.0}
