@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -36,10 +40,69 @@ def available_cpus() -> int:
     return max(1, n)
 
 
-def choose_providers(preference: str, available: Sequence[str] | None = None) -> list[str]:
-    """Providers to ask onnxruntime for, best first. CPU is always the last resort."""
-    available = list(ort.get_available_providers() if available is None else available)
-    if preference in ("auto", "cuda") and CUDA in available:
+@dataclass(frozen=True)
+class CudaCheck:
+    """Whether onnxruntime can use CUDA in this process, and if not, why (one plain line)."""
+
+    usable: bool
+    reason: str = ""
+
+
+@cache
+def check_cuda() -> CudaCheck:
+    """Ask, without creating a session, whether the CUDA provider can work here.
+
+    onnxruntime-gpu lists CUDA as available whenever it was compiled in; creating a session on
+    a machine without a GPU or without CUDA's libraries prints red errors and falls back to CPU.
+    Checked in the order a user fixes things: the build, the driver and a device, then the
+    libraries the provider links against (the loader's message names the missing one).
+    """
+    if CUDA not in ort.get_available_providers():
+        return CudaCheck(False, f"this onnxruntime build ({ort.__version__}) has no CUDA provider (install onnxruntime-gpu)")
+    if not sys.platform.startswith("linux"):
+        return CudaCheck(True)  # the checks below are written for Linux's loader
+    reason = cuda_device_error() or cuda_provider_library_error()
+    return CudaCheck(reason is None, reason or "")
+
+
+def cuda_device_error() -> str | None:
+    """Why no CUDA device can be used (no driver, or no visible GPU); None when one can."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no GPU: the NVIDIA driver library libcuda.so.1 is not installed"
+    count = ctypes.c_int(0)
+    status = driver.cuInit(0)
+    if status == 0:
+        status = driver.cuDeviceGetCount(ctypes.byref(count))
+    if status != 0 or count.value == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return (f"no GPU visible to this process (CUDA driver error {status}, {count.value} devices"
+                f"{'' if visible is None else f', CUDA_VISIBLE_DEVICES={visible!r}'})")
+    return None
+
+
+def cuda_provider_library_error() -> str | None:
+    """The loader's message when onnxruntime's CUDA provider library cannot be loaded (it names the
+    missing CUDA or cuDNN library); None when it loads."""
+    capi = Path(ort.__file__).parent / "capi"
+    try:
+        ctypes.CDLL(str(capi / "libonnxruntime_providers_shared.so"), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(capi / "libonnxruntime_providers_cuda.so"))
+    except OSError as exc:
+        return f"onnxruntime's CUDA provider cannot load: {exc}"
+    return None
+
+
+def choose_providers(preference: str, cuda: CudaCheck | None = None) -> list[str]:
+    """Providers to ask onnxruntime for, best first. CPU is always the last resort.
+
+    `auto` asks for CUDA only where check_cuda() says it can work, so a CPU-only machine never
+    sees onnxruntime's provider errors; `cuda` always asks, and fails if it is not granted.
+    """
+    if preference == "cuda":
+        return [CUDA, CPU]
+    if preference == "auto" and (cuda or check_cuda()).usable:
         return [CUDA, CPU]
     return [CPU]
 
@@ -123,13 +186,20 @@ class OrtEncoder:
         self.manifest = bundle.manifest
         self.threads = intra_op_threads or available_cpus()
         options = _session_options(self.threads, inter_op_threads, allow_spinning)
-        requested = choose_providers(preference)
+        cuda = check_cuda() if preference != "cpu" else CudaCheck(False, "provider 'cpu' was asked for")
+        if preference == "cuda" and not cuda.usable:
+            raise RuntimeError(f"provider 'cuda' was required but CUDA cannot be used: {cuda.reason}")
+        requested = choose_providers(preference, cuda)
         self.full = OrtGraph(bundle.graph_path, OUTPUT_NAMES, "full", requested, options)
         self.provider = self.full.provider
+        # why this replica is not on CUDA, in one line (empty when it is)
+        self.provider_note = "" if self.provider == CUDA else (
+            cuda.reason or "onnxruntime could not create the CUDA provider (see its log above)"
+        )
         if preference == "cuda" and self.provider != CUDA:
-            raise RuntimeError(f"provider 'cuda' was required but the session runs on {self.provider}")
-        if CUDA in requested and self.provider != CUDA:
-            logger.warning("CUDA was requested but could not be created; running on %s", self.provider)
+            raise RuntimeError(f"provider 'cuda' was required but the session runs on {self.provider}: {self.provider_note}")
+        if preference == "auto" and self.provider != CUDA:
+            logger.info("CUDA not used: %s; running on %s", self.provider_note, self.provider)
         self._check_dims(self.full.shapes)
 
         self.precision_requested = precision

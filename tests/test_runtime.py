@@ -2,50 +2,81 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
+import re
 import shutil
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 
 from bundle.manifest import BundleError, file_entry, load_bundle
-from service.runtime import CPU, CUDA, OrtEncoder, choose_providers
+from service.runtime import CPU, CUDA, CudaCheck, OrtEncoder, check_cuda, choose_providers, cuda_provider_library_error
 
 
-def test_choose_providers_prefers_cuda_only_when_compiled_in():
-    assert choose_providers("auto", [CUDA, CPU]) == [CUDA, CPU]
-    assert choose_providers("cuda", [CUDA, CPU]) == [CUDA, CPU]
-    assert choose_providers("cpu", [CUDA, CPU]) == [CPU]
-    assert choose_providers("auto", [CPU]) == [CPU]
+def test_choose_providers_asks_for_cuda_only_where_it_can_work():
+    usable, unusable = CudaCheck(True), CudaCheck(False, "no GPU")
+    assert choose_providers("auto", usable) == [CUDA, CPU]
+    assert choose_providers("auto", unusable) == [CPU]
+    assert choose_providers("cuda", unusable) == [CUDA, CPU]  # asked for: tried, and its failure reported
+    assert choose_providers("cpu", usable) == [CPU]
 
 
 def cuda_really_works() -> bool:
-    """What the session can do, not what the wheel lists: create a tiny CUDA session."""
+    """What the machine can do, not what the wheel lists."""
     return torch.cuda.is_available()
 
 
-def test_without_a_usable_gpu_the_session_runs_on_cpu_and_says_so(default_bundle, caplog):
+def loadable(library: str) -> bool:
+    try:
+        ctypes.CDLL(library)
+        return True
+    except OSError:
+        return False
+
+
+def test_cuda_check_says_in_one_line_why_cuda_cannot_be_used():
+    check = check_cuda()
+    if cuda_really_works():
+        assert check.usable and check.reason == ""
+        return
+    assert not check.usable and check.reason and "\n" not in check.reason
+    if not loadable("libcuda.so.1"):
+        assert "libcuda.so.1 is not installed" in check.reason
+    # whichever library the provider's loader names as missing really is missing here
+    error = cuda_provider_library_error()
+    if error is not None:
+        missing = re.search(r"(lib[\w.+-]+\.so[\w.]*): cannot open shared object file", error)
+        assert missing, error
+        assert not loadable(missing.group(1)), f"{missing.group(1)} loads, yet was reported missing"
+
+
+def test_without_a_usable_gpu_auto_runs_on_cpu_quietly_and_says_why(default_bundle, caplog, capfd):
+    caplog.set_level(logging.INFO, logger="service.runtime")
     encoder = OrtEncoder(load_bundle(default_bundle), preference="auto")
     if cuda_really_works():
-        assert encoder.provider == CUDA
+        assert encoder.provider == CUDA and encoder.provider_note == ""
         return
-    # onnxruntime-gpu lists CUDA as available even here; the fallback is what is being proven
-    if CUDA in ort.get_available_providers():
-        assert "CUDA was requested but could not be created" in caplog.text
     assert encoder.provider == CPU
+    assert encoder.provider_note == check_cuda().reason
+    assert f"CUDA not used: {check_cuda().reason}; running on CPUExecutionProvider" in caplog.text
+    # nothing from onnxruntime's own logger: no red provider errors, no CUDA warnings
+    err = capfd.readouterr().err
+    assert "[E:onnxruntime" not in err and "[W:onnxruntime" not in err and "\x1b[1;31m" not in err, err
     encoder.smoke_test()
     out = encoder.run(np.array([[101, 2023, 102]]), np.ones((1, 3), dtype=np.int64), ["sentence_embedding"])
     assert out["sentence_embedding"].shape == (1, 384)
 
 
-def test_requiring_cuda_without_a_gpu_fails_loudly(default_bundle):
+def test_requiring_cuda_without_a_gpu_fails_with_the_real_reason(default_bundle):
     if cuda_really_works():
         assert OrtEncoder(load_bundle(default_bundle), preference="cuda").provider == CUDA
     else:
-        with pytest.raises(RuntimeError, match="provider 'cuda' was required but the session runs on CPUExecutionProvider"):
+        with pytest.raises(RuntimeError, match="provider 'cuda' was required but CUDA cannot be used: ") as info:
             OrtEncoder(load_bundle(default_bundle), preference="cuda")
+        assert check_cuda().reason in str(info.value)
 
 
 def test_cpu_preference_never_asks_for_cuda(default_bundle, caplog):
