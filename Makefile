@@ -18,6 +18,8 @@ EXPORT_ARGS ?=
 # extra flags for python -m service, e.g. SERVE_ARGS='--replicas 2 --port 9000'
 SERVE_ARGS ?=
 BENCH_ARGS ?=
+# `make bench PEERS=infinity` also measures infinity-emb in the same run (its own venv under results/peers/)
+PEERS ?=
 LOADTEST_ARGS ?=
 
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
@@ -60,7 +62,7 @@ run: bundle
 	$(BIN)/python -m service --config deploy/serve_config.yaml --bundle $(BUNDLE) $(SERVE_ARGS)
 
 bench: bundle
-	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) $(if $(PEERS),--peers $(PEERS)) $(BENCH_ARGS)
 
 # py-spy flame graphs of the proxy, ingress and encoder under single-text load (PROFILE_ARGS=--ingress haproxy)
 PROFILE_ARGS ?=
@@ -69,7 +71,7 @@ profile: bundle
 
 # the performance report: the benchmark with a concurrency sweep, then the plot in docs/
 report: bundle
-	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) --sweep $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) --sweep $(if $(PEERS),--peers $(PEERS)) $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.plot results/bench.json docs/performance.png
 
 # RELIABILITY.md from the fault tests' own records

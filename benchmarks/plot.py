@@ -23,9 +23,10 @@ def plot(data: dict, out: Path) -> Path:
     series: dict[str, list[tuple[int, float, float]]] = {}
     for r in rows:
         if r.get("per_request") == 1 and not r.get("short") and not r.get("mixed") and r.get("precision") == "fp32":
-            label = f"single texts, {r['ingress']}, batching {'on' if r['batching'] else 'off'}"
+            label = (f"single texts, {r['peer']} (peer)" if r.get("peer")
+                     else f"single texts, {r['ingress']}, batching {'on' if r['batching'] else 'off'}")
             series.setdefault(label, []).append((r["concurrency"], r["texts_s"], r["p99"]))
-    for (label, points), style in zip(sorted(series.items()), ("o-", "s--", "^-.", "d:"), strict=False):
+    for (label, points), style in zip(sorted(series.items()), ("o-", "s--", "^-.", "d:", "x-", "v--"), strict=False):
         conc, tput, p99 = zip(*sorted(points), strict=True)
         left.plot(conc, tput, style, label=label)
         right.plot(conc, p99, style, label=label)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import socket
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from benchmarks.wrk_load import run_wrk
 from service.config import INGRESS_ENV as SERVICE_INGRESS_ENV
 
 # Ray Serve switches per ingress choice (environment of the Ray processes, set before ray starts):
@@ -26,9 +28,34 @@ from service.config import INGRESS_ENV as SERVICE_INGRESS_ENV
 # themselves, gRPC between deployments), measured here but not offered by python -m service.
 INGRESS_ENV = {**SERVICE_INGRESS_ENV, "direct": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
 
+# the service's routes the load can go to: (path, the request's texts field)
+ROUTES = {"native": ("/v1/encode", "inputs"), "openai": ("/v1/embeddings", "input")}
+
+
+_taken: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free TCP port on loopback, below the kernel's ephemeral range: between choosing it and
+    binding it (Ray, HAProxy, a peer take seconds to start), a port the kernel hands out to any
+    process that binds port 0 (Ray's workers on a shared machine do) could be taken by another."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _taken.add(port)  # never handed out twice by this process
+        return port
+    with socket.socket() as s:  # fall back to one the kernel picks
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -37,8 +64,9 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-async def load(url: str, payloads: list[dict], concurrency: int) -> tuple[float, list[float], int]:
-    """Send payloads with `concurrency` clients; return wall time, latencies, and failures."""
+async def load(url: str, payloads: list[dict], concurrency: int, path: str = "/v1/encode") -> tuple[float, list[float], int]:
+    """POST payloads to `path` with `concurrency` httpx clients; return wall time, latencies, and
+    failures (answers other than 200)."""
     latencies: list[float] = []
     failures = 0
     queue: asyncio.Queue = asyncio.Queue()
@@ -52,7 +80,7 @@ async def load(url: str, payloads: list[dict], concurrency: int) -> tuple[float,
             while not queue.empty():
                 payload = queue.get_nowait()
                 started = time.perf_counter()
-                r = await client.post("/v1/encode", json=payload)
+                r = await client.post(path, json=payload)
                 latencies.append(time.perf_counter() - started)
                 failures += r.status_code != 200
 
@@ -65,20 +93,23 @@ COMPONENTS = (  # process title fragment -> component, first match wins
     ("ServeReplica:bench:Encoder", "encoder"),
     ("ServeReplica:bench:Ingress", "ingress"),
     ("ServeReplica:bench:Echo", "echo replica"),
+    ("ServeReplica:bench:", "replica"),  # any other deployment of the app
     ("ProxyActor", "proxy"),
     ("haproxy", "proxy"),
 )
 
 
 def cpu_seconds() -> dict[str, float]:
-    """CPU time (user + system) used so far by this machine's processes, by component.
+    """CPU time (user + system) used so far by this phase's processes, by component.
 
     Read from /proc: the load generator (this process), the Serve proxy, the ingress and
-    encoder replicas, and everything else Ray runs (GCS, raylet, controller, agents).
+    encoder replicas, and everything else Ray runs (GCS, raylet, controller, agents). Only this
+    process's descendants count (the Ray cluster it started): another Ray cluster on the same
+    machine (a test suite running beside the benchmark) is not ours.
     """
     tick = os.sysconf("SC_CLK_TCK")
-    totals: dict[str, float] = {}
     me = os.getpid()
+    procs: dict[int, tuple[int, str, float]] = {}  # pid -> (parent, command line, CPU seconds)
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -87,14 +118,43 @@ def cpu_seconds() -> dict[str, float]:
             fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(entry.name) == me:
+        procs[int(entry.name)] = (int(fields[1]), cmdline, (int(fields[11]) + int(fields[12])) / tick)
+
+    def ours(pid: int) -> bool:
+        seen = set()
+        while pid > 1 and pid not in seen:
+            if pid == me:
+                return True
+            seen.add(pid)
+            pid = procs[pid][0] if pid in procs else 0
+        return False
+
+    totals: dict[str, float] = {}
+    for pid, (_, cmdline, cpu) in procs.items():
+        if pid == me:
             component = "load generator"
-        elif "ray" not in cmdline and "haproxy" not in cmdline:
+        elif ("ray" not in cmdline and "haproxy" not in cmdline) or not ours(pid):
             continue
         else:
             component = next((c for fragment, c in COMPONENTS if fragment in cmdline), "ray system")
-        totals[component] = totals.get(component, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        totals[component] = totals.get(component, 0.0) + cpu
     return totals
+
+
+def process_group_cpu(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of one process group."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def padding_counters(metrics_url: str) -> tuple[float, float]:
@@ -145,6 +205,11 @@ def encoder_counters(url: str, spec: dict) -> dict:
 def run(spec: dict) -> list[dict]:
     for key, value in {**INGRESS_ENV[spec["ingress"]], **spec.get("env", {})}.items():
         os.environ[key] = value
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        # Ray's HAProxy also binds a stats and a metrics port, fixed by default (8404, 9101): free
+        # ones, so that another Serve-with-HAProxy on this machine cannot fail this one's start
+        for key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+            os.environ.setdefault(key, str(free_port()))
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep the local cluster on loopback
     import ray
     from ray import serve
@@ -166,21 +231,39 @@ def run(spec: dict) -> list[dict]:
         url = f"http://127.0.0.1:{port}"
         texts = spec["texts"]
         info = {} if spec.get("echo") else httpx.get(f"{url}/info", timeout=30).json()
-        asyncio.run(load(url, [{"inputs": t} for t in texts[:64]], 8))  # warm-up
+        fmt = {"encoding_format": spec["encoding_format"]} if spec.get("encoding_format") else {}
+        path, field = ROUTES[spec.get("route", "native")]
+        asyncio.run(load(url, [{field: [t], **fmt} for t in texts[:64]], 8, path=path))  # warm-up
         for scenario in spec["scenarios"]:
             if scenario.get("short"):
                 pool = [spec["short_text"]] * 200
             else:
                 pool = spec["mixed_texts"] if scenario.get("mixed") else texts
             per_request, concurrency = scenario["per_request"], scenario["concurrency"]
-            fmt = {"encoding_format": spec["encoding_format"]} if spec.get("encoding_format") else {}
-            payloads = [{"inputs": pool[i : i + per_request], **fmt} for i in range(0, len(pool), per_request)]
+            use_wrk = scenario.get("loadgen") == "wrk"
+            if use_wrk:  # one text per request, the body as a string: {"input": "..."}
+                if per_request != 1:
+                    raise ValueError("wrk scenarios send single texts")
+                wrk, bodies = spec["wrk"], [json.dumps({field: t, **fmt}) for t in dict.fromkeys(pool)]
+                if wrk.get("warmup_s"):
+                    run_wrk(url, path, bodies, concurrency, wrk["warmup_s"], threads=wrk.get("threads"))
+            else:
+                payloads = [{field: pool[i : i + per_request], **fmt} for i in range(0, len(pool), per_request)]
             if scenario.get("mixed"):
                 before = settled_counters(metrics_url)
             counters_before = encoder_counters(url, spec)
             cpu_before = cpu_seconds()
-            wall, latencies, failures = asyncio.run(load(url, payloads, concurrency))
+            if use_wrk:
+                measured = run_wrk(url, path, bodies, concurrency, wrk["duration_s"], threads=wrk.get("threads"))
+                n_texts, failures, texts_s = max(measured["requests"], 1), measured["failures"], measured["texts_s"]
+                p50, p95, p99 = measured["p50"], measured["p95"], measured["p99"]
+            else:
+                wall, latencies, failures = asyncio.run(load(url, payloads, concurrency, path=path))
+                n_texts, texts_s = len(pool), len(pool) / wall
+                p50, p95, p99 = (percentile(latencies, q) * 1000 for q in (50, 95, 99))
             cpu_after = cpu_seconds()
+            if use_wrk:  # wrk is a child process: its CPU is the load generator's too
+                cpu_after["load generator"] = cpu_after.get("load generator", 0.0) + measured["load_cpu_s"]
             counters_after = encoder_counters(url, spec)
             counters = {k: v - counters_before[k] for k, v in counters_after.items()}
             row = {
@@ -192,10 +275,12 @@ def run(spec: dict) -> list[dict]:
                 "concurrency": concurrency,
                 "short": bool(scenario.get("short")),
                 "mixed": bool(scenario.get("mixed")),
-                "texts_s": len(pool) / wall,
-                "p50": percentile(latencies, 50) * 1000,
-                "p95": percentile(latencies, 95) * 1000,
-                "p99": percentile(latencies, 99) * 1000,
+                "loadgen": "wrk" if use_wrk else "httpx",
+                "route": path,
+                "texts_s": texts_s,
+                "p50": p50,
+                "p95": p95,
+                "p99": p99,
                 "failures": failures,
                 **({"intra_op_threads": info["intra_op_threads"],
                     "concurrent_batches": info["batching"]["max_concurrent_batches"]} if info else {}),
@@ -205,7 +290,7 @@ def run(spec: dict) -> list[dict]:
                 "compute_ms_per_text": counters["compute_ms"] / max(counters["texts"], 1),
                 # CPU milliseconds per text, by component: where the machine's time went
                 "cpu_ms_per_text": {
-                    c: round((cpu_after.get(c, 0.0) - cpu_before.get(c, 0.0)) * 1000 / len(pool), 2)
+                    c: round((cpu_after.get(c, 0.0) - cpu_before.get(c, 0.0)) * 1000 / n_texts, 2)
                     for c in sorted(cpu_after)
                 },
             }
@@ -217,7 +302,7 @@ def run(spec: dict) -> list[dict]:
             extra = f", padding waste {row['padding_waste']:.1%}" if "padding_waste" in row else ""
             cpu = ", ".join(f"{c} {v:.1f}" for c, v in row["cpu_ms_per_text"].items())
             print(f"  {row['engine']}, concurrency {concurrency}: {row['texts_s']:.0f} texts/s, "
-                  f"p50 {row['p50']:.1f} ms{extra}; {row['texts_per_batch']:.1f} texts per batch, "
+                  f"failures {failures}, p50 {row['p50']:.1f} ms{extra}; {row['texts_per_batch']:.1f} texts per batch, "
                   f"{row['texts_per_ort_run']:.1f} per ORT run, compute {row['compute_ms_per_text']:.1f} ms per text; CPU ms per text: {cpu}", flush=True)
     finally:
         serve.shutdown()
