@@ -1,6 +1,6 @@
-"""The serving layer: Ray Serve deployments that batch HTTP requests onto onnxruntime sessions.
+"""The serving layer: one Ray Serve deployment whose replicas batch HTTP requests onto onnxruntime.
 
-Request path, a module per step: api.py (routes, validation) -> tokenization.py ->
-batching.py (the encoder deployment and its batch queue) -> runtime.py (onnxruntime) -> back.
-Never imports torch.
+Request path, a module per step: middleware.py -> routes_*.py (one per protocol: native, OpenAI,
+v2, ops) -> tokenization.py -> deployment.py (the replica and its batch queue) -> batching.py
+-> runtime.py (onnxruntime) -> responses.py. Never imports torch.
 """

@@ -2,6 +2,10 @@
 
 Settings come from the Serve config file (--config, default deploy/serve_config.yaml) and are
 overridden by flags. Exit code 1 with a one-line reason when the service cannot start.
+
+The terminal gets only what a user of the service needs: where it listens, where the metrics
+and logs are, which model, precision and execution provider, and how to stop it. Ray's own
+start-up and shutdown messages, and everything its processes print, go to a log file.
 """
 
 from __future__ import annotations
@@ -10,47 +14,50 @@ import argparse
 import os
 import signal
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 from pydantic import ValidationError
 
 from bundle.manifest import BundleError, load_bundle
-from service.config import INGRESS_ENV, ServiceSettings
+from service import processes
+from service.config import DEFAULT_INGRESS, INGRESS_ENV, ServiceSettings
 
 APP_NAME = "encoder"
 DEFAULT_CONFIG = Path("deploy/serve_config.yaml")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m service", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m service", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None,
                    help="Serve config file whose first application's args are the settings")
     p.add_argument("--bundle", type=Path, help="model bundle directory")
     p.add_argument("--host", help="HTTP host (default from the config, else 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default from the config, else 8000)")
-    p.add_argument("--replicas", type=int, dest="encoder_replicas", help="encoder replicas")
-    p.add_argument("--ingress-replicas", type=int)
-    p.add_argument("--encoder-num-cpus", type=float)
-    p.add_argument("--threads", type=int, dest="intra_op_threads", help="onnxruntime intra-op threads per replica")
+    p.add_argument("--replicas", type=int, help="a fixed number of replicas (instead of the config's autoscaling)")
+    p.add_argument("--replica-num-cpus", type=float, dest="num_cpus", help="Ray CPUs reserved per replica")
+    p.add_argument("--threads", type=int, dest="intra_op_threads", help="onnxruntime intra-op threads per session")
     p.add_argument("--provider", choices=["auto", "cuda", "cpu"])
     p.add_argument("--precision", choices=["fp32", "int8", "fp16"],
                    help="encodings graph for requests without attention weights (default fp32)")
     p.add_argument("--max-batch-tokens", type=int)
     p.add_argument("--batch-wait-timeout-s", type=float)
     p.add_argument("--sub-batch-tokens", type=int)
-    p.add_argument("--max-queued-requests", type=int, dest="encoder_max_queued_requests")
-    p.add_argument("--max-ongoing-requests", type=int, dest="encoder_max_ongoing_requests")
+    p.add_argument("--max-ongoing-requests", type=int, help="requests a replica holds before it answers 503")
+    p.add_argument("--max-queued-requests", type=int, help="requests Serve holds in front of a busy replica")
     p.add_argument("--request-timeout-s", type=float)
-    p.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
-    p.add_argument("--ingress", choices=sorted(INGRESS_ENV), default="proxy",
-                   help="HTTP ingress of a local cluster: Ray Serve's proxy actor (default) or HAProxy "
-                   "(measured faster for small requests; see README, Performance)")
+    p.add_argument("--num-cpus", type=int, dest="ray_num_cpus", help="CPUs Ray may use (default: all)")
+    p.add_argument("--ingress", choices=sorted(INGRESS_ENV), default=DEFAULT_INGRESS,
+                   help=f"HTTP ingress of a local cluster: HAProxy (default, measured fastest) or Ray Serve's "
+                   f"proxy actor (see README, Performance); default {DEFAULT_INGRESS}")
     p.add_argument("--metrics-port", type=int, default=8080,
                    help="Ray's Prometheus endpoint on 127.0.0.1 (every replica's metrics), for a local cluster")
+    p.add_argument("--log-file", type=Path,
+                   help="where Ray's own messages go (default: <tmp>/mha-encoder-service-<port>.log)")
     p.add_argument("--address", default="local",
                    help="Ray cluster: 'local' starts a private one on loopback (default); 'auto' joins a running one")
     return p.parse_args(argv)
@@ -70,105 +77,182 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
         if getattr(args, key) is not None:
             batching[key] = getattr(args, key)
     settings["batching"] = batching
-    for key in ("bundle", "encoder_replicas", "ingress_replicas", "encoder_num_cpus", "intra_op_threads",
-                "provider", "precision", "encoder_max_queued_requests", "encoder_max_ongoing_requests", "request_timeout_s"):
+    for key in ("bundle", "replicas", "num_cpus", "intra_op_threads", "provider", "precision",
+                "max_ongoing_requests", "max_queued_requests", "request_timeout_s"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     if args.host:
         http["host"] = args.host
     if args.port:
         http["port"] = args.port
-    if args.encoder_replicas is not None:
-        settings["encoder_autoscaling"] = None  # a fixed replica count asked for on the command line
+    if args.replicas is not None:
+        settings["autoscaling"] = None  # a fixed replica count asked for on the command line
     parsed = ServiceSettings.model_validate(settings).resolved()
     http.setdefault("request_timeout_s", parsed.request_timeout_s + 5)
     return parsed, http
 
 
+def free_the_port(port: int) -> str | None:
+    """Before a local start: the port must be free. A HAProxy that Ray Serve started for an earlier
+    cluster, which died without stopping it, still holds the port: stop it and say so. Anything
+    else holding the port is a reason to refuse."""
+    holders = processes.listening_pids(port)
+    stale = {p for p in holders if processes.left_behind(p)}
+    if holders - stale:
+        pid = min(holders - stale)
+        raise RuntimeError(f"port {port} is in use by pid {pid} ({' '.join(processes.cmdline(pid))[:80]}); "
+                           "stop it or pass --port")
+    if stale:
+        processes.stop(stale)
+        return f"stopped a HAProxy left behind by an earlier run on port {port} (pid {', '.join(map(str, sorted(stale)))})"
+    return None
+
+
+def quiet_std_streams(log_path: Path) -> tuple[TextIO, TextIO]:
+    """Send this process's stdout and stderr (Ray's warnings, Serve's INFO lines, and what Ray's
+    processes print, which Ray forwards here) to `log_path`; return streams to the terminal's."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    err = os.fdopen(os.dup(2), "w", buffering=1)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return out, err
+
+
+def summary(settings: ServiceSettings, http: dict, info: dict, args: argparse.Namespace, log_path: Path,
+            seconds: float) -> list[str]:
+    """The start-up lines: what a user needs to call, watch and stop the service."""
+    from service.middleware import load_token
+
+    url = f"http://{http['host']}:{http['port']}"
+    scaling = settings.autoscaling
+    replicas = (f"autoscaled {scaling.min_replicas}-{scaling.max_replicas}" if scaling
+                else f"{settings.replicas} replica{'s' if settings.replicas != 1 else ''}")
+    provider = f"{info['provider']}, {info['intra_op_threads']} onnxruntime thread(s) per session"
+    if info.get("provider_note"):
+        provider += f" (CUDA not used: {info['provider_note']})"
+    access = ("bearer token required on the inference routes" if load_token(settings) is not None
+              else f"open: no API token (set {settings.auth_token_env} or auth_token_file to require one)")
+    metrics = (info.get("metrics") or {}).get("prometheus_url") or "see Ray's metrics export port"
+    return [
+        f"serving {info['model']} at {url} ({args.ingress} ingress), ready in {seconds:.1f}s",
+        f"  model      {info['model']}: {info['precision']} encodings graph, full graph for attention; bundle {settings.bundle}",
+        f"  provider   {provider}",
+        f"  replicas   {replicas}, each holds up to {settings.max_ongoing_requests} requests, then 503 + Retry-After",
+        f"  metrics    {metrics} (Prometheus text, every replica on this node)",
+        f"  access     {access}",
+        f"  logs       {log_path} (Ray's own messages)",
+        f"  try        curl -s {url}/v1/embeddings -H 'content-type: application/json' -d '{{\"input\": \"hello\"}}'",
+        f"  info       {url}/info   API docs: {url}/docs",
+        "stop it with Ctrl-C or SIGTERM (in-flight requests finish first)",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.ingress != "proxy" and args.address != "local":
-        print("service refused to start: --ingress applies to a local cluster; on a running one set "
-              "RAY_SERVE_ENABLE_HA_PROXY=1 in the environment of its Ray processes", file=sys.stderr)
+    if args.ingress != DEFAULT_INGRESS and args.address != "local":
+        print("service refused to start: --ingress applies to a local cluster; on a running one set the ingress "
+              "in the environment of its Ray processes (README, Deploy)", file=sys.stderr)
         return 2
-    try:
-        settings, http = load_settings(args)
-        from service.runtime import preflight
-
-        preflight(load_bundle(settings.bundle), settings.precision)
-    except (ValidationError, BundleError, OSError, RuntimeError, yaml.YAMLError) as exc:
-        reason = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else str(exc).replace("\n", " ")
-        print(f"service refused to start: {reason}", file=sys.stderr)
-        return 1
-
-    if args.address == "local":
+    local = args.address == "local"
+    if local:
         # Ray picks the machine's network address for a local cluster and listens there (a
         # requested 127.0.0.1 is rewritten to it). This switch, read when ray is imported, makes
         # it use 127.0.0.1 instead, so GCS, raylet, agents, metrics and the proxy stay on loopback.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         # Ray Serve reads its ingress switch at import, in every Ray process; they inherit it from here.
         os.environ.update(INGRESS_ENV[args.ingress])
+        # Behind HAProxy a stopping replica stays open 30 s by default so that load balancers
+        # outside the cluster can deregister it; here the whole cluster stops together, and the
+        # node's own HAProxy is reconfigured in well under a second. In-flight requests still drain.
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+        # Ray's HAProxy also opens a stats page and a Prometheus endpoint on fixed ports (8404,
+        # 9101) of every interface; free ones keep two services on one machine from colliding.
+        for key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+            os.environ.setdefault(key, str(processes.free_port()))
+    # (set before anything below imports ray)
+    try:
+        settings, http = load_settings(args)
+        from service.middleware import load_token
+        from service.runtime import check_cuda, preflight
+
+        load_token(settings)  # an empty or unreadable token file refuses here
+        preflight(load_bundle(settings.bundle), settings.precision)
+        if args.address == "local":
+            if settings.provider == "cuda" and not check_cuda().usable:
+                raise RuntimeError(f"provider 'cuda' was asked for, but CUDA cannot be used: {check_cuda().reason}")
+            freed = free_the_port(int(http["port"]))
+            if freed:
+                print(freed, flush=True)
+    except (ValidationError, BundleError, OSError, RuntimeError, ValueError, yaml.YAMLError) as exc:
+        reason = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else str(exc).replace("\n", " ")
+        print(f"service refused to start: {reason}", file=sys.stderr)
+        return 1
+
+    log_path = args.log_file or Path(tempfile.gettempdir()) / f"mha-encoder-service-{http['port']}.log"
+    print(f"starting Ray and the service (bundle {settings.bundle}) ...", flush=True)
+    out, err = quiet_std_streams(log_path)
+
     import ray
     from ray import serve
 
     from service.app import build_app
 
     started = time.perf_counter()
-    print(f"starting Ray and the service (bundle {settings.bundle}) ...", flush=True)
-    # No dashboard and no Ray client server; the rest of Ray is on loopback (see above).
-    local = args.address == "local"
     # Ctrl-C in a terminal signals the whole foreground process group, Ray's raylet and GCS
     # included; if they die first, shutting Serve down hangs. Ray's processes inherit an ignored
     # SIGINT from here; this process takes SIGINT/SIGTERM back below and stops them in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ray.init(
         address=args.address,
-        num_cpus=args.num_cpus if local else None,
-        include_dashboard=False if local else None,
+        num_cpus=args.ray_num_cpus if local else None,
+        include_dashboard=False if local else None,  # no dashboard and no Ray client server
         _metrics_export_port=args.metrics_port if local else None,
         logging_level="WARNING",
         configure_logging=True,
     )
     # After ray.init: Ray installs its own SIGTERM handler there, which would abort the driver
-    # without shutting Serve down.
-    stop = threading.Event()
+    # without shutting Serve down. The handler only appends to a list: a handler that takes a
+    # lock (threading.Event.set) deadlocks when the signal lands while the main thread holds it.
+    signals: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: signals.append(signum))
     code = 0
+    spawned: set[int] = set()
     try:
         serve.start(http_options=http, logging_config={"enable_access_log": False})
         serve.run(build_app(settings), name=APP_NAME, route_prefix="/", logging_config={"enable_access_log": False})
         info = serve.get_deployment_handle("Encoder", APP_NAME).info.remote().result(timeout_s=60)
-        scaling = settings.encoder_autoscaling
-        replicas = (
-            f"encoder replicas autoscaled {scaling.min_replicas}-{scaling.max_replicas}"
-            if scaling else f"{settings.encoder_replicas} encoder replica(s)"
-        )
-        print(
-            f"serving {load_bundle(settings.bundle).manifest.model.name} at http://{http['host']}:{http['port']} "
-            f"on {info['provider']} ({info['precision']} encodings graph, {info['intra_op_threads']} intra-op "
-            f"threads, {replicas}) "
-            f"in {time.perf_counter() - started:.1f}s; Ctrl-C or SIGTERM stops it",
-            flush=True,
-        )
-        if local:
-            print(f"metrics (Prometheus text, every replica): http://127.0.0.1:{args.metrics_port}/metrics", flush=True)
-        while not stop.wait(1.0):
-            pass
-        print("stopping: draining in-flight requests ...", flush=True)
+        info["model"] = settings.model_name or load_bundle(settings.bundle).manifest.model.name
+        for line in summary(settings, http, info, args, log_path, time.perf_counter() - started):
+            print(line, file=out)
+        while not signals:
+            time.sleep(0.2)
+        print("stopping: draining in-flight requests ...", file=out)
+        spawned = processes.descendants(os.getpid())
         # Deleting the application first lets its replicas finish what they accepted (up to
         # graceful_shutdown_timeout_s) while the HTTP proxy still delivers the responses;
         # serve.shutdown() alone would stop the proxy with them and cut those responses off.
         serve.delete(APP_NAME)
     except Exception as exc:  # deployment failed: say why in one line
-        print(f"service failed to start: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"service failed to start: {first} (details: {log_path})", file=err)
         code = 1
     finally:
+        spawned |= processes.descendants(os.getpid())
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
-    print("stopped", flush=True)
+        # Ray Serve's HAProxy can outlive ray.shutdown() and keep the port; nothing of ours stays.
+        left = processes.stop({p for p in spawned if processes.alive(p)})
+        if left:
+            print(f"stopped {len(left)} process(es) Ray left behind", file=err)
+    print("stopped", file=out)
     return code
 
 

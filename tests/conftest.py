@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
+from service.config import DEFAULT_INGRESS, INGRESS_ENV
+from service.processes import free_port as _free_port
+
+# The test cluster runs as `make run` does: HAProxy in front (the default ingress), every Ray
+# process on loopback, and a short drain window for stopping replicas (python -m service sets the
+# same); Ray reads these when it is imported, in this process and in every Ray process it starts.
+for _key, _value in INGRESS_ENV[DEFAULT_INGRESS].items():
+    os.environ.setdefault(_key, _value)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+for _key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):  # not Ray's fixed 8404, 9101
+    os.environ.setdefault(_key, str(_free_port()))
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +93,7 @@ def deploy(settings_overrides: dict, name: str, route_prefix: str, bundle: Path)
 @pytest.fixture(scope="session")
 def service_url(ray_serve, default_bundle) -> str:
     """The default app, deployed as `make run` deploys it, at the root of the Serve proxy."""
-    deploy({"encoder_num_cpus": 1, "ingress_num_cpus": 0.5}, "encoder", "/", default_bundle)
+    deploy({"num_cpus": 1}, "encoder", "/", default_bundle)
     return ray_serve.url
 
 
@@ -95,3 +108,18 @@ def encoder_handle(service_url):
     from ray import serve
 
     return serve.get_deployment_handle("Encoder", "encoder")
+
+
+def wait_until(condition, what: str, timeout: float = 60, interval: float = 0.2):
+    """Poll `condition()` until it returns something truthy (returned), or fail after `timeout`
+    seconds saying what was awaited: tests wait for exactly what they assert, never for a guess."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what}; it did not happen")
+        time.sleep(interval)

@@ -15,7 +15,7 @@ TOKEN = "s3cret-token-for-tests"
 def secured(ray_serve, default_bundle, tmp_path_factory):
     token_file = tmp_path_factory.mktemp("secret") / "token"
     token_file.write_text(TOKEN + "\n")  # mounted secrets often end with a newline
-    deploy({"auth_token_file": str(token_file), "encoder_num_cpus": 0.5, "ingress_num_cpus": 0.25},
+    deploy({"auth_token_file": str(token_file), "num_cpus": 0.5},
            "secured", "/secured", default_bundle)
     yield f"{ray_serve.url}/secured"
     from ray import serve

@@ -240,10 +240,13 @@ def settings_of(config: dict) -> ServiceSettings:
 def test_serve_limits_are_sane(name):
     config = yaml.safe_load(load(name)["spec"]["serveConfigV2"])
     s = settings_of(config)
-    # a batch can only fill with as many requests in flight as it has room for
-    assert s.encoder_max_ongoing_requests >= s.batching.max_sub_batch_size
-    assert s.encoder_max_ongoing_requests >= s.batching.max_concurrent_batches
-    assert 0 < s.encoder_max_queued_requests < 100_000 and 0 < s.ingress_max_queued_requests < 100_000
+    # a batch can only fill with as many requests in flight as a replica holds
+    assert s.max_ongoing_requests >= s.batching.max_sub_batch_size
+    assert s.max_ongoing_requests >= s.batching.max_concurrent_batches
+    # Serve lets past the replica's own limit, so overload is refused by the replica (JSON), and
+    # its queue is bounded
+    assert s.serve_max_ongoing_requests > s.max_ongoing_requests
+    assert 0 < s.max_queued_requests < 100_000
     for _, template in pod_templates(load(name)):
         assert s.graceful_shutdown_timeout_s < template["spec"]["terminationGracePeriodSeconds"]
 
@@ -270,7 +273,7 @@ def test_serve_config_import_path_and_args_are_real():
 
         assert builder is build_app
         settings = settings_of({"applications": [app]})
-        assert settings.encoder_autoscaling is not None and settings.encoder_autoscaling.max_replicas >= 1
+        assert settings.autoscaling is not None and settings.autoscaling.max_replicas >= 1
 
 
 def test_serve_config_args_with_a_typo_are_refused():

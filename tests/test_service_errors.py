@@ -67,13 +67,15 @@ def test_service_still_answers_after_bad_requests(client):
 
 
 def test_overload_is_refused_at_once_with_retry_after(ray_serve, default_bundle):
-    """Tight limits (1 in flight, 1 queued): a burst gets 503 + Retry-After, accepted requests finish."""
+    """Tight limits (a replica holds 1 request): a burst gets 503 + Retry-After at once, from the
+    replica, with the JSON error body; accepted requests finish."""
     deploy(
-        {"encoder_max_ongoing_requests": 1, "encoder_max_queued_requests": 1, "encoder_num_cpus": 1,
-         "ingress_num_cpus": 0.5, "retry_after_s": 2, "batching": {"max_concurrent_batches": 1}},
+        {"max_ongoing_requests": 1, "max_queued_requests": 16, "num_cpus": 1, "retry_after_s": 2,
+         "batching": {"max_concurrent_batches": 1}},
         "tight", "/tight", default_bundle,
     )
-    heavy = {"inputs": [f"sentence {i} " + "with many words " * 30 for i in range(32)]}
+    # seconds of work for the one admitted request, so that "at once" is far apart from "after queueing"
+    heavy = {"inputs": [f"sentence {i} " + "with many words " * 90 for i in range(60)]}
 
     def one(_: int) -> tuple[int, float, httpx.Response]:
         started = time.perf_counter()
@@ -100,7 +102,7 @@ def test_overload_is_refused_at_once_with_retry_after(ray_serve, default_bundle)
     from tests.reliability import record
 
     serve.delete("tight")  # give its CPUs back to the apps that later tests deploy
-    record("overload burst", "10 concurrent 32-text requests against max 1 in flight + 1 queued",
+    record("overload burst", "10 concurrent 60-text requests against a replica that holds 1",
            {"200": statuses.count(200), "503 + Retry-After": statuses.count(503)}, None,
            note=f"refusals at once (slowest refusal {max(t for t, _ in refused):.2f} s); healthy right after")
     print(f"\noverload burst: {statuses.count(200)} accepted, {statuses.count(503)} refused with 503")

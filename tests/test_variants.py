@@ -78,7 +78,7 @@ def test_runtime_routes_by_output_and_fp16_falls_back_to_fp32_on_cpu(default_bun
 
 
 def test_service_routes_attention_requests_to_the_full_graph_and_serves_int8(ray_serve, service_url, metrics_url, default_bundle):
-    deploy({"precision": "int8", "encoder_num_cpus": 0.5, "ingress_num_cpus": 0.25}, "int8", "/int8", default_bundle)
+    deploy({"precision": "int8", "num_cpus": 0.5}, "int8", "/int8", default_bundle)
     try:
         app = {"application": "int8"}
 

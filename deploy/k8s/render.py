@@ -14,6 +14,8 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # run as a script: the repo root, for service.config
+from service.config import DEFAULT_INGRESS, INGRESS_ENV  # noqa: E402
 SERVE_CONFIG = HERE.parent / "serve_config.yaml"
 IMAGE = "REGISTRY/mha-encoder:0.1.0"  # replace REGISTRY with yours (README, "Deploy to Kubernetes")
 RAY_VERSION = "2.60.0"
@@ -29,6 +31,9 @@ ENV = [
     # Serve binds to 127.0.0.1 by default (right for `make run`); in a pod it must face the pod network.
     {"name": "RAY_SERVE_DEFAULT_HTTP_HOST", "value": "0.0.0.0"},
     {"name": "HF_HUB_OFFLINE", "value": "1"},
+    # HAProxy in front of the replicas on every node, as under `make run`: the ingress measured
+    # fastest (README, Performance). Ray Serve reads these when each Ray process starts.
+    *({"name": k, "value": v} for k, v in INGRESS_ENV[DEFAULT_INGRESS].items()),
 ]
 # Liveness asks the raylet (is Ray alive?), never the model: a replica that is still loading
 # must not get its pod killed. Readiness asks the service: ready only when an encoder answers.

@@ -1,0 +1,239 @@
+"""The one Serve deployment: a replica parses the request, tokenizes it, batches it with others
+and runs the model itself, with no second Ray hop (measured: the hop cost more CPU per
+single-text request than the model).
+
+HTTP -> middlewares (metrics, auth, admission, body limit) -> route (routes_*.py) -> validation
+-> tokenization -> `@serve.batch` queue (token budget) -> BatchRunner (length-sorted sub-batches,
+onnxruntime in a worker thread) -> response.
+
+Everything the routes call is defined in modules imported above the deployment class: serve.ingress
+snapshots the FastAPI app (with its routes' globals) when the class is decorated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from fastapi import Request
+from ray import serve
+
+from bundle.manifest import load_bundle
+from service.batching import BatchRunner, EncodeJob, EncodeResult, intra_op_threads, job_tokens
+from service.config import BatchingSettings, ServiceSettings
+from service.errors import BackendError, ClientGone, InvalidRequest, NotReady, ServiceError, Timeout, TooLarge
+from service.http_app import app
+from service.metrics import node_metrics_url, refresh_periodically, service_metrics
+from service.middleware import AdmissionMiddleware, BearerAuthMiddleware, MetricsMiddleware, configure
+from service.routes_native import NativeRoutes
+from service.routes_openai import OpenAIRoutes
+from service.routes_ops import OpsRoutes
+from service.routes_v2 import V2Routes
+from service.runtime import OrtEncoder
+from service.schemas import as_list
+from service.tokenization import TextTokenizer, TokenizedText
+
+logger = logging.getLogger("ray.serve")
+
+# Requests up to this many characters are tokenized on the event loop: a hop to a worker thread
+# costs more than tokenizing a few sentences does.
+INLINE_TOKENIZE_CHARS = 2048
+
+
+@serve.deployment(name="Encoder")
+@serve.ingress(app)
+class Encoder(NativeRoutes, OpenAIRoutes, V2Routes, OpsRoutes):
+    """A replica: the FastAPI routes, the tokenizer, the batch queue and the onnxruntime sessions."""
+
+    def __init__(self, settings: ServiceSettings) -> None:
+        started = time.perf_counter()
+        self.settings = settings
+        bundle = load_bundle(settings.bundle)
+        self.manifest = bundle.manifest
+        self.model = bundle.manifest.model
+        self.bundle_sha256 = bundle.sha256
+        self.name = settings.model_name or self.model.name
+        self.tokenizer = TextTokenizer(bundle.tokenizer_path, self.model.max_tokens)
+        self.runtime = OrtEncoder(
+            bundle, settings.provider, intra_op_threads(settings), settings.inter_op_threads, settings.allow_spinning,
+            settings.precision,
+        )
+        self.batching = settings.batching
+        self.runner = BatchRunner(self.runtime, self.manifest, self.batching)
+        # Wrapped here rather than decorated on the class, so that every knob, including
+        # max_concurrent_batches, comes from the settings object.
+        self._batched = serve.batch(
+            max_batch_size=self.batching.max_batch_tokens,
+            batch_wait_timeout_s=self.batching.batch_wait_timeout_s,
+            max_concurrent_batches=self.batching.max_concurrent_batches,
+            batch_size_fn=job_tokens,
+        )(self._run_batch)
+        self.healthy = True
+        configure(settings)
+        if BearerAuthMiddleware.token is None:
+            logger.warning("no API token configured (%s / auth_token_file): inference routes are open", settings.auth_token_env)
+        if settings.warmup:
+            self.runner.warm_up()
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.node_id = _node_id()
+        self.metrics_url = node_metrics_url()
+        metrics = service_metrics()
+        info_tags = {"model": self.name, "bundle_sha256": bundle.sha256, "provider": self.runtime.provider}
+
+        def refresh() -> None:  # Ray drops gauges that are not set again
+            metrics.model_info.set(1, tags=info_tags)
+            metrics.in_flight.set(MetricsMiddleware.in_flight)
+
+        refresh_periodically(refresh)
+        logger.info(
+            "replica ready: model %s, provider %s, graphs %s and %s, %d intra-op threads, bundle %s (%.1fs)",
+            self.name, self.runtime.provider, self.runtime.full.label, self.runtime.fast.label,
+            self.runtime.threads, settings.bundle, time.perf_counter() - started,
+        )
+
+    # ---- Serve's hooks ----
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Apply batching knobs from the Serve config's user_config without a restart."""
+        merged = self.settings.batching.model_dump() | (user_config or {})
+        self.batching = BatchingSettings(**merged)
+        self.runner.batching = self.batching
+        self._batched.set_max_batch_size(self.batching.max_batch_tokens)
+        self._batched.set_batch_wait_timeout_s(self.batching.batch_wait_timeout_s)
+
+    def check_health(self) -> None:
+        """Called by Serve periodically: a tiny real inference, so a broken session restarts the replica."""
+        try:
+            self.runtime.smoke_test()
+        except Exception:
+            self.healthy = False  # readiness says so until Serve replaces this replica
+            raise
+
+    def info(self) -> dict:
+        """What this replica runs and has done (counters are per replica); also callable by handle."""
+        return {
+            "replica_id": self.replica_id,
+            "node_id": self.node_id,
+            "pid": os.getpid(),
+            "provider": self.runtime.provider,
+            "provider_note": self.runtime.provider_note,
+            "intra_op_threads": self.runtime.threads,
+            "precision": self.runtime.precision,
+            "precision_requested": self.runtime.precision_requested,
+            "graphs": {"attentions": self.runtime.full.label, "encodings": self.runtime.fast.label},
+            "ort_runs_by_graph": dict(self.runner.runs_by_graph),
+            "batching": self.batching.model_dump(),
+            "counters": dict(self.runner.counters),
+            "load": {
+                "requests_in_flight": MetricsMiddleware.in_flight,
+                "inference_requests": AdmissionMiddleware.pending,
+                "inference_requests_admitted": AdmissionMiddleware.admitted,
+                "batches_running": self.runner.running,
+            },
+            "metrics": {"prometheus_url": self.metrics_url, "node_id": self.node_id},
+        }
+
+    # ---- the request path's shared steps ----
+
+    def _check_ready(self) -> None:
+        if not self.healthy:
+            raise NotReady("this replica's onnxruntime session failed its health check; it is being replaced",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def _texts(self, inputs: str | list[str]) -> list[str]:
+        texts = as_list(inputs)
+        if len(texts) > self.settings.max_inputs:
+            raise TooLarge(f"{len(texts)} inputs; at most {self.settings.max_inputs} per request")
+        for i, text in enumerate(texts):
+            if len(text) > self.settings.max_text_chars:
+                raise TooLarge(f"input {i} has {len(text)} characters; the limit is {self.settings.max_text_chars}")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # JSON allows "\ud800"; the tokenizer does not
+                raise InvalidRequest(f"input {i} is not valid Unicode: {exc.reason} at character {exc.start}") from None
+        return texts
+
+    async def _tokenize(self, texts: list[str], truncate: bool, route: str, limit_tokens: bool = True) -> list[TokenizedText]:
+        """The whole request in one batch call of the tokenizer; off the event loop when it is large."""
+        started = time.perf_counter()
+        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
+            tokenized = self.tokenizer.encode(texts, truncate)
+        else:
+            tokenized = await asyncio.to_thread(self.tokenizer.encode, texts, truncate)
+        service_metrics().duration.observe(time.perf_counter() - started, tags={"route": route, "stage": "tokenization"})
+        total = sum(t.n_tokens for t in tokenized)
+        if limit_tokens and total > self.settings.batching.max_batch_tokens:
+            raise TooLarge(
+                f"request has {total} tokens; at most {self.settings.batching.max_batch_tokens} per request "
+                "(split it into smaller requests)"
+            )
+        return tokenized
+
+    def _check_response_size(self, n_bytes: int) -> None:
+        if n_bytes > self.settings.max_response_bytes:
+            raise TooLarge(
+                f"the response would be about {n_bytes} bytes; the limit is {self.settings.max_response_bytes} "
+                "(ask for fewer texts, layers or heads, or base64 float16)"
+            )
+
+    def _indexes(self, requested: list[int] | None, count: int, what: str) -> tuple[int, ...]:
+        if requested is None:
+            return tuple(range(count))
+        bad = [i for i in requested if not 0 <= i < count]
+        if bad:
+            raise InvalidRequest(f"unknown {what} index {bad[0]}: the model has {count} {what}s (0..{count - 1})")
+        if len(set(requested)) != len(requested):
+            raise InvalidRequest(f"duplicate {what} indexes in {requested}")
+        return tuple(requested)
+
+    async def _infer(self, job: EncodeJob, request: Request) -> EncodeResult:
+        """One request's job through the batch queue, within the request timeout.
+
+        A request that times out, or whose client goes away, is cancelled; Serve's batch queue
+        drops cancelled requests before a batch runs, so nobody's text is computed for nothing.
+        Behind HAProxy the replica's own HTTP server does not cancel a handler whose client left,
+        so the disconnect is watched for here.
+        """
+        job.enqueued = time.perf_counter()
+        result = asyncio.ensure_future(self._batched(job) if self.batching.enabled else self._run_one(job))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({result, gone}, timeout=self.settings.request_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not result.done():
+                result.cancel()  # timed out, client gone, or this handler cancelled by Serve
+        if result not in done:
+            if gone in done:
+                raise ClientGone("the client closed the connection before the result was ready")
+            raise Timeout(f"inference did not finish within {self.settings.request_timeout_s:g}s")
+        try:
+            return result.result()
+        except ServiceError:
+            raise
+        except Exception as exc:  # the batch failed (a broken session): one error for its requests
+            logger.warning("batch failed: %s: %s", type(exc).__name__, exc)
+            raise BackendError(f"inference failed ({type(exc).__name__}); the request can be retried") from None
+
+    async def _run_one(self, job: EncodeJob) -> EncodeResult:
+        return (await self._run_batch([job]))[0]
+
+    async def _run_batch(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
+        """The batch method, list in, list out: computed off the event loop (onnxruntime releases the GIL)."""
+        return await asyncio.to_thread(self.runner.compute, jobs)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the request's body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()

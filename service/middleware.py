@@ -1,0 +1,213 @@
+"""Pure-ASGI middlewares around every route, outermost first: metrics, bearer auth, admission
+(overload shedding), body limit.
+
+Their settings are class attributes, set by the deployment when a replica starts: Ray Serve
+pickles the ingress's FastAPI app by value, module variables its functions read included, while
+these classes are imported by reference, so every reader in the replica sees the same values.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import time
+from typing import Any
+
+from service.config import ServiceSettings
+from service.errors import error_response
+from service.metrics import service_metrics, status_class
+
+_REASON_BY_STATUS = {401: "unauthorized", 404: "not_found", 408: "timeout", 413: "too_large", 422: "validation",
+                     429: "overloaded", 503: "overloaded"}
+
+
+def is_inference(method: str, path: str) -> bool:
+    """The routes that run the model (and so need a token, and count against admission)."""
+    return method == "POST" and (path.startswith("/v1/") or (path.startswith("/v2/models/") and path.endswith("/infer")))
+
+
+def app_path(scope: dict) -> str:
+    """The request path inside the application (without a route prefix it is mounted under)."""
+    path = scope.get("path", "")
+    root = scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+class MetricsMiddleware:
+    """Counts every request by route template and status, its total time, in-flight requests,
+    failures by reason, and response bytes (the routes report bytes per output kind)."""
+
+    in_flight = 0  # requests inside this replica's app now
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        metrics = service_metrics()
+        started = time.perf_counter()
+        status = 500
+        sent = 0
+        MetricsMiddleware.in_flight += 1
+        metrics.in_flight.set(MetricsMiddleware.in_flight)
+
+        async def counting_send(message: dict) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            MetricsMiddleware.in_flight -= 1
+            metrics.in_flight.set(MetricsMiddleware.in_flight)
+            # set by the app's route dependency (or an error handler): the template, so label values stay few
+            route = scope.get("route_template", "unmatched")
+            metrics.requests.inc(tags={"route": route, "status_class": status_class(status)})
+            metrics.duration.observe(time.perf_counter() - started, tags={"route": route, "stage": "total"})
+            if status >= 400:
+                reason = scope.get("failure_reason") or _REASON_BY_STATUS.get(status, "backend")
+                metrics.failures.inc(tags={"route": route, "reason": reason})
+            kinds: dict[str, int] = scope.get("response_kinds") or {}
+            for kind, n in kinds.items():
+                if n > 0:
+                    metrics.response_bytes.inc(n, tags={"route": route, "kind": kind})
+            other = sent - sum(kinds.values())
+            if other > 0:
+                metrics.response_bytes.inc(other, tags={"route": route, "kind": "other"})
+
+
+class BearerAuthMiddleware:
+    """Optional bearer-token authentication of the inference routes.
+
+    Health, readiness, model metadata, /info and the docs stay open (probes and scrapers carry
+    no token). A missing or wrong token is a 401 before the body is read: nothing reaches the
+    tokenizer or the model. Tokens are compared in constant time.
+    """
+
+    token: bytes | None = None  # None: authentication off
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        token = BearerAuthMiddleware.token
+        if scope["type"] != "http" or token is None or not is_inference(scope.get("method", ""), app_path(scope)):
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, provided = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(provided.strip(), token):
+            return await self.app(scope, receive, send)
+        scope["failure_reason"] = "unauthorized"
+        response = error_response(
+            401, "unauthorized", "missing or invalid bearer token", {"WWW-Authenticate": 'Bearer realm="encoder"'}
+        )
+        await response(scope, receive, send)
+
+
+class AdmissionMiddleware:
+    """Overload shedding: at most `limit` inference requests inside this replica (waiting for a
+    batch or in one); the next is refused at once with 503 + Retry-After, before its body is read.
+
+    Health, readiness and /info are never refused, so probes tell the truth under load.
+    """
+
+    limit = 128
+    retry_after_s = 1
+    pending = 0  # inference requests admitted and not yet answered
+    admitted = 0  # inference requests admitted since the replica started
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not is_inference(scope.get("method", ""), app_path(scope)):
+            return await self.app(scope, receive, send)
+        if AdmissionMiddleware.pending >= AdmissionMiddleware.limit:
+            scope["failure_reason"] = "overloaded"
+            response = error_response(
+                503, "overloaded",
+                f"this replica holds {AdmissionMiddleware.limit} requests already; retry later",
+                {"Retry-After": str(AdmissionMiddleware.retry_after_s)},
+            )
+            return await response(scope, receive, send)
+        AdmissionMiddleware.pending += 1
+        AdmissionMiddleware.admitted += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            AdmissionMiddleware.pending -= 1
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over the limit with 413, whether or not Content-Length is sent.
+
+    The body is counted as it streams in and never buffered past the limit.
+    """
+
+    limit = 8 * 1024 * 1024
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = BodyLimitMiddleware.limit
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._refuse(scope, receive, send, limit)
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return await self._refuse(scope, receive, send, limit)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(scope: dict, receive: Any, send: Any, limit: int) -> None:
+        response = error_response(413, "too_large", f"request body is larger than the limit of {limit} bytes")
+        await response(scope, receive, send)
+
+
+def load_token(settings: ServiceSettings) -> bytes | None:
+    """The API token: from the file named in the settings (a mounted secret), else from the
+    environment variable named in the settings; None when neither is set (authentication off)."""
+    if settings.auth_token_file is not None:
+        token = settings.auth_token_file.read_text().strip()
+        if not token:
+            raise ValueError(f"{settings.auth_token_file}: the token file is empty")
+        return token.encode()
+    value = os.environ.get(settings.auth_token_env, "").strip()
+    return value.encode() if value else None
+
+
+def configure(settings: ServiceSettings) -> None:
+    """Apply the settings to the middlewares of this replica."""
+    BodyLimitMiddleware.limit = settings.max_body_bytes
+    BearerAuthMiddleware.token = load_token(settings)
+    AdmissionMiddleware.limit = settings.max_ongoing_requests
+    AdmissionMiddleware.retry_after_s = settings.retry_after_s

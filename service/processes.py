@@ -1,0 +1,116 @@
+"""Processes and ports, read from /proc: who holds a port, what a process started, and Ray's
+HAProxy children that outlive their cluster (they keep the port, and the next start fails)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port free on every interface right now (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below pid (Ray's GCS, raylet, workers and their HAProxy are below the driver)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None:
+                children.setdefault(stat[1], []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def listening_pids(port: int) -> set[int]:
+    """Processes with a TCP socket listening on `port` (any address)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(fields[9])
+    pids = set()
+    if not inodes:
+        return pids
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    pids.add(int(entry.name))
+                    break
+        except OSError:
+            continue
+    return pids
+
+
+def is_ray_haproxy(pid: int) -> bool:
+    """A HAProxy that Ray Serve started (its config lies under Ray Serve's haproxy-serve directory)."""
+    args = cmdline(pid)
+    return bool(args) and Path(args[0]).name == "haproxy" and any("haproxy-serve" in a for a in args[1:])
+
+
+def left_behind(pid: int) -> bool:
+    """A Ray Serve HAProxy whose manager (the `ray::HAProxyManager` actor that started it) is gone."""
+    stat = _stat(pid)
+    if stat is None or not is_ray_haproxy(pid):
+        return False
+    parent = cmdline(stat[1])
+    return not (alive(stat[1]) and parent and parent[0].startswith("ray::HAProxyManager"))
+
+
+def stop(pids: set[int], timeout: float = 5.0) -> set[int]:
+    """SIGTERM, then SIGKILL what is still there after `timeout`; returns the pids that were running."""
+    running = {p for p in pids if alive(p)}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in running:
+            try:
+                os.kill(p, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        while any(alive(p) for p in running) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not any(alive(p) for p in running):
+            break
+    return running

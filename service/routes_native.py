@@ -1,0 +1,101 @@
+"""The native routes: /v1/encode (embeddings, token encodings, tokens, attention weights) and
+/v1/tokenize.
+
+No `from __future__ import annotations` in route modules: FastAPI must see real annotation
+objects on the route methods that Ray Serve's ingress rebinds onto the deployment.
+"""
+
+from typing import Any
+
+from fastapi import Request
+
+from service.batching import EncodeJob
+from service.http_app import ERROR_RESPONSES, app
+from service.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, encode_array
+from service.schemas import EncodeRequest, EncodeResponse, TokenizeRequest, TokenizeResponse
+from service.tokenization import TokenizedText, token_list
+
+
+def encode_size(body: EncodeRequest, tokenized: list[TokenizedText], attention, hidden_size: int) -> int:
+    """An upper bound of a /v1/encode response's size, computed before any inference is spent."""
+    floats = 0
+    for t in tokenized:
+        floats += hidden_size if body.embedding else 0
+        floats += t.n_tokens * hidden_size if body.token_embeddings else 0
+    size = floats * JSON_FLOAT_BYTES + 100 * len(tokenized)
+    if body.tokens:
+        size += sum(t.n_tokens for t in tokenized) * 80
+    if attention is not None:
+        per_value = JSON_FLOAT_BYTES
+        if body.attention.format == "base64":
+            per_value = (2 if body.attention.dtype == "float16" else 4) * 4 / 3
+        size += int(sum(len(attention[0]) * len(attention[1]) * t.n_tokens**2 for t in tokenized) * per_value)
+    return size
+
+
+class NativeRoutes:
+    """Routes of our own API; the shared steps (_texts, _tokenize, _infer, ...) are the deployment's."""
+
+    @app.post("/v1/encode", response_model=EncodeResponse, responses=ERROR_RESPONSES)
+    async def encode(self, body: EncodeRequest, request: Request) -> JSONResponse:
+        """Embeddings, token encodings, tokens with offsets, attention weights."""
+        texts = self._texts(body.inputs)
+        attention = None
+        if body.attention is not None:
+            attention = (
+                self._indexes(body.attention.layers, self.model.num_layers, "layer"),
+                self._indexes(body.attention.heads, self.model.num_heads, "head"),
+            )
+        tokenized = await self._tokenize(texts, body.truncate, "/v1/encode")
+        self._check_response_size(encode_size(body, tokenized, attention, self.model.hidden_size))
+        normalize = self.model.normalize if body.normalize is None else body.normalize
+        job = EncodeJob(
+            route="/v1/encode",
+            ids=[t.ids for t in tokenized],
+            normalize=normalize,
+            want_embedding=body.embedding,
+            want_hidden=body.token_embeddings,
+            attention=attention,
+        )
+        result = await self._infer(job, request)
+        kinds = KindCounter()
+        data = []
+        for i, tok in enumerate(tokenized):
+            item: dict[str, Any] = {"index": i, "n_tokens": tok.n_tokens}
+            if body.embedding:
+                item["embedding"] = kinds.fragment(
+                    "embedding", encode_array(result.embeddings[i], body.encoding_format, "float32")
+                )
+            if body.token_embeddings:
+                item["token_embeddings"] = kinds.fragment(
+                    "token_embeddings", encode_array(result.hidden[i], body.encoding_format, "float32")
+                )
+            if body.tokens:
+                item["tokens"] = kinds.fragment("tokens", token_list(tok.encoding))
+            if attention is not None:
+                spec = body.attention
+                item["attention"] = {
+                    "layers": list(attention[0]),
+                    "heads": list(attention[1]),
+                    "shape": list(result.attentions[i].shape),
+                    "dtype": spec.dtype,
+                    "format": spec.format,
+                    "data": kinds.fragment("attention", encode_array(result.attentions[i], spec.format, spec.dtype)),
+                }
+            data.append(item)
+        usage = {"tokens": sum(t.n_tokens for t in tokenized)}
+        kinds.report(request)
+        return JSONResponse({"model": self.name, "data": data, "usage": usage})
+
+    @app.post("/v1/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> JSONResponse:
+        """Tokens, ids and character offsets, exactly as /v1/encode sees them."""
+        texts = self._texts(body.inputs)
+        tokenized = await self._tokenize(texts, body.truncate, "/v1/tokenize", limit_tokens=False)
+        kinds = KindCounter()
+        data = [
+            {"index": i, "tokens": kinds.fragment("tokens", token_list(t.encoding)), "truncated": t.truncated}
+            for i, t in enumerate(tokenized)
+        ]
+        kinds.report(request)
+        return JSONResponse({"model": self.name, "data": data})

@@ -1,0 +1,236 @@
+"""The Open Inference Protocol v2 (KServe / Triton): server and model metadata, health, and
+inference with JSON or binary tensors (the binary tensor data extension `tritonclient` uses).
+
+No `from __future__ import annotations` (see routes_native.py).
+"""
+
+import struct
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from service.batching import EncodeJob, EncodeResult
+from service.errors import InvalidRequest, NotFound
+from service.http_app import ERROR_RESPONSES, SERVER_NAME, SERVER_VERSION, app, describe
+from service.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter
+from service.schemas import V2InferRequest, V2ModelMetadata
+from service.tokenization import TokenizedText
+
+V2_INPUT = "text"
+V2_OUTPUTS = ("sentence_embedding", "last_hidden_state", "attention_mask", "attentions")
+V2_DEFAULT_OUTPUTS = ("sentence_embedding", "last_hidden_state", "attention_mask")
+
+
+def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, bytes]:
+    """Split a v2 body into its JSON header and binary tail (binary tensor data extension)."""
+    if header_len is not None:
+        if not header_len.isdigit() or int(header_len) > len(raw):
+            raise InvalidRequest(f"Inference-Header-Content-Length {header_len!r} does not fit a {len(raw)}-byte body")
+        json_part, binary = raw[: int(header_len)], raw[int(header_len) :]
+    else:
+        json_part, binary = raw, b""
+    try:
+        return V2InferRequest.model_validate_json(json_part), binary
+    except ValidationError as exc:
+        raise InvalidRequest(describe(list(exc.errors()))) from None
+
+
+def _v2_texts(req: V2InferRequest, binary: bytes) -> list[str]:
+    """The texts of the single BYTES input, from JSON data or binary length-prefixed strings."""
+    if len(req.inputs) != 1 or req.inputs[0].name != V2_INPUT:
+        raise InvalidRequest(f"expected exactly one input named {V2_INPUT!r} (BYTES, shape [n])")
+    tensor = req.inputs[0]
+    if tensor.datatype != "BYTES":
+        raise InvalidRequest(f"input {V2_INPUT!r} must have datatype BYTES, got {tensor.datatype}")
+    count = int(np.prod(tensor.shape)) if tensor.shape else 0
+    if len(tensor.shape) not in (1, 2) or (len(tensor.shape) == 2 and tensor.shape[1] != 1) or count < 1:
+        raise InvalidRequest(f"input {V2_INPUT!r} must have shape [n] or [n, 1] with n >= 1, got {tensor.shape}")
+    binary_size = (tensor.parameters or {}).get("binary_data_size")
+    if binary_size is not None:
+        if not isinstance(binary_size, int) or binary_size != len(binary):
+            raise InvalidRequest(f"binary_data_size {binary_size} does not match the {len(binary)} bytes sent")
+        items, offset = [], 0
+        while offset < len(binary):
+            if offset + 4 > len(binary):
+                raise InvalidRequest("truncated BYTES element in binary data")
+            (length,) = struct.unpack_from("<I", binary, offset)
+            offset += 4
+            if offset + length > len(binary):
+                raise InvalidRequest("truncated BYTES element in binary data")
+            items.append(binary[offset : offset + length])
+            offset += length
+    else:
+        items = tensor.data or []
+        flat = []
+        for item in items:  # JSON data may be nested per shape
+            flat.extend(item if isinstance(item, list) else [item])
+        items = flat
+    if len(items) != count:
+        raise InvalidRequest(f"input {V2_INPUT!r} has shape {tensor.shape} but {len(items)} elements")
+    texts = []
+    for i, item in enumerate(items):
+        if isinstance(item, bytes):
+            try:
+                item = item.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidRequest(f"element {i} of {V2_INPUT!r} is not valid UTF-8") from None
+        if not isinstance(item, str):
+            raise InvalidRequest(f"element {i} of {V2_INPUT!r} must be a string")
+        texts.append(item)
+    return texts
+
+
+def _v2_tensors(result: EncodeResult, tokenized: list[TokenizedText], requested: list[str], T: int) -> dict[str, np.ndarray]:
+    """Rectangular tensors for the v2 response: token-level outputs zero-padded to the longest input."""
+    n = len(tokenized)
+    out: dict[str, np.ndarray] = {}
+    for name in requested:
+        if name == "sentence_embedding":
+            out[name] = np.ascontiguousarray(result.embeddings, dtype=np.float32)
+        elif name == "attention_mask":
+            mask = np.zeros((n, T), dtype=np.int64)
+            for i, t in enumerate(tokenized):
+                mask[i, : t.n_tokens] = 1
+            out[name] = mask
+        elif name == "last_hidden_state":
+            hidden = np.zeros((n, T, result.hidden[0].shape[-1]), dtype=np.float32)
+            for i, h in enumerate(result.hidden):
+                hidden[i, : h.shape[0]] = h
+            out[name] = hidden
+        elif name == "attentions":
+            L, H = result.attentions[0].shape[:2]
+            attn = np.zeros((L, n, H, T, T), dtype=np.float32)
+            for i, a in enumerate(result.attentions):
+                k = a.shape[-1]
+                attn[:, i, :, :k, :k] = a
+            out[name] = attn
+    return out
+
+
+_V2_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
+
+
+_V2_KINDS = {"sentence_embedding": "embedding", "last_hidden_state": "token_embeddings", "attentions": "attention"}
+
+
+def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[str, bool], request: Request) -> Response:
+    outputs, tail = [], []
+    kinds = KindCounter()
+    for name, array in tensors.items():
+        entry: dict[str, Any] = {"name": name, "datatype": _V2_DATATYPES[array.dtype], "shape": list(array.shape)}
+        kind = _V2_KINDS.get(name, "other")
+        if binary_out.get(name):
+            data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False)).tobytes()
+            entry["parameters"] = {"binary_data_size": len(data)}
+            kinds.bytes[kind] = kinds.bytes.get(kind, 0) + len(data)
+            tail.append(data)
+        else:
+            entry["data"] = kinds.fragment(kind, array.reshape(-1))
+        outputs.append(entry)
+    kinds.report(request)
+    header = orjson.dumps({**head, "outputs": outputs}, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not tail:
+        return Response(header, media_type="application/json")
+    return Response(
+        header + b"".join(tail),
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+
+
+class V2Routes:
+    def _v2_model(self, name: str) -> None:
+        if name != self.name:
+            raise NotFound(f"model {name!r} not found; this service serves {self.name!r}")
+
+    @app.get("/v2")
+    async def v2_server(self) -> JSONResponse:
+        return JSONResponse({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": ["binary_tensor_data"]})
+
+    @app.get("/v2/health/live")
+    async def v2_live(self) -> JSONResponse:
+        """Liveness: a replica answers. (While none is up, Serve's own /-/healthz tells whether the
+        ingress is alive; see README, Reliability.)"""
+        return JSONResponse({"live": True})
+
+    @app.get("/v2/health/ready", responses=ERROR_RESPONSES)
+    async def v2_ready(self) -> JSONResponse:
+        """Ready: a replica whose sessions passed their last health check answers."""
+        self._check_ready()
+        return JSONResponse({"ready": True})
+
+    @app.get("/v2/models/{name}", response_model=V2ModelMetadata, responses=ERROR_RESPONSES)
+    @app.get("/v2/models/{name}/versions/{version}", include_in_schema=False)
+    async def v2_metadata(self, name: str, version: str = "1") -> JSONResponse:
+        self._v2_model(name)
+        d, L, H = self.model.hidden_size, self.model.num_layers, self.model.num_heads
+        return JSONResponse(
+            {
+                "name": self.name,
+                "versions": ["1"],
+                "platform": "onnxruntime_onnx",
+                "inputs": [{"name": V2_INPUT, "datatype": "BYTES", "shape": [-1]}],
+                "outputs": [
+                    {"name": "sentence_embedding", "datatype": "FP32", "shape": [-1, d]},
+                    {"name": "last_hidden_state", "datatype": "FP32", "shape": [-1, -1, d]},
+                    {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1]},
+                    {"name": "attentions", "datatype": "FP32", "shape": [L, -1, H, -1, -1]},
+                ],
+            }
+        )
+
+    @app.get("/v2/models/{name}/ready", responses=ERROR_RESPONSES)
+    @app.get("/v2/models/{name}/versions/{version}/ready", include_in_schema=False)
+    async def v2_model_ready(self, name: str, version: str = "1") -> JSONResponse:
+        self._v2_model(name)
+        self._check_ready()
+        return JSONResponse({"name": self.name, "ready": True})
+
+    @app.post("/v2/models/{name}/infer", responses=ERROR_RESPONSES)
+    @app.post("/v2/models/{name}/versions/{version}/infer", include_in_schema=False)
+    async def v2_infer(self, name: str, request: Request, version: str = "1") -> Response:
+        """KServe/Triton inference: a BYTES tensor of texts in, the requested tensors out.
+
+        Supports the binary tensor data extension that tritonclient uses by default.
+        """
+        self._v2_model(name)
+        raw = await request.body()
+        header_len = request.headers.get("inference-header-content-length")
+        req, binary = _parse_v2_body(raw, header_len)
+        texts = _v2_texts(req, binary)
+        texts = self._texts(texts)
+        params = req.parameters or {}
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise InvalidRequest("parameters.truncate must be a boolean")
+        requested = [o.name for o in req.outputs] if req.outputs else list(V2_DEFAULT_OUTPUTS)
+        unknown = [n for n in requested if n not in V2_OUTPUTS]
+        if unknown:
+            raise InvalidRequest(f"unknown output {unknown[0]!r}; available: {', '.join(V2_OUTPUTS)}")
+        binary_out = {
+            o.name: bool((o.parameters or {}).get("binary_data", params.get("binary_data_output", False)))
+            for o in (req.outputs or [])
+        }
+        for n in requested:
+            binary_out.setdefault(n, bool(params.get("binary_data_output", False)))
+        tokenized = await self._tokenize(texts, truncate, "/v2/models/{name}/infer")
+        n, T = len(tokenized), max(t.n_tokens for t in tokenized)
+        d, L, H = self.model.hidden_size, self.model.num_layers, self.model.num_heads
+        sizes = {"sentence_embedding": n * d, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
+        self._check_response_size(sum(sizes[k] * (4 if binary_out[k] else JSON_FLOAT_BYTES) for k in requested))
+        job = EncodeJob(
+            route="/v2/models/{name}/infer",
+            ids=[t.ids for t in tokenized],
+            normalize=self.model.normalize,
+            want_hidden="last_hidden_state" in requested,
+            attention=(tuple(range(L)), tuple(range(H))) if "attentions" in requested else None,
+        )
+        result = await self._infer(job, request)
+        tensors = _v2_tensors(result, tokenized, requested, T)
+        return _v2_response(
+            {"model_name": self.name, "model_version": "1", "id": req.id or ""}, tensors, binary_out, request
+        )
