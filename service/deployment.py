@@ -40,6 +40,8 @@ logger = logging.getLogger("ray.serve")
 # Requests up to this many characters are tokenized on the event loop: a hop to a worker thread
 # costs more than tokenizing a few sentences does.
 INLINE_TOKENIZE_CHARS = 2048
+# A client's own deadline, in seconds (the header Ray Serve's proxy also reads).
+TIMEOUT_HEADER = "x-request-timeout-seconds"
 
 
 @serve.deployment(name="Encoder")
@@ -190,19 +192,21 @@ class Encoder(NativeRoutes, OpenAIRoutes, V2Routes, OpsRoutes):
         return tuple(requested)
 
     async def _infer(self, job: EncodeJob, request: Request) -> EncodeResult:
-        """One request's job through the batch queue, within the request timeout.
+        """One request's job through the batch queue, within its deadline.
 
-        A request that times out, or whose client goes away, is cancelled; Serve's batch queue
-        drops cancelled requests before a batch runs, so nobody's text is computed for nothing.
-        Behind HAProxy the replica's own HTTP server does not cancel a handler whose client left,
-        so the disconnect is watched for here.
+        The deadline is request_timeout_s, or the client's own `X-Request-Timeout-Seconds` when
+        shorter (a client that gives up after 2 s says so, and its work is dropped when it would).
+        A request past its deadline, or whose client is seen to leave, is cancelled; Serve's batch
+        queue drops cancelled requests before a batch runs, so nothing is computed for nobody. Ray's
+        proxy actor cancels the handler of a client that left; HAProxy closes the connection to the
+        replica only for some of them, so the disconnect is also watched for here.
         """
+        timeout = self._deadline(request)
         job.enqueued = time.perf_counter()
         result = asyncio.ensure_future(self._batched(job) if self.batching.enabled else self._run_one(job))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            done, _ = await asyncio.wait({result, gone}, timeout=self.settings.request_timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({result, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not result.done():
@@ -210,7 +214,7 @@ class Encoder(NativeRoutes, OpenAIRoutes, V2Routes, OpsRoutes):
         if result not in done:
             if gone in done:
                 raise ClientGone("the client closed the connection before the result was ready")
-            raise Timeout(f"inference did not finish within {self.settings.request_timeout_s:g}s")
+            raise Timeout(f"inference did not finish within {timeout:g}s")
         try:
             return result.result()
         except ServiceError:
@@ -218,6 +222,19 @@ class Encoder(NativeRoutes, OpenAIRoutes, V2Routes, OpsRoutes):
         except Exception as exc:  # the batch failed (a broken session): one error for its requests
             logger.warning("batch failed: %s: %s", type(exc).__name__, exc)
             raise BackendError(f"inference failed ({type(exc).__name__}); the request can be retried") from None
+
+    def _deadline(self, request: Request) -> float:
+        """Seconds this request may take: the service's limit, or the client's when it is shorter."""
+        raw = request.headers.get(TIMEOUT_HEADER)
+        if raw is None:
+            return self.settings.request_timeout_s
+        try:
+            asked = float(raw)
+        except ValueError:
+            asked = float("nan")
+        if not asked > 0 or asked == float("inf"):
+            raise InvalidRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}")
+        return min(asked, self.settings.request_timeout_s)
 
     async def _run_one(self, job: EncodeJob) -> EncodeResult:
         return (await self._run_batch([job]))[0]

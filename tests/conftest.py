@@ -103,13 +103,6 @@ def metrics_url(ray_serve) -> str:
     return ray_serve.metrics_url
 
 
-@pytest.fixture(scope="session")
-def encoder_handle(service_url):
-    from ray import serve
-
-    return serve.get_deployment_handle("Encoder", "encoder")
-
-
 def wait_until(condition, what: str, timeout: float = 60, interval: float = 0.2):
     """Poll `condition()` until it returns something truthy (returned), or fail after `timeout`
     seconds saying what was awaited: tests wait for exactly what they assert, never for a guess."""
@@ -121,5 +114,5 @@ def wait_until(condition, what: str, timeout: float = 60, interval: float = 0.2)
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout:g} s for {what}; it did not happen")
+            raise AssertionError(f"waited {timeout:g} s for {what}; it did not happen (last check: {value!r})")
         time.sleep(interval)

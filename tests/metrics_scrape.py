@@ -34,11 +34,14 @@ def _family_of(sample: str, families: dict) -> str:
     return sample
 
 
-def poll(url: str, done: Callable[[dict], bool], timeout: float = 45) -> dict:
-    """Scrape until `done(families)` or the timeout; Ray flushes metrics periodically."""
+def poll(url: str, done: Callable[[dict], bool], what: str, timeout: float = 45) -> dict:
+    """Scrape until `done(families)`, or fail after `timeout` saying what was awaited. Ray exports
+    each family on its own schedule: `done` must cover every value the caller asserts on."""
     deadline = time.monotonic() + timeout
     families = scrape(url)
-    while not done(families) and time.monotonic() < deadline:
+    while not done(families):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what} at {url}; the last scrape did not show it")
         time.sleep(0.5)
         families = scrape(url)
     return families
@@ -48,15 +51,16 @@ def sample_names(families: dict) -> set[str]:
     return {s.name for f in families.values() for s in f.samples}
 
 
-def settled(url: str, key: Callable[[dict], object], interval: float = 2.5, timeout: float = 30) -> dict:
+def settled(url: str, key: Callable[[dict], object], interval: float = 2.5, timeout: float = 45) -> dict:
     """Scrape until `key` reads the same on two scrapes more than one flush interval apart,
     so that a baseline does not still include earlier requests on their way to the exporter."""
     deadline = time.monotonic() + timeout
     families = scrape(url)
-    while time.monotonic() < deadline:
+    while True:
         time.sleep(interval)
         again = scrape(url)
         if key(again) == key(families):
             return again
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the metrics at {url} kept moving for {timeout:g} s: no baseline to measure from")
         families = again
-    return families

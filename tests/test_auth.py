@@ -77,7 +77,7 @@ def test_unauthorized_is_counted_with_its_reason(secured, metrics_url):
 
     before = refused(settled(metrics_url, refused))
     assert httpx.post(f"{secured}/v1/encode", json={"inputs": "x"}, timeout=30).status_code == 401
-    assert refused(poll(metrics_url, lambda f: refused(f) > before)) == before + 1
+    assert refused(poll(metrics_url, lambda f: refused(f) > before, "the refusal to be counted")) == before + 1
     from tests.reliability import record
 
     record("access control", "requests without, with a wrong, and with a malformed bearer token",

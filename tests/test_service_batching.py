@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 
 from service.batching import pad, plan_sub_batches
+from tests.conftest import wait_until
+from tests.holding import deploy_holding
 
 SUBJECTS = ["cat", "dog", "ship", "river", "violin", "mountain", "bakery", "satellite"]
 VERBS = ["watches", "paints", "remembers", "follows", "builds", "hears"]
@@ -47,35 +48,45 @@ def test_pad_builds_ids_and_mask():
     assert mask.tolist() == [[1, 1, 1], [1, 1, 0]]
 
 
-def test_concurrent_requests_are_batched_and_each_client_gets_its_own_result(service_url, encoder_handle, checkpoint):
+def test_concurrent_requests_are_batched_and_each_client_gets_its_own_result(ray_serve, default_bundle, checkpoint):
+    """64 single-text clients queue behind a running batch (held until all of them are in the
+    replica), then run in far fewer batches than requests, and every client gets its own text's
+    embedding."""
+    from ray import serve
     from sentence_transformers import SentenceTransformer
 
     texts = distinct_texts(64)
     reference = SentenceTransformer(str(checkpoint.path), device="cpu").encode(texts, convert_to_numpy=True)
-    before = encoder_handle.info.remote().result()["counters"]
+    handle = deploy_holding("batching", "/batching", default_bundle, num_cpus=0.5,
+                            batching={"max_concurrent_batches": 1})
+    url = f"{ray_serve.url}/batching"
+    try:
+        before = handle.info.remote().result()
+        admitted = lambda: handle.info.remote().result()["load"]["inference_requests_admitted"]  # noqa: E731
 
-    def one(i: int) -> tuple[int, list[float]]:
-        with httpx.Client(base_url=service_url, timeout=60) as c:
-            r = c.post("/v1/encode", json={"inputs": texts[i]})
-            assert r.status_code == 200, r.text
-            return i, r.json()["data"][0]["embedding"]
+        def one(i: int) -> tuple[int, list[float]]:
+            with httpx.Client(base_url=url, timeout=60) as c:
+                r = c.post("/v1/encode", json={"inputs": texts[i]})
+                assert r.status_code == 200, r.text
+                return i, r.json()["data"][0]["embedding"]
 
-    def busy() -> int:
-        """One long request first: the encoder computes it while the others arrive and queue."""
-        with httpx.Client(base_url=service_url, timeout=60) as c:
-            return c.post("/v1/encode", json={"inputs": ["word " * 250] * 64}).status_code
-
-    with ThreadPoolExecutor(max_workers=33) as pool:
-        long_request = pool.submit(busy)
-        time.sleep(0.05)
-        results = list(pool.map(one, range(len(texts))))
-        assert long_request.result() == 200
-
-    after = encoder_handle.info.remote().result()["counters"]
-    requests = after["requests"] - before["requests"] - 1
-    batches = after["batches"] - before["batches"] - 1
-    assert requests == len(texts) and after["texts"] - before["texts"] == len(texts) + 64
-    assert batches < requests, f"{batches} batches for {requests} concurrent requests: nothing was batched"
+        with ThreadPoolExecutor(max_workers=65) as pool:
+            first = pool.submit(lambda: httpx.post(f"{url}/v1/encode", json={"inputs": ["the batch that is held"]},
+                                                   timeout=60).status_code)
+            wait_until(lambda: handle.held.remote().result() == 1, "the first request's batch to be held")
+            results = pool.map(one, range(len(texts)))
+            wait_until(lambda: admitted() - before["load"]["inference_requests_admitted"] == 1 + len(texts),
+                       "all 64 concurrent requests to be inside the replica")
+            handle.release.remote().result()
+            results = list(results)
+            assert first.result() == 200
+        after = handle.info.remote().result()["counters"]
+    finally:
+        serve.delete("batching")
+    requests = after["requests"] - before["counters"]["requests"] - 1
+    batches = after["batches"] - before["counters"]["batches"] - 1
+    assert requests == len(texts) and after["texts"] - before["counters"]["texts"] == len(texts) + 1
+    assert batches < requests / 4, f"{batches} batches for {requests} queued requests: they were not batched"
 
     got = np.array([emb for _, emb in sorted(results)])
     similarity = got @ reference.T  # unit vectors: cosine matrix

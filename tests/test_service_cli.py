@@ -190,7 +190,17 @@ def test_sigterm_during_load_drains_in_flight_requests(default_bundle):
         before = admitted()
         with ThreadPoolExecutor(max_workers=6) as pool:
             futures = [pool.submit(one, i) for i in range(6)]
-            wait_until(lambda: admitted() - before >= 6, "all six requests to reach the replica", interval=0.05)
+
+            def all_six_inside() -> bool:
+                failed = [f.result() for f in futures if f.done() and f.result() != 200]
+                assert not failed, f"requests failed before SIGTERM: {failed}"
+                return admitted() - before >= 6
+
+            try:
+                wait_until(all_six_inside, "all six requests to reach the replica", interval=0.05)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; admitted since: {admitted() - before}; done: "
+                                     f"{[f.result() for f in futures if f.done()]}\n{''.join(lines)[-3000:]}") from None
             signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             statuses = [f.result() for f in futures]

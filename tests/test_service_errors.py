@@ -44,6 +44,8 @@ BAD_REQUESTS = [
     ("v2 wrong datatype", "POST", "/v2/models/all-MiniLM-L6-v2/infer", {"json": {"inputs": [{"name": "text", "shape": [1], "datatype": "FP32", "data": [1.0]}]}}, 422, "BYTES"),
     ("v2 shape mismatch", "POST", "/v2/models/all-MiniLM-L6-v2/infer", {"json": {"inputs": [{"name": "text", "shape": [3], "datatype": "BYTES", "data": ["x"]}]}}, 422, "1 elements"),
     ("v2 unknown output", "POST", "/v2/models/all-MiniLM-L6-v2/infer", {"json": {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}], "outputs": [{"name": "logits"}]}}, 422, "unknown output"),
+    ("bad client deadline", "POST", "/v1/encode", {"json": {"inputs": "x"}, "headers": {"X-Request-Timeout-Seconds": "soon"}}, 422, "X-Request-Timeout-Seconds".lower()),
+    ("negative client deadline", "POST", "/v1/embeddings", {"json": {"input": "x"}, "headers": {"X-Request-Timeout-Seconds": "-1"}}, 422, "positive number"),
     ("unknown route", "GET", "/v1/nothing", {}, 404, "Not Found"),
     ("wrong method", "GET", "/v1/encode", {}, 405, "Method Not Allowed"),
 ]

@@ -96,7 +96,8 @@ def test_service_routes_attention_requests_to_the_full_graph_and_serves_int8(ray
             int8 = client.post("/int8/v1/encode", json={"inputs": TEXTS}).json()
             attention = client.post("/int8/v1/encode", json={"inputs": TEXTS[:1], "attention": {"layers": [5], "heads": [0]}}).json()
             fp32 = client.post("/v1/encode", json={"inputs": TEXTS, "attention": {"layers": [5], "heads": [0]}}).json()
-        after = runs(poll(metrics_url, lambda f: runs(f)[0] > before[0] and runs(f)[1] > before[1]))
+        after = runs(poll(metrics_url, lambda f: runs(f)[0] > before[0] and runs(f)[1] > before[1],
+                          "runs on both graphs to be counted"))
         assert (after[0] - before[0], after[1] - before[1]) == (1, expected_runs)
 
         a = np.array([d["embedding"] for d in int8["data"]])
