@@ -22,6 +22,7 @@ import numpy as np
 
 from benchmarks.wrk_load import run_wrk
 from service.config import INGRESS_ENV as SERVICE_INGRESS_ENV
+from service.processes import local_cluster_ports
 
 # Ray Serve switches per ingress choice (environment of the Ray processes, set before ray starts):
 # the service's own choices, and Ray's throughput-optimized mode (ingress replicas listen
@@ -205,11 +206,11 @@ def encoder_counters(url: str, spec: dict) -> dict:
 def run(spec: dict) -> list[dict]:
     for key, value in {**INGRESS_ENV[spec["ingress"]], **spec.get("env", {})}.items():
         os.environ[key] = value
-    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
-        # Ray's HAProxy also binds a stats and a metrics port, fixed by default (8404, 9101): free
-        # ones, so that another Serve-with-HAProxy on this machine cannot fail this one's start
-        for key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
-            os.environ.setdefault(key, str(free_port()))
+    # Ray Serve's own fixed ports made free ones, as python -m service does: another cluster on this
+    # machine must neither fail this one's start nor receive its traffic
+    for key, value in local_cluster_ports().items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep the local cluster on loopback
     import ray
     from ray import serve

@@ -170,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         # outside the cluster can deregister it; here the whole cluster stops together, and the
         # node's own HAProxy is reconfigured in well under a second. In-flight requests still drain.
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
-        # Ray's HAProxy also opens a stats page and a Prometheus endpoint on fixed ports (8404,
-        # 9101) of every interface; free ones keep two services on one machine from colliding.
-        for key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
-            os.environ.setdefault(key, str(processes.free_port()))
+        # Ray Serve's fixed ports (HAProxy's stats and metrics, the fallback proxy, replicas' own
+        # ports) made free ones, so two services on one machine never share them.
+        for key, value in processes.local_cluster_ports().items():
+            os.environ.setdefault(key, value)
     # (set before anything below imports ray)
     try:
         settings, http = load_settings(args)

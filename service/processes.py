@@ -4,6 +4,7 @@ HAProxy children that outlive their cluster (they keep the port, and the next st
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import time
@@ -15,6 +16,49 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def free_port_range(size: int, low: int = 20000, high: int = 30000) -> int:
+    """The first port of `size` consecutive ports that are free right now, below the kernel's
+    ephemeral range (so connections it hands out do not take them meanwhile)."""
+    rng = random.Random()
+    for _ in range(200):
+        start = rng.randrange(low, high - size)
+        try:
+            held = []
+            for port in range(start, start + size):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("", port))
+            return start
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {size} consecutive free ports between {low} and {high}")
+
+
+def local_cluster_ports() -> dict[str, str]:
+    """Ray Serve's own fixed ports, made free ones: the environment for a local cluster.
+
+    With HAProxy, Ray Serve listens on fixed ports on every node: HAProxy's stats page (8404) and
+    Prometheus endpoint (9101), the fallback proxy (8500, 9500), and replicas' own HTTP and gRPC
+    ports from 30000 and 40000 (bound with SO_REUSEPORT). Two clusters on one machine, two
+    `make run`s or a test suite beside a running service, would share them, and traffic sent to
+    one would reach the other's replicas.
+    """
+    http, grpc = free_port_range(64), free_port_range(64)
+    return {
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 63),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 63),
+    }
 
 
 def _stat(pid: int) -> tuple[str, int] | None:

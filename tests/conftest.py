@@ -10,7 +10,7 @@ import pytest
 
 from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
 from service.config import DEFAULT_INGRESS, INGRESS_ENV
-from service.processes import free_port as _free_port
+from service.processes import local_cluster_ports
 
 # The test cluster runs as `make run` does: HAProxy in front (the default ingress), every Ray
 # process on loopback, and a short drain window for stopping replicas (python -m service sets the
@@ -19,8 +19,8 @@ for _key, _value in INGRESS_ENV[DEFAULT_INGRESS].items():
     os.environ.setdefault(_key, _value)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
-for _key in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):  # not Ray's fixed 8404, 9101
-    os.environ.setdefault(_key, str(_free_port()))
+for _key, _value in local_cluster_ports().items():  # never Ray Serve's fixed ports (a service may run beside)
+    os.environ.setdefault(_key, _value)
 
 
 @pytest.fixture(scope="session")

@@ -27,10 +27,9 @@ def still_running(pids: set[int]) -> set[int]:
 
 
 def service_env() -> dict[str, str]:
-    """The environment of a service the test starts: its own ports for HAProxy's stats and
-    metrics listeners, never those of the test session's cluster."""
-    return {**os.environ, "RAY_SERVE_HAPROXY_STATS_PORT": str(processes.free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(processes.free_port())}
+    """The environment of a service the test starts: Ray Serve's own ports of its own, never those
+    of the test session's cluster (HAProxy would send its traffic to the other cluster's replicas)."""
+    return {**os.environ, **processes.local_cluster_ports()}
 
 
 def assert_no_orphans(pids: set[int], timeout: float = 30) -> None:
