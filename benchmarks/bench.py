@@ -4,7 +4,7 @@ In-process references first (sentence-transformers, and onnxruntime on each of t
 graphs), then the service over HTTP on loopback, one process per configuration (precision,
 ingress), see benchmarks/service_phase.py. Prints every row (texts/s, p50/p95/p99, CPU per text
 by component), then the targets table with the measured ratios, and writes that table, with the
-machine it ran on, into the README between the bench markers.
+machine it ran on, into docs/performance.md between the bench markers.
 """
 
 from __future__ import annotations
@@ -28,8 +28,17 @@ from benchmarks.peers import ensure_infinity, measure_infinity, parse_peers
 from benchmarks.service_phase import ROUTES
 from benchmarks.wrk_load import ensure_wrk, wrk_version
 
+# Ray Serve's per-request options, measured against its defaults with --variants (each an environment
+# of the Ray processes); what is kept is what the service sets itself.
+VARIANTS = {
+    "main-loop": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"},  # user code on the replica's main event loop
+    "throughput-optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},  # Ray's bundle of per-request shortcuts
+    "no-gc-freeze": {"RAY_SERVE_FREEZE_GC_ON_STARTUP": "0"},  # Ray's default freezes start-up objects out of the GC
+}
 README_START = "<!-- bench:start -->"
 README_END = "<!-- bench:end -->"
+SUMMARY_START = "<!-- summary:start -->"  # the README's copy of the targets
+SUMMARY_END = "<!-- summary:end -->"
 SHORT_TEXT = "A short text."
 
 
@@ -211,13 +220,23 @@ def render(rows: list[dict], goals: list[dict], header: str) -> str:
     return "\n".join(lines)
 
 
-def write_readme(readme: Path, text: str) -> None:
+def write_readme(readme: Path, text: str, start: str = README_START, end: str = README_END) -> None:
+    """Replace what lies between the `start` and `end` markers of a page."""
     content = readme.read_text()
-    if README_START not in content or README_END not in content:
-        raise SystemExit(f"{readme}: no {README_START} ... {README_END} section to replace")
-    head, rest = content.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    readme.write_text(f"{head}{README_START}\n{text}\n{README_END}{tail}")
+    if start not in content or end not in content:
+        raise SystemExit(f"{readme}: no {start} ... {end} section to replace")
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{text}\n{end}{tail}")
+
+
+def summary(goals: list[dict], where: str, page: Path) -> str:
+    """The targets alone, for the README's front page; every row stays on the page."""
+    lines = [f"The targets as `make bench` last measured them ({time.strftime('%Y-%m-%d')}, {where}; every row, "
+             f"and what is in the way, in [{page}]({page})):", "",
+             "| measure | target | measured | met |", "| --- | --- | --- | --- |"]
+    lines += [f"| {g['measure']} | {g['target']} | {g['measured']} | {g['column']} |" for g in goals]
+    return "\n".join(lines)
 
 
 def _interrupt(signum, frame) -> None:
@@ -235,8 +254,9 @@ def main() -> int:
     p.add_argument("--encoding-format", choices=["float", "base64"], default="base64",
                    help="how the service returns embeddings to the benchmark's clients")
     p.add_argument("--json", type=Path, default=Path("results/bench.json"), help="where to write the rows")
-    p.add_argument("--readme", type=Path, default=Path("README.md"), help="README to write the table into")
-    p.add_argument("--no-readme", action="store_true", help="print only")
+    p.add_argument("--page", "--readme", dest="readme", type=Path, default=Path("docs/performance.md"),
+                   help="the page whose bench markers get the table (default docs/performance.md)")
+    p.add_argument("--no-readme", "--no-page", dest="no_readme", action="store_true", help="print only")
     p.add_argument("--sweep", action="store_true",
                    help="also single-text requests at concurrency 2-16, and with batching off (for the plot)")
     p.add_argument("--peers", default="", help="peer servers to measure in the same run, comma-separated: infinity "
@@ -249,6 +269,9 @@ def main() -> int:
     p.add_argument("--wrk-duration", type=float, default=15, help="seconds of each wrk measurement")
     p.add_argument("--wrk-warmup", type=float, default=3, help="seconds of wrk load before each measurement, dropped")
     p.add_argument("--wrk-threads", type=int, default=2, help="wrk threads (at most one per connection)")
+    p.add_argument("--variants", default="",
+                   help=f"Ray Serve per-request options to measure against the default, fp32 on the last ingress, "
+                   f"comma-separated: {', '.join(VARIANTS)}")
     args = p.parse_args()
     peers = parse_peers(args.peers)
     # SIGTERM (a CI timeout, kill) unwinds like Ctrl-C, so that a peer server is stopped on the way out
@@ -312,6 +335,11 @@ def main() -> int:
         rows += service_phase({"label": f"int8, {best}", "ingress": best, **common, "settings": {**settings, "precision": "int8"},
                                "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
                                              scenario("single texts", 1, 32)]})
+    for name in [v for v in args.variants.replace(" ", "").split(",") if v]:
+        rows += service_phase({"label": f"fp32, {best}, {name}", "ingress": best, **common, "env": VARIANTS[name],
+                               "settings": {**settings, "precision": "fp32"},
+                               "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
+                                             scenario("single texts", 1, 32)]})
     if args.sweep:
         rows += service_phase({"label": f"fp32, {ingresses[0]}, batching off", "ingress": ingresses[0], **common,
                                "settings": {**settings, "precision": "fp32", "batching": {"enabled": False}},
@@ -356,7 +384,8 @@ def main() -> int:
     }, indent=2))
     if not args.no_readme:
         write_readme(args.readme, table)
-        print(f"\nwrote the table into {args.readme}")
+        write_readme(Path("README.md"), summary(goals, where, args.readme), SUMMARY_START, SUMMARY_END)
+        print(f"\nwrote the table into {args.readme} and the targets into README.md")
     failed = sum(r.get("failures", 0) for r in rows)
     print(f"failed requests: {failed}")
     return 1 if failed or peer_error else 0

@@ -335,7 +335,7 @@ def test_python_m_service_with_ray_serves_proxy_actor(default_bundle):
         if proc.poll() is None:
             proc.kill()
     on_port = [s for s in sockets if s[2] == port]
-    assert on_port and all(name == "ray::ProxyActor" and is_loopback(address) for name, address, _ in on_port), on_port
+    assert on_port and all(name.startswith("ray::ProxyActor") and is_loopback(address) for name, address, _ in on_port), on_port
     assert not any(name == "haproxy" for name, _, _ in sockets), sockets
     assert "(proxy ingress)" in "".join(lines)
     assert_no_orphans(spawned)
