@@ -58,8 +58,8 @@ export: $(STAMP)
 	$(BIN)/python -m export --checkpoint $(CHECKPOINT) --out $(OUT) $(EXPORT_ARGS)
 
 run: bundle
-	@$(BIN)/python -m bundle $(BUNDLE)
-	$(BIN)/python -m service --config deploy/serve_config.yaml --bundle $(BUNDLE) $(SERVE_ARGS)
+	@$(BIN)/python -m bundle --brief $(BUNDLE)
+	@$(BIN)/python -m service --config deploy/serve_config.yaml --bundle $(BUNDLE) $(SERVE_ARGS)
 
 bench: bundle
 	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) $(if $(PEERS),--peers $(PEERS)) $(BENCH_ARGS)

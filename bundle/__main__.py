@@ -1,4 +1,5 @@
-"""python -m bundle DIR: verify a bundle (schema, contract, hashes) and print its parity table.
+"""python -m bundle [--brief] DIR: verify a bundle (schema, contract, hashes) and print its parity
+table (--brief: one line, what `make run` prints before it starts the service).
 
 Torch-free, like everything in this package; exit code 1 with a one-line reason if unfit.
 """
@@ -12,8 +13,10 @@ from bundle.manifest import BundleError, load_bundle, parity_lines, quality_line
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    brief = "--brief" in args
+    args = [a for a in args if a != "--brief"]
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m bundle BUNDLE_DIR", file=sys.stderr)
+        print("usage: python -m bundle [--brief] BUNDLE_DIR", file=sys.stderr)
         return 2
     try:
         bundle = load_bundle(args[0])
@@ -21,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bundle refused: {exc}", file=sys.stderr)
         return 1
     m = bundle.manifest
+    if brief:
+        worst = max(o.max_abs_diff for o in m.parity.outputs)
+        print(f"bundle {bundle.root}: {m.model.name}, {len(m.files)} files verified; parity "
+              f"{'passed' if m.parity.passed else 'FAILED'} on {len(m.parity.probe_shapes)} probes "
+              f"(max abs diff {worst:.1e}); encodings graphs {', '.join(m.variants)}")
+        return 0
     print(
         f"bundle {bundle.root}: model {m.model.name}, {m.model.num_layers} layers, {m.model.num_heads} heads, "
         f"hidden {m.model.hidden_size}, max {m.model.max_tokens} tokens, opset {m.graph.opset}, "

@@ -398,3 +398,34 @@ def test_python_m_service_refuses_a_port_another_program_holds(default_bundle):
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert f"service refused to start: port {port} is in use by pid {os.getpid()}" in result.stderr
+
+
+def test_make_run_prints_no_red_line_and_no_traceback(default_bundle):
+    """`make run` as a newcomer types it (the bundle given, so the export is not repeated): a
+    one-line bundle check, the start-up summary, nothing in colour, no traceback, a clean stop."""
+    port = free_port()
+    proc = subprocess.Popen(
+        ["make", "--no-print-directory", "run", f"BUNDLE={default_bundle}",
+         f"SERVE_ARGS=--port {port} --metrics-port {free_port()} --replicas 1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(),
+        start_new_session=True,  # Ctrl-C in a terminal signals the whole group: so does this test
+    )
+    lines = collect(proc)
+    try:
+        try:
+            wait_for_health(f"http://127.0.0.1:{port}", proc)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- make run output ---\n{''.join(lines)[-4000:]}") from None
+        wait_until(lambda: any(line.startswith("stop it with Ctrl-C") for line in lines), "the start-up summary")
+        spawned = processes.descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=90)
+        wait_until(lambda: not still_running(spawned), "the service's processes to exit", timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines)
+    assert output.startswith(f"bundle {default_bundle}: all-MiniLM-L6-v2, "), output
+    assert f"serving all-MiniLM-L6-v2 at http://127.0.0.1:{port}" in output
+    assert "\x1b[" not in output and "Traceback" not in output and "rror" not in output, output
+    assert "stopped" in output.splitlines()[-1] or "stopped" in output, output
