@@ -32,7 +32,7 @@ help:
 	@echo "make test    install into $(VENV) and run the whole test suite"
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes the README table"
-	@echo "make profile py-spy flame graphs of proxy, ingress and encoder under load -> results/profile/"
+	@echo "make profile py-spy flame graphs of the replica (and the proxy actor) under load -> results/profile/"
 	@echo "make report  make bench with a concurrency sweep, and the plot docs/performance.png"
 	@echo "make reliability        fault tests (overload, kills, shutdown, hostile input, bad bundles, auth) -> RELIABILITY.md"
 	@echo "make loadtest           locust, headless, about a minute; summary and SLO check (LOADTEST_ARGS=...)"
@@ -64,7 +64,7 @@ run: bundle
 bench: bundle
 	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) $(if $(PEERS),--peers $(PEERS)) $(BENCH_ARGS)
 
-# py-spy flame graphs of the proxy, ingress and encoder under single-text load (PROFILE_ARGS=--ingress haproxy)
+# py-spy flame graphs of the replica under single-text load (PROFILE_ARGS='--ingress proxy --precision int8')
 PROFILE_ARGS ?=
 profile: bundle
 	$(BIN)/python -m benchmarks.profile --bundle $(BUNDLE) $(PROFILE_ARGS)

@@ -3,7 +3,7 @@
     python -m benchmarks.profile [--ingress proxy|haproxy] [--precision fp32|int8] [--seconds 15]
 
 Starts the service on loopback (its own Ray), drives single-text requests at concurrency 32, and
-records each Serve process (HTTP proxy, ingress, encoder) with py-spy: a flame graph per process
+records each Serve process (the replica, and Ray's proxy actor) with py-spy: a flame graph per process
 (results/profile/*.svg) and the functions with the most samples, printed. This is how the request
 path was profiled before and after each change of the performance work (see README, Performance).
 """
@@ -21,8 +21,10 @@ from pathlib import Path
 
 from benchmarks.corpus import sentences
 from benchmarks.service_phase import INGRESS_ENV, free_port, load
+from service.config import DEFAULT_INGRESS
+from service.processes import local_cluster_ports
 
-PROCESSES = {"Encoder": "encoder", "Ingress": "ingress", "ProxyActor": "proxy"}
+PROCESSES = {"Encoder": "replica", "ProxyActor": "proxy"}  # HAProxy is not Python: /proc CPU columns cover it
 
 
 def serve_pids() -> dict[str, int]:
@@ -57,7 +59,7 @@ def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__)
     p.add_argument("--bundle", type=Path, default=Path("bundles/all-MiniLM-L6-v2"))
-    p.add_argument("--ingress", choices=["proxy", "haproxy"], default="proxy")
+    p.add_argument("--ingress", choices=["proxy", "haproxy"], default=DEFAULT_INGRESS)
     p.add_argument("--precision", choices=["fp32", "int8"], default="fp32")
     p.add_argument("--seconds", type=int, default=15)
     p.add_argument("--out", type=Path, default=Path("results/profile"))
@@ -69,6 +71,8 @@ def main() -> int:
 
     os.environ.update(INGRESS_ENV[args.ingress])
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    for key, value in local_cluster_ports().items():  # never another cluster's ports (service/processes.py)
+        os.environ.setdefault(key, value)
     import ray
     from ray import serve
 
