@@ -15,7 +15,7 @@ from service.runtime import preflight
 
 
 def build_app(args: ServiceSettings) -> Application:
-    """The Encoder deployment, every option taken from the settings. Fails fast on a bad bundle."""
+    """The one deployment, Encoder, every option taken from the settings. Fails fast on a bad bundle."""
     # Ray validates `args` into ServiceSettings from this annotation (so no postponed
     # annotations in this module; and exactly one parameter, as Ray requires of builders);
     # a plain dict is accepted too for direct callers.
