@@ -11,6 +11,7 @@ start-up and shutdown messages, and everything its processes print, go to a log 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -152,6 +153,11 @@ def summary(settings: ServiceSettings, http: dict, info: dict, args: argparse.Na
     ]
 
 
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.ingress != DEFAULT_INGRESS and args.address != "local":
@@ -207,14 +213,21 @@ def main(argv: list[str] | None = None) -> int:
     # included; if they die first, shutting Serve down hangs. Ray's processes inherit an ignored
     # SIGINT from here; this process takes SIGINT/SIGTERM back below and stops them in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    ray.init(
-        address=args.address,
-        num_cpus=args.ray_num_cpus if local else None,
-        include_dashboard=False if local else None,  # no dashboard and no Ray client server
-        _metrics_export_port=args.metrics_port if local else None,
-        logging_level="WARNING",
-        configure_logging=True,
-    )
+    try:
+        ray.init(
+            address=args.address,
+            num_cpus=args.ray_num_cpus if local else None,
+            include_dashboard=False if local else None,  # no dashboard and no Ray client server
+            _metrics_export_port=args.metrics_port if local else None,
+            logging_level="WARNING",
+            configure_logging=True,
+        )
+    except Exception as exc:  # noqa: BLE001 - Ray's reasons are many; the user gets one line and the log
+        logging.getLogger("service").exception("ray.init failed")
+        print(f"service failed to start: Ray did not start: {one_line(exc)} (details: {log_path})", file=err)
+        ray.shutdown()
+        processes.stop(processes.descendants(os.getpid()))  # whatever of Ray had started
+        return 1
     # After ray.init: Ray installs its own SIGTERM handler there, which would abort the driver
     # without shutting Serve down. The handler only appends to a list: a handler that takes a
     # lock (threading.Event.set) deadlocks when the signal lands while the main thread holds it.
@@ -239,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         # serve.shutdown() alone would stop the proxy with them and cut those responses off.
         serve.delete(APP_NAME)
     except Exception as exc:  # deployment failed: say why in one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"service failed to start: {first} (details: {log_path})", file=err)
+        logging.getLogger("service").exception("the service failed")
+        print(f"service failed to start: {one_line(exc)} (details: {log_path})", file=err)
         code = 1
     finally:
         spawned |= processes.descendants(os.getpid())
