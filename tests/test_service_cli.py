@@ -37,11 +37,14 @@ def assert_no_orphans(pids: set[int], timeout: float = 30) -> None:
                timeout=timeout, interval=0.5)
 
 
-def wait_for_health(url: str, proc: subprocess.Popen, timeout: float = 120) -> httpx.Response:
-    """Wait for this service's own answer on /health: 200 with its JSON (not another server's)."""
+def wait_for_health(url: str, proc: subprocess.Popen, lines: list[str] | None = None,
+                    timeout: float = 120) -> httpx.Response:
+    """Wait for this service's own answer on /health: 200 with its JSON (not another server's).
+    On failure, say what the service printed (`lines`, from collect())."""
+    output = lambda: f"\n--- its output ---\n{''.join(lines or [])[-4000:]}"  # noqa: E731
 
     def healthy() -> httpx.Response | None:
-        assert proc.poll() is None, f"the service exited early with {proc.returncode}"
+        assert proc.poll() is None, f"the service exited early with {proc.returncode}{output()}"
         try:
             r = httpx.get(f"{url}/health", timeout=5)
             return r if r.status_code == 200 and r.headers.get("content-type") == "application/json" \
@@ -49,7 +52,12 @@ def wait_for_health(url: str, proc: subprocess.Popen, timeout: float = 120) -> h
         except httpx.HTTPError:
             return None
 
-    return wait_until(healthy, f"{url}/health to answer 200 with the service's JSON", timeout=timeout, interval=0.5)
+    try:
+        return wait_until(healthy, f"{url}/health to answer 200 with the service's JSON", timeout=timeout, interval=0.5)
+    except AssertionError as exc:
+        if "exited early" in str(exc):
+            raise
+        raise AssertionError(f"{exc}{output()}") from None
 
 
 def collect(proc: subprocess.Popen) -> list[str]:
@@ -70,10 +78,7 @@ def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(
     lines = collect(proc)
     try:
         url = f"http://127.0.0.1:{port}"
-        try:
-            health = wait_for_health(url, proc)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n--- service output ---\n{''.join(lines)[-4000:]}") from None
+        health = wait_for_health(url, proc, lines)
         assert health.json()["provider"] == "CPUExecutionProvider"
         spawned = processes.descendants(proc.pid)
         assert spawned, "Ray should run in child processes"
@@ -146,10 +151,10 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
         [str(serve_bin), "run", "--address", "local", str(path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
-    collect(proc)
+    lines = collect(proc)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for_health(url, proc)
+        wait_for_health(url, proc, lines)
         spawned = processes.descendants(proc.pid)
         r = httpx.post(f"{url}/v1/embeddings", json={"input": "started by serve run"}, timeout=30)
         assert r.status_code == 200
@@ -176,7 +181,7 @@ def test_sigterm_during_load_drains_in_flight_requests(default_bundle):
     lines = collect(proc)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for_health(url, proc)
+        wait_for_health(url, proc, lines)
         spawned = processes.descendants(proc.pid)
         texts = [f"in-flight request text {i} " + "with several more words " * 10 for i in range(32)]
 
@@ -279,10 +284,7 @@ def test_ray_listens_on_loopback_only_under_python_m_service(default_bundle):
     )
     lines = collect(proc)
     try:
-        try:
-            wait_for_health(f"http://127.0.0.1:{port}", proc)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n--- service output ---\n{''.join(lines)[-4000:]}") from None
+        wait_for_health(f"http://127.0.0.1:{port}", proc, lines)
         sockets = sockets_once_serving(proc, port)
         spawned = processes.descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
@@ -320,10 +322,7 @@ def test_python_m_service_with_ray_serves_proxy_actor(default_bundle):
     lines = collect(proc)
     try:
         url = f"http://127.0.0.1:{port}"
-        try:
-            wait_for_health(url, proc)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n--- service output ---\n{''.join(lines)[-4000:]}") from None
+        wait_for_health(url, proc, lines)
         r = httpx.post(f"{url}/v1/encode", json={"inputs": ["through the proxy actor"]}, timeout=30)
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
         assert httpx.post(f"{url}/v1/encode", json={"inputs": []}, timeout=30).status_code == 422
@@ -367,10 +366,7 @@ def test_a_haproxy_left_behind_by_a_dead_cluster_is_stopped_before_the_next_star
     lines = collect(proc)
     try:
         url = f"http://127.0.0.1:{port}"
-        try:
-            wait_for_health(url, proc)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n--- service output ---\n{''.join(lines)[-4000:]}") from None
+        wait_for_health(url, proc, lines)
         assert httpx.post(f"{url}/v1/embeddings", json={"input": "the port is ours again"}, timeout=30).status_code == 200
         spawned = processes.descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)
@@ -412,10 +408,7 @@ def test_make_run_prints_no_red_line_and_no_traceback(default_bundle):
     )
     lines = collect(proc)
     try:
-        try:
-            wait_for_health(f"http://127.0.0.1:{port}", proc)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n--- make run output ---\n{''.join(lines)[-4000:]}") from None
+        wait_for_health(f"http://127.0.0.1:{port}", proc, lines)
         wait_until(lambda: any(line.startswith("stop it with Ctrl-C") for line in lines), "the start-up summary")
         spawned = processes.descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
