@@ -60,6 +60,25 @@ def wait_for_health(url: str, proc: subprocess.Popen, lines: list[str] | None = 
         raise AssertionError(f"{exc}{output()}") from None
 
 
+def start_service(bundle: Path, port: int, *flags: str, env: dict[str, str] | None = None
+                  ) -> tuple[subprocess.Popen, list[str]]:
+    """`python -m service` on `port` with one replica on 2 CPUs and its own ports; its output lines."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "--bundle", str(bundle), "--port", str(port), "--num-cpus", "2",
+         "--metrics-port", str(free_port()), "--replicas", "1", *flags],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or service_env(),
+    )
+    return proc, collect(proc)
+
+
+def stop_with_sigterm(proc: subprocess.Popen) -> set[int]:
+    """SIGTERM, as an orchestrator sends it: the service must exit 0. Returns the processes it had."""
+    spawned = processes.descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+    return spawned
+
+
 def collect(proc: subprocess.Popen) -> list[str]:
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
@@ -87,9 +106,7 @@ def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(
         info = httpx.get(f"{url}/info", timeout=30).json()
         # the summary is printed before health answers; wait for its last line all the same
         wait_until(lambda: any(line.startswith("stop it with Ctrl-C") for line in lines), "the start-up summary")
-        spawned |= processes.descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
+        spawned |= stop_with_sigterm(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -173,12 +190,7 @@ def test_sigterm_during_load_drains_in_flight_requests(default_bundle):
     from tests.reliability import record
 
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
-         "--metrics-port", str(free_port()), "--replicas", "1", "--threads", "1"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(),
-    )
-    lines = collect(proc)
+    proc, lines = start_service(default_bundle, port, "--threads", "1")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for_health(url, proc, lines)
@@ -277,18 +289,11 @@ def test_ray_listens_on_loopback_only_under_python_m_service(default_bundle):
     port = free_port()
     env = service_env()
     haproxy_own = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
-         "--metrics-port", str(free_port()), "--replicas", "1"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    lines = collect(proc)
+    proc, lines = start_service(default_bundle, port, env=env)
     try:
         wait_for_health(f"http://127.0.0.1:{port}", proc, lines)
         sockets = sockets_once_serving(proc, port)
-        spawned = processes.descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
+        spawned = stop_with_sigterm(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -314,12 +319,7 @@ def test_python_m_service_with_ray_serves_proxy_actor(default_bundle):
     """--ingress proxy, the alternative: Ray Serve's proxy actor answers on the port, on loopback
     only, and stops with the rest."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
-         "--metrics-port", str(free_port()), "--replicas", "1", "--ingress", "proxy"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(),
-    )
-    lines = collect(proc)
+    proc, lines = start_service(default_bundle, port, "--ingress", "proxy")
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for_health(url, proc, lines)
@@ -327,9 +327,7 @@ def test_python_m_service_with_ray_serves_proxy_actor(default_bundle):
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
         assert httpx.post(f"{url}/v1/encode", json={"inputs": []}, timeout=30).status_code == 422
         sockets = sockets_once_serving(proc, port)
-        spawned = processes.descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
+        spawned = stop_with_sigterm(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -358,19 +356,12 @@ def test_a_haproxy_left_behind_by_a_dead_cluster_is_stopped_before_the_next_star
     subprocess.run(["bash", "-c", f"{get_haproxy_binary()} -db -f {config} >/dev/null 2>&1 &"], check=True)
     stale = wait_until(lambda: processes.listening_pids(port), f"the stale HAProxy to listen on {port}", timeout=30)
     assert all(processes.left_behind(p) for p in stale)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
-         "--metrics-port", str(free_port()), "--replicas", "1"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(),
-    )
-    lines = collect(proc)
+    proc, lines = start_service(default_bundle, port)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for_health(url, proc, lines)
         assert httpx.post(f"{url}/v1/embeddings", json={"input": "the port is ours again"}, timeout=30).status_code == 200
-        spawned = processes.descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
+        spawned = stop_with_sigterm(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
