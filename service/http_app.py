@@ -26,13 +26,18 @@ SERVER_VERSION = "0.1.0"
 ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (401, 404, 408, 413, 422, 429, 503)}
 
 
-async def record_route(request: Request) -> None:
-    """An app-wide dependency: tell the metrics middleware which route template served the
-    request (the scope dict is shared with it). Async: FastAPI runs a plain `def` dependency in
-    a thread pool, a thread hop per request."""
-    route = request.scope.get("route")
+def _set_route_template(scope: dict) -> None:
+    """Tell the metrics middleware which route template served the request (the scope dict is
+    shared with it): templates, not paths, so label values stay few."""
+    route = scope.get("route")
     if route is not None:
-        request.scope["route_template"] = getattr(route, "path", "unmatched")
+        scope["route_template"] = getattr(route, "path", "unmatched")
+
+
+async def record_route(request: Request) -> None:
+    """An app-wide dependency that sets the route template. Async: FastAPI runs a plain `def`
+    dependency in a thread pool, a thread hop per request."""
+    _set_route_template(request.scope)
 
 
 app = FastAPI(
@@ -51,9 +56,7 @@ app.add_middleware(MetricsMiddleware)  # added last: outermost, so it sees every
 
 def _failed(request: Request, reason: str) -> None:
     """Tell the metrics middleware why this request failed, and on which route."""
-    route = request.scope.get("route")
-    if route is not None:
-        request.scope["route_template"] = getattr(route, "path", "unmatched")
+    _set_route_template(request.scope)
     request.scope["failure_reason"] = reason
 
 
