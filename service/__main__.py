@@ -139,8 +139,9 @@ def summary(settings: ServiceSettings, http: dict, info: dict, args: argparse.Na
     access = ("bearer token required on the inference routes" if load_token(settings) is not None
               else f"open: no API token (set {settings.auth_token_env} or auth_token_file to require one)")
     metrics = (info.get("metrics") or {}).get("prometheus_url") or "see Ray's metrics export port"
+    ingress = f" ({args.ingress} ingress)" if args.address == "local" else ""  # a running cluster has its own
     return [
-        f"serving {info['model']} at {url} ({args.ingress} ingress), ready in {seconds:.1f}s",
+        f"serving {info['model']} at {url}{ingress}, ready in {seconds:.1f}s",
         f"  model      {info['model']}: {info['precision']} encodings graph, full graph for attention; bundle {settings.bundle}",
         f"  provider   {provider}",
         f"  replicas   {replicas}, each holds up to {settings.max_ongoing_requests} requests, then 503 + Retry-After",
