@@ -128,6 +128,11 @@ class ServiceSettings(BaseModel):
     max_text_chars: int = Field(100_000, ge=1, description="characters per text, before tokenization")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="request body limit (413 above)")
     max_response_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="estimated response limit (413 above)")
+    max_attention_values: int = Field(
+        32 * 1024 * 1024, ge=1024,
+        description="attention probabilities one request may make the model write (every layer x head x "
+        "tokens^2, summed over its texts; 4 bytes each): it grows with n^2, so it is checked before inference",
+    )
 
     # access control: a bearer token on the inference routes, from a mounted secret file or an
     # environment variable (never from this config, which is not a secret)

@@ -27,6 +27,7 @@ from service.errors import BackendError, ClientGone, InvalidRequest, NotReady, S
 from service.http_app import app
 from service.metrics import node_metrics_url, refresh_periodically, service_metrics
 from service.middleware import AdmissionMiddleware, BearerAuthMiddleware, MetricsMiddleware, configure
+from service.routes_attention import AttentionRoutes
 from service.routes_native import NativeRoutes
 from service.routes_openai import OpenAIRoutes
 from service.routes_ops import OpsRoutes
@@ -47,7 +48,7 @@ TIMEOUT_HEADER = "x-request-timeout-seconds"
 
 @serve.deployment(name="Encoder")
 @serve.ingress(app)
-class Encoder(NativeRoutes, OpenAIRoutes, V2Routes, OpsRoutes):
+class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes):
     """A replica: the FastAPI routes, the tokenizer, the batch queue and the onnxruntime sessions."""
 
     def __init__(self, settings: ServiceSettings) -> None:
@@ -175,6 +176,17 @@ class Encoder(NativeRoutes, OpenAIRoutes, V2Routes, OpsRoutes):
             )
         return tokenized
 
+    def _check_attention_size(self, tokenized: list[TokenizedText]) -> None:
+        """Attention grows with n^2: refuse before inference what would fill the replica's memory."""
+        per_square = self.model.num_layers * self.model.num_heads
+        values = sum(per_square * t.n_tokens**2 for t in tokenized)
+        if values > self.settings.max_attention_values:
+            raise TooLarge(
+                f"the attention of this request is {values} values ({self.model.num_layers} layers x "
+                f"{self.model.num_heads} heads x tokens^2, summed over {len(tokenized)} texts); the limit is "
+                f"{self.settings.max_attention_values} (send fewer or shorter texts)"
+            )
+
     def _check_response_size(self, n_bytes: int) -> None:
         if n_bytes > self.settings.max_response_bytes:
             raise TooLarge(
@@ -187,9 +199,11 @@ class Encoder(NativeRoutes, OpenAIRoutes, V2Routes, OpsRoutes):
             return tuple(range(count))
         bad = [i for i in requested if not 0 <= i < count]
         if bad:
-            raise InvalidRequest(f"unknown {what} index {bad[0]}: the model has {count} {what}s (0..{count - 1})")
+            raise InvalidRequest(f"{what}s: unknown {what} index {bad[0]}: the model has {count} {what}s (0..{count - 1})")
         if len(set(requested)) != len(requested):
-            raise InvalidRequest(f"duplicate {what} indexes in {requested}")
+            raise InvalidRequest(f"{what}s: duplicate {what} indexes in {requested}")
+        if not requested:
+            raise InvalidRequest(f"{what}s: an empty list selects nothing; leave it out (or null) for all {count}")
         return tuple(requested)
 
     async def _infer(self, job: EncodeJob, request: Request) -> EncodeResult:

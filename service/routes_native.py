@@ -47,6 +47,8 @@ class NativeRoutes:
                 self._indexes(body.attention.heads, self.model.num_heads, "head"),
             )
         tokenized = await self._tokenize(texts, body.truncate, "/v1/encode")
+        if attention is not None:
+            self._check_attention_size(tokenized)
         self._check_response_size(encode_size(body, tokenized, attention, self.model.hidden_size))
         normalize = self.model.normalize if body.normalize is None else body.normalize
         job = EncodeJob(

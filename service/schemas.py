@@ -128,6 +128,121 @@ class TokenizeResponse(BaseModel):
     data: list[TokenizeItem]
 
 
+# --- The attention product: /v1/attention and /v1/similarity ---------------------------------
+
+Summary = Literal["rollout", "entropy", "top_k"]
+Level = Literal["token", "word"]
+
+
+class AttentionRequest(_Request):
+    inputs: Texts = Field(description="a text or a list of texts", examples=["The cat sat on the mat."])
+    layers: list[int] | None = Field(
+        None, max_length=SCHEMA_MAX_INDEXES, description="layer indexes (0-based, any order; used in model order); null: all"
+    )
+    heads: list[int] | None = Field(
+        None, max_length=SCHEMA_MAX_INDEXES, description="head indexes (0-based); null: all"
+    )
+    level: Level = Field("token", description="units: tokens, or words (a word's pieces joined; special tokens alone)")
+    weights: bool = Field(False, description="also return the selected layers' and heads' matrices")
+    format: Literal["float", "base64", "bertviz"] = Field(
+        "float",
+        description="weights as nested floats, base64 (with shape and dtype), or bertviz's own input: "
+        "`tokens` and `attention` (one [1, heads, n, n] list per layer; implies weights)",
+    )
+    dtype: Literal["float32", "float16"] = Field("float32", description="of base64 weights")
+    summaries: list[Summary] = Field(
+        ["rollout", "entropy", "top_k"], max_length=3, description="which summaries to compute (may be empty)"
+    )
+    top_k: int = Field(3, ge=1, le=SCHEMA_MAX_INDEXES, description="units per query unit in top_k")
+    truncate: bool = Field(True, description="cut texts at the model's limit; false: refuse longer texts (413)")
+
+    @field_validator("inputs")
+    @classmethod
+    def _non_empty(cls, value: Texts) -> Texts:
+        return check_text_list(value, "inputs")
+
+    @field_validator("summaries")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate summaries in {value}")
+        return value
+
+
+class Unit(BaseModel):
+    text: str = Field(description="the token, or the word as written in the text (special tokens as tokens)")
+    start: int = Field(description="character offset of its first character")
+    end: int = Field(description="character offset one past its last character")
+    special: bool
+    tokens: list[int] = Field(description="the token positions it is made of")
+
+
+class AttentionItem(BaseModel):
+    index: int
+    n_tokens: int
+    n_units: int
+    units: list[Unit]
+    rollout: list[list[float]] | None = Field(
+        None, description="[n_units, n_units]: row i says how much unit i's final representation draws from each unit"
+    )
+    entropy: list[list[float]] | None = Field(None, description="[layers, heads]: mean attention entropy in nats")
+    top_k: list[list[list[float]]] | None = Field(None, description="per query unit, [unit index, rollout weight] pairs")
+    attention: AttentionOut | list[Any] | None = Field(
+        None, description="the weights (with weights: true); with format bertviz, one [1, heads, n, n] list per layer"
+    )
+    tokens: list[str] | None = Field(None, description="with format bertviz: the units' texts, as bertviz takes them")
+
+
+class AttentionResponse(BaseModel):
+    model: str
+    level: Level
+    layers: list[int]
+    heads: list[int]
+    data: list[AttentionItem]
+    usage: Usage
+
+
+class SimilarityRequest(_Request):
+    pairs: list[list[str]] = Field(
+        min_length=1, max_length=SCHEMA_MAX_INPUTS, description="pairs of texts, [[a, b], ...]",
+        examples=[[["A man is eating food.", "A man is eating a piece of bread."]]],
+    )
+    explain: bool = Field(False, description="also return each unit's contribution to the score")
+    level: Level = Field("token", description="contributions per token, or per word (the sum of its pieces)")
+    truncate: bool = True
+
+    @field_validator("pairs")
+    @classmethod
+    def _two_texts(cls, value: list[list[str]]) -> list[list[str]]:
+        for i, pair in enumerate(value):
+            if len(pair) != 2:
+                raise ValueError(f"pair {i} has {len(pair)} texts; a pair is [text_a, text_b]")
+        return value
+
+
+class ExplainedUnit(Unit):
+    contribution: float = Field(description="this unit's share of the score; a text's shares sum to it")
+
+
+class ExplainedText(BaseModel):
+    units: list[ExplainedUnit]
+
+
+class SimilarityItem(BaseModel):
+    index: int
+    score: float = Field(description="cosine similarity of the two texts' pooled embeddings")
+    texts: list[ExplainedText] | None = Field(None, description="with explain: the two texts' units and contributions")
+
+
+class SimilarityResponse(BaseModel):
+    model: str
+    pooling: str
+    level: Level
+    note: str | None = None
+    data: list[SimilarityItem]
+    usage: Usage
+
+
 # --- OpenAI-compatible /v1/embeddings -------------------------------------------------------
 
 
