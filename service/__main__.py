@@ -195,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             freed = free_the_port(int(http["port"]))
             if freed:
                 print(freed, flush=True)
+            metrics_holders = processes.listening_pids(args.metrics_port)
+            if metrics_holders:  # else Ray's metrics agent dies and ray.init times out, saying nothing of why
+                pid = min(metrics_holders)
+                raise RuntimeError(f"metrics port {args.metrics_port} is in use by pid {pid} "
+                                   f"({' '.join(processes.cmdline(pid))[:80]}); stop it or pass --metrics-port")
     except (ValidationError, BundleError, OSError, RuntimeError, ValueError, yaml.YAMLError) as exc:
         reason = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else str(exc).replace("\n", " ")
         print(f"service refused to start: {reason}", file=sys.stderr)

@@ -387,6 +387,26 @@ def test_python_m_service_refuses_a_port_another_program_holds(default_bundle):
     assert f"service refused to start: port {port} is in use by pid {os.getpid()}" in result.stderr
 
 
+def test_python_m_service_refuses_a_metrics_port_another_program_holds(default_bundle):
+    """A second service on the default metrics port would make Ray's metrics agent die and
+    ray.init time out without a reason; it is refused in one line that names the holder."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        metrics_port = held.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(free_port()),
+             "--metrics-port", str(metrics_port)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert (f"service refused to start: metrics port {metrics_port} is in use by pid {os.getpid()}"
+            in result.stderr) and "--metrics-port" in result.stderr
+
+
 def test_make_run_prints_no_red_line_and_no_traceback(default_bundle):
     """`make run` as a newcomer types it (the bundle given, so the export is not repeated): a
     one-line bundle check, the start-up summary, nothing in colour, no traceback, a clean stop."""
