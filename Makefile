@@ -89,7 +89,18 @@ loadtest: bundle
 loadtest-overload: bundle
 	$(BIN)/python -m loadtests.run --overload --users 48 --spawn-rate 48 --duration 30s --results results/overload $(LOADTEST_ARGS)
 
-test: $(STAMP)
+# The browser test drives headless Chromium through chromedriver, both from Debian's packages
+# (browser builds cannot be downloaded by a driver library here): installed when missing and
+# apt-get can, else one line that names them.
+.PHONY: browser
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing chromium and chromium-driver (Debian packages) for the browser test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "the browser test needs the Debian packages chromium and chromium-driver: apt-get install chromium chromium-driver" >&2; exit 1; fi
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
 
 clean:

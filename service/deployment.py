@@ -28,6 +28,7 @@ from service.http_app import app
 from service.metrics import node_metrics_url, refresh_periodically, service_metrics
 from service.middleware import AdmissionMiddleware, BearerAuthMiddleware, MetricsMiddleware, configure
 from service.routes_attention import AttentionRoutes
+from service.routes_explorer import ExplorerRoutes
 from service.routes_native import NativeRoutes
 from service.routes_openai import OpenAIRoutes
 from service.routes_ops import OpsRoutes
@@ -48,7 +49,7 @@ TIMEOUT_HEADER = "x-request-timeout-seconds"
 
 @serve.deployment(name="Encoder")
 @serve.ingress(app)
-class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes):
+class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, ExplorerRoutes):
     """A replica: the FastAPI routes, the tokenizer, the batch queue and the onnxruntime sessions."""
 
     def __init__(self, settings: ServiceSettings) -> None:
