@@ -23,7 +23,7 @@ from typing import Any, TextIO
 import yaml
 from pydantic import ValidationError
 
-from bundle.manifest import BundleError, load_bundle
+from bundle.manifest import BundleError
 from service import processes
 from service.config import DEFAULT_INGRESS, INGRESS_ENV, ServiceSettings
 
@@ -36,7 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None,
                    help="Serve config file whose first application's args are the settings")
-    p.add_argument("--bundle", type=Path, help="model bundle directory")
+    p.add_argument("--bundle", action="append", metavar="[NAME=]DIR",
+                   help="model bundle directory, optionally with the name clients use for it; repeat it to serve "
+                   "several models (every replica serves all; the first is the default)")
     p.add_argument("--host", help="HTTP host (default from the config, else 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default from the config, else 8000)")
     p.add_argument("--replicas", type=int, help="a fixed number of replicas (instead of the config's autoscaling)")
@@ -78,7 +80,11 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
         if getattr(args, key) is not None:
             batching[key] = getattr(args, key)
     settings["batching"] = batching
-    for key in ("bundle", "replicas", "num_cpus", "intra_op_threads", "provider", "precision",
+    if args.bundle:  # the command line's list replaces the config's model(s)
+        settings.pop("bundle", None)
+        settings.pop("model_name", None)
+        settings["bundles"] = args.bundle
+    for key in ("replicas", "num_cpus", "intra_op_threads", "provider", "precision",
                 "max_ongoing_requests", "max_queued_requests", "request_timeout_s"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
@@ -140,15 +146,22 @@ def summary(settings: ServiceSettings, http: dict, info: dict, args: argparse.Na
               else f"open: no API token (set {settings.auth_token_env} or auth_token_file to require one)")
     metrics = (info.get("metrics") or {}).get("prometheus_url") or "see Ray's metrics export port"
     ingress = f" ({args.ingress} ingress)" if args.address == "local" else ""  # a running cluster has its own
+    models = [
+        f"  model      {name}: {state['precision']} encodings graph, full graph for attention; bundle {ref.path}"
+        for ref, (name, state) in zip(settings.bundles, info["models"].items(), strict=True)
+    ]
+    serving = ", ".join(info["models"])
+    pick = f', \"model\": \"{next(iter(info["models"]))}\"' if len(info["models"]) > 1 else ""  # required then
     return [
-        f"serving {info['model']} at {url}{ingress}, ready in {seconds:.1f}s",
-        f"  model      {info['model']}: {info['precision']} encodings graph, full graph for attention; bundle {settings.bundle}",
+        f"serving {serving} at {url}{ingress}, ready in {seconds:.1f}s",
+        *models,
         f"  provider   {provider}",
         f"  replicas   {replicas}, each holds up to {settings.max_ongoing_requests} requests, then 503 + Retry-After",
         f"  metrics    {metrics} (Prometheus text, every replica on this node)",
         f"  access     {access}",
         f"  logs       {log_path} (Ray's own messages)",
-        f"  try        curl -s {url}/v1/embeddings -H 'content-type: application/json' -d '{{\"input\": \"hello\"}}'",
+        f"  try        curl -s {url}/v1/embeddings -H 'content-type: application/json' -d '{{\"input\": \"hello\"{pick}}}'",
+        f"  explore    {url}/explorer (attention and similarity in a browser)",
         f"  info       {url}/info   API docs: {url}/docs",
         "stop it with Ctrl-C or SIGTERM (in-flight requests finish first)",
     ]
@@ -185,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings, http = load_settings(args)
         from service.middleware import load_token
-        from service.runtime import check_cuda, preflight
+        from service.runtime import check_bundles, check_cuda
 
         load_token(settings)  # an empty or unreadable token file refuses here
-        preflight(load_bundle(settings.bundle), settings.precision)
+        check_bundles(settings)
         if args.address == "local":
             if settings.provider == "cuda" and not check_cuda().usable:
                 raise RuntimeError(f"provider 'cuda' was asked for, but CUDA cannot be used: {check_cuda().reason}")
@@ -206,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     log_path = args.log_file or Path(tempfile.gettempdir()) / f"mha-encoder-service-{http['port']}.log"
-    print(f"starting Ray and the service (bundle {settings.bundle}) ...", flush=True)
+    listed = ", ".join(str(ref.path) for ref in settings.bundles)
+    print(f"starting Ray and the service (bundle{'s' if len(settings.bundles) > 1 else ''} {listed}) ...", flush=True)
     out, err = quiet_std_streams(log_path)
 
     import ray
@@ -246,7 +260,6 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options=http, logging_config={"enable_access_log": False})
         serve.run(build_app(settings), name=APP_NAME, route_prefix="/", logging_config={"enable_access_log": False})
         info = serve.get_deployment_handle("Encoder", APP_NAME).info.remote().result(timeout_s=60)
-        info["model"] = settings.model_name or load_bundle(settings.bundle).manifest.model.name
         for line in summary(settings, http, info, args, log_path, time.perf_counter() - started):
             print(line, file=out)
         while not signals:

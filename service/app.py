@@ -8,10 +8,9 @@ serveConfigV2) pass the config's `args` here, and Ray validates them into Servic
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
-from bundle.manifest import load_bundle
 from service.config import ServiceSettings
 from service.deployment import Encoder
-from service.runtime import preflight
+from service.runtime import check_bundles
 
 
 def build_app(args: ServiceSettings) -> Application:
@@ -25,7 +24,7 @@ def build_app(args: ServiceSettings) -> Application:
 def compose(settings: ServiceSettings, deployment=Encoder) -> Application:
     """Bind the deployment; `deployment` lets fault tests deploy a replica that breaks."""
     settings = settings.resolved()
-    preflight(load_bundle(settings.bundle), settings.precision)  # refuse here, in one line, before any replica starts
+    check_bundles(settings)  # refuse here, in one line, before any replica starts
     if settings.autoscaling is not None:
         replicas: dict = {"autoscaling_config": settings.autoscaling.model_dump()}
     else:
@@ -43,3 +42,4 @@ def compose(settings: ServiceSettings, deployment=Encoder) -> Application:
         health_check_period_s=settings.health_check_period_s,
         health_check_timeout_s=30,
     ).bind(settings)
+

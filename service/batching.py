@@ -120,8 +120,10 @@ class BatchRunner:
     once, so the counters are kept under a lock.
     """
 
-    def __init__(self, runtime: OrtEncoder, manifest: BundleManifest, batching: BatchingSettings) -> None:
+    def __init__(self, runtime: OrtEncoder, manifest: BundleManifest, batching: BatchingSettings,
+                 model_name: str | None = None) -> None:
         self.runtime = runtime
+        self.model_name = model_name or manifest.model.name  # the served name: the metrics' model label
         self.manifest = manifest
         self.batching = batching
         self.metrics = service_metrics()
@@ -153,7 +155,7 @@ class BatchRunner:
     def _compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
         started = time.perf_counter()
         for job in jobs:
-            self.metrics.duration.observe(started - job.enqueued, tags={"route": job.route, "stage": "queue"})
+            self.metrics.duration.observe(started - job.enqueued, tags={"route": job.route, "stage": "queue", "model": self.model_name})
         model = self.manifest.model
         # Flatten texts; texts that need attention or hidden states run apart from those that
         # need only the embedding, so the cheap ones never pay for the big outputs. Texts that
@@ -187,17 +189,17 @@ class BatchRunner:
                 padded += int(mask.size)
                 self._scatter(jobs, results, rows, mask, out)
         elapsed = time.perf_counter() - started
-        m = self.metrics
+        m, model = self.metrics, {"model": self.model_name}
         for job in jobs:
-            m.duration.observe(elapsed, tags={"route": job.route, "stage": "inference"})
-        m.batch_requests.observe(len(jobs))
-        m.batch_tokens.observe(real)
-        m.padding_ratio.observe(1 - real / padded if padded else 0.0)
+            m.duration.observe(elapsed, tags={"route": job.route, "stage": "inference", **model})
+        m.batch_requests.observe(len(jobs), tags=model)
+        m.batch_tokens.observe(real, tags=model)
+        m.padding_ratio.observe(1 - real / padded if padded else 0.0, tags=model)
         if real:
-            m.tokens.inc(real)
-            m.padded_tokens.inc(padded)
+            m.tokens.inc(real, tags=model)
+            m.padded_tokens.inc(padded, tags=model)
         for label, n in runs.items():
-            m.inference_runs.inc(n, tags={"graph": label})
+            m.inference_runs.inc(n, tags={"graph": label, **model})
         with self._counters_lock:  # two batches may finish at once, each in its own thread
             for label, n in runs.items():
                 self.runs_by_graph[label] = self.runs_by_graph.get(label, 0) + n

@@ -79,11 +79,37 @@ class AutoscalingSettings(BaseModel):
         return self
 
 
+class BundleRef(BaseModel):
+    """One served model: its bundle directory and, optionally, the name clients use for it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Path = Field(description="model bundle directory")
+    name: str | None = Field(None, min_length=1, description="served name; default: the bundle's model name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: object) -> object:
+        """`PATH` or `NAME=PATH` (the command line's form) as well as `{path, name}`."""
+        if isinstance(value, (str, Path)):
+            text = str(value)
+            name, sep, path = text.partition("=")
+            if sep and name and "/" not in name:
+                return {"path": path, "name": name}
+            return {"path": text}
+        return value
+
+
 class ServiceSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    bundle: Path = Field(Path("bundles/all-MiniLM-L6-v2"), description="model bundle directory")
-    model_name: str | None = Field(None, description="served name; default: the bundle's model name")
+    bundle: Path = Field(Path("bundles/all-MiniLM-L6-v2"), description="model bundle directory (one model)")
+    model_name: str | None = Field(None, description="served name of `bundle`; default: the bundle's model name")
+    bundles: list[BundleRef] = Field(
+        default_factory=list,
+        description="several models, each `PATH`, `NAME=PATH` or {path, name}; every replica serves all of them, "
+        "the first is the default of routes whose `model` field is left out; replaces bundle and model_name",
+    )
 
     # replicas and capacity: one deployment, whose replicas each parse, batch and run the model
     replicas: int = Field(1, ge=1, description="replicas (when not autoscaling)")
@@ -147,6 +173,26 @@ class ServiceSettings(BaseModel):
         max_ongoing_requests and refuses them itself, with the JSON error every other route gives."""
         return 2 * self.max_ongoing_requests
 
+    @model_validator(mode="after")
+    def _one_list_of_bundles(self) -> ServiceSettings:
+        """`bundle` (and `model_name`) is the one-model form of `bundles`; afterwards `bundles` is
+        always the list served and `bundle` its first."""
+        if not self.bundles:
+            self.bundles = [BundleRef(path=self.bundle, name=self.model_name)]
+        else:
+            first = self.bundles[0]
+            # both given is fine only when they agree (a dumped settings object has both)
+            if ("bundle" in self.model_fields_set and self.bundle != first.path) or (
+                "model_name" in self.model_fields_set and self.model_name != first.name
+            ):
+                raise ValueError("give bundle (and model_name) for one model, or bundles for several, not both")
+            self.bundle, self.model_name = first.path, first.name
+        names = [b.name for b in self.bundles if b.name]
+        if len(set(names)) != len(names):
+            raise ValueError(f"bundles: two bundles are served under one name ({names})")
+        return self
+
     def resolved(self) -> ServiceSettings:
-        """A copy with the bundle path made absolute, so replicas in other directories find it."""
-        return self.model_copy(update={"bundle": self.bundle.expanduser().resolve()})
+        """A copy with the bundle paths made absolute, so replicas in other directories find them."""
+        bundles = [b.model_copy(update={"path": b.path.expanduser().resolve()}) for b in self.bundles]
+        return self.model_copy(update={"bundles": bundles, "bundle": bundles[0].path})

@@ -20,22 +20,21 @@ import time
 from fastapi import Request
 from ray import serve
 
-from bundle.manifest import load_bundle
-from service.batching import BatchRunner, EncodeJob, EncodeResult, intra_op_threads, job_tokens
+from service.batching import EncodeJob, EncodeResult
 from service.config import BatchingSettings, ServiceSettings
 from service.errors import BackendError, ClientGone, InvalidRequest, NotReady, ServiceError, Timeout, TooLarge
 from service.http_app import app
 from service.metrics import node_metrics_url, refresh_periodically, service_metrics
 from service.middleware import AdmissionMiddleware, BearerAuthMiddleware, MetricsMiddleware, configure
+from service.models import ModelTable, ServedModel, compute, load_model
 from service.routes_attention import AttentionRoutes
 from service.routes_explorer import ExplorerRoutes
 from service.routes_native import NativeRoutes
 from service.routes_openai import OpenAIRoutes
 from service.routes_ops import OpsRoutes
 from service.routes_v2 import V2Routes
-from service.runtime import OrtEncoder
 from service.schemas import as_list
-from service.tokenization import TextTokenizer, TokenizedText
+from service.tokenization import TokenizedText
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,54 +49,40 @@ TIMEOUT_HEADER = "x-request-timeout-seconds"
 @serve.deployment(name="Encoder")
 @serve.ingress(app)
 class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, ExplorerRoutes):
-    """A replica: the FastAPI routes, the tokenizer, the batch queue and the onnxruntime sessions."""
+    """A replica: the FastAPI routes and, per served model, the tokenizer, the batch queue and the
+    onnxruntime sessions."""
 
     def __init__(self, settings: ServiceSettings) -> None:
         started = time.perf_counter()
         self.settings = settings
-        bundle = load_bundle(settings.bundle)
-        self.manifest = bundle.manifest
-        self.model = bundle.manifest.model
-        self.bundle_sha256 = bundle.sha256
-        self.name = settings.model_name or self.model.name
-        self.tokenizer = TextTokenizer(bundle.tokenizer_path, self.model.max_tokens)
-        self.runtime = OrtEncoder(
-            bundle, settings.provider, intra_op_threads(settings), settings.inter_op_threads, settings.allow_spinning,
-            settings.precision,
-        )
         self.batching = settings.batching
-        self.runner = BatchRunner(self.runtime, self.manifest, self.batching)
-        # Wrapped here rather than decorated on the class, so that every knob, including
-        # max_concurrent_batches, comes from the settings object.
-        self._batched = serve.batch(
-            max_batch_size=self.batching.max_batch_tokens,
-            batch_wait_timeout_s=self.batching.batch_wait_timeout_s,
-            max_concurrent_batches=self.batching.max_concurrent_batches,
-            batch_size_fn=job_tokens,
-        )(self._run_batch)
+        self.models = ModelTable([load_model(ref, settings, self._run_batch) for ref in settings.bundles])
         self.healthy = True
         configure(settings)
         if BearerAuthMiddleware.token is None:
             logger.warning("no API token configured (%s / auth_token_file): inference routes are open", settings.auth_token_env)
         if settings.warmup:
-            self.runner.warm_up()
+            for served in self.models:
+                served.runner.warm_up()
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.node_id = _node_id()
         self.metrics_url = node_metrics_url()
         metrics = service_metrics()
-        info_tags = {"model": self.name, "bundle_sha256": bundle.sha256, "provider": self.runtime.provider}
+        info_tags = [{"model": m.name, "bundle_sha256": m.sha256, "provider": m.runtime.provider} for m in self.models]
 
         def refresh() -> None:  # Ray drops gauges that are not set again
-            metrics.model_info.set(1, tags=info_tags)
+            for tags in info_tags:
+                metrics.model_info.set(1, tags=tags)
             metrics.in_flight.set(MetricsMiddleware.in_flight)
 
         refresh_periodically(refresh)
-        logger.info(
-            "replica ready: model %s, provider %s, graphs %s and %s, %d intra-op threads, bundle %s (%.1fs)",
-            self.name, self.runtime.provider, self.runtime.full.label, self.runtime.fast.label,
-            self.runtime.threads, settings.bundle, time.perf_counter() - started,
-        )
+        for m in self.models:
+            logger.info(
+                "replica ready: model %s, provider %s, graphs %s and %s, %d intra-op threads, bundle %s (%.1fs)",
+                m.name, m.runtime.provider, m.runtime.full.label, m.runtime.fast.label, m.runtime.threads, m.path,
+                time.perf_counter() - started,
+            )
 
     # ---- Serve's hooks ----
 
@@ -105,38 +90,32 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
         """Apply batching knobs from the Serve config's user_config without a restart."""
         merged = self.settings.batching.model_dump() | (user_config or {})
         self.batching = BatchingSettings(**merged)
-        self.runner.batching = self.batching
-        self._batched.set_max_batch_size(self.batching.max_batch_tokens)
-        self._batched.set_batch_wait_timeout_s(self.batching.batch_wait_timeout_s)
+        for served in self.models:
+            served.reconfigure(self.batching)
 
     def check_health(self) -> None:
-        """Called by Serve periodically: a tiny real inference, so a broken session restarts the replica."""
+        """Called by Serve periodically: a tiny real inference per model, so a broken session restarts the replica."""
         try:
-            self.runtime.smoke_test()
+            for served in self.models:
+                served.runtime.smoke_test()
         except Exception:
             self.healthy = False  # readiness says so until Serve replaces this replica
             raise
 
     def info(self) -> dict:
-        """What this replica runs and has done (counters are per replica); also callable by handle."""
+        """What this replica runs and has done, per model (counters are per replica); also callable by handle."""
         return {
             "replica_id": self.replica_id,
             "node_id": self.node_id,
             "pid": os.getpid(),
-            "provider": self.runtime.provider,
-            "provider_note": self.runtime.provider_note,
-            "intra_op_threads": self.runtime.threads,
-            "precision": self.runtime.precision,
-            "precision_requested": self.runtime.precision_requested,
-            "graphs": {"attentions": self.runtime.full.label, "encodings": self.runtime.fast.label},
-            "ort_runs_by_graph": dict(self.runner.runs_by_graph),
+            "models": {m.name: model_state(m) for m in self.models},
+            **model_state(self.models.default),  # the default model's, at the top as before several were served
             "batching": self.batching.model_dump(),
-            "counters": dict(self.runner.counters),
             "load": {
                 "requests_in_flight": MetricsMiddleware.in_flight,
                 "inference_requests": AdmissionMiddleware.pending,
                 "inference_requests_admitted": AdmissionMiddleware.admitted,
-                "batches_running": self.runner.running,
+                "batches_running": sum(m.runner.running for m in self.models),
             },
             "metrics": {"prometheus_url": self.metrics_url, "node_id": self.node_id},
         }
@@ -161,14 +140,22 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
                 raise InvalidRequest(f"input {i} is not valid Unicode: {exc.reason} at character {exc.start}") from None
         return texts
 
-    async def _tokenize(self, texts: list[str], truncate: bool, route: str, limit_tokens: bool = True) -> list[TokenizedText]:
+    def _model(self, name: str | None, request: Request, required: bool = False) -> ServedModel:
+        """The model a request names (404 naming the served ones), noted for the metrics' model label."""
+        served = self.models.get(name, required)
+        request.scope["model"] = served.name
+        return served
+
+    async def _tokenize(self, served: ServedModel, texts: list[str], truncate: bool, route: str,
+                        limit_tokens: bool = True) -> list[TokenizedText]:
         """The whole request in one batch call of the tokenizer; off the event loop when it is large."""
         started = time.perf_counter()
         if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
-            tokenized = self.tokenizer.encode(texts, truncate)
+            tokenized = served.tokenizer.encode(texts, truncate)
         else:
-            tokenized = await asyncio.to_thread(self.tokenizer.encode, texts, truncate)
-        service_metrics().duration.observe(time.perf_counter() - started, tags={"route": route, "stage": "tokenization"})
+            tokenized = await asyncio.to_thread(served.tokenizer.encode, texts, truncate)
+        service_metrics().duration.observe(time.perf_counter() - started,
+                                           tags={"route": route, "stage": "tokenization", "model": served.name})
         total = sum(t.n_tokens for t in tokenized)
         if limit_tokens and total > self.settings.batching.max_batch_tokens:
             raise TooLarge(
@@ -177,14 +164,14 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
             )
         return tokenized
 
-    def _check_attention_size(self, tokenized: list[TokenizedText]) -> None:
+    def _check_attention_size(self, served: ServedModel, tokenized: list[TokenizedText]) -> None:
         """Attention grows with n^2: refuse before inference what would fill the replica's memory."""
-        per_square = self.model.num_layers * self.model.num_heads
-        values = sum(per_square * t.n_tokens**2 for t in tokenized)
+        model = served.model
+        values = sum(model.num_layers * model.num_heads * t.n_tokens**2 for t in tokenized)
         if values > self.settings.max_attention_values:
             raise TooLarge(
-                f"the attention of this request is {values} values ({self.model.num_layers} layers x "
-                f"{self.model.num_heads} heads x tokens^2, summed over {len(tokenized)} texts); the limit is "
+                f"the attention of this request is {values} values ({model.num_layers} layers x "
+                f"{model.num_heads} heads x tokens^2, summed over {len(tokenized)} texts); the limit is "
                 f"{self.settings.max_attention_values} (send fewer or shorter texts)"
             )
 
@@ -207,7 +194,7 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
             raise InvalidRequest(f"{what}s: an empty list selects nothing; leave it out (or null) for all {count}")
         return tuple(requested)
 
-    async def _infer(self, job: EncodeJob, request: Request) -> EncodeResult:
+    async def _infer(self, served: ServedModel, job: EncodeJob, request: Request) -> EncodeResult:
         """One request's job through the batch queue, within its deadline.
 
         The deadline is request_timeout_s, or the client's own `X-Request-Timeout-Seconds` when
@@ -219,7 +206,7 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
         """
         timeout = self._deadline(request)
         job.enqueued = time.perf_counter()
-        result = asyncio.ensure_future(self._batched(job) if self.batching.enabled else self._run_one(job))
+        result = asyncio.ensure_future(served.batched(job) if self.batching.enabled else self._run_one(served, job))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait({result, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -252,18 +239,32 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
             raise InvalidRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}")
         return min(asked, self.settings.request_timeout_s)
 
-    async def _run_one(self, job: EncodeJob) -> EncodeResult:
-        return (await self._run_batch([job]))[0]
+    async def _run_one(self, served: ServedModel, job: EncodeJob) -> EncodeResult:
+        return (await self._run_batch(served, [job]))[0]
 
-    async def _run_batch(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
-        """The batch method, list in, list out: computed off the event loop (onnxruntime releases the GIL)."""
-        return await asyncio.to_thread(self.runner.compute, jobs)
+    async def _run_batch(self, served: ServedModel, jobs: list[EncodeJob]) -> list[EncodeResult]:
+        """Where every model's batches run: list in, list out, off the event loop."""
+        return await compute(served, jobs)
 
 
 async def _disconnected(request: Request) -> None:
     """Returns when the client has closed the connection (the request's body is already read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def model_state(m: ServedModel) -> dict:
+    """One served model's execution state in a replica: provider, precision, graphs, counters."""
+    return {
+        "provider": m.runtime.provider,
+        "provider_note": m.runtime.provider_note,
+        "intra_op_threads": m.runtime.threads,
+        "precision": m.runtime.precision,
+        "precision_requested": m.runtime.precision_requested,
+        "graphs": {"attentions": m.runtime.full.label, "encodings": m.runtime.fast.label},
+        "ort_runs_by_graph": dict(m.runner.runs_by_graph),
+        "counters": dict(m.runner.counters),
+    }
 
 
 def _node_id() -> str:

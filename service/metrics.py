@@ -42,46 +42,51 @@ FAILURE_REASONS = ("validation", "too_large", "not_found", "unauthorized", "over
                    "cancelled", "backend")
 
 
+# Every family of a request or a batch carries the served model's name (empty on routes that run
+# no model: /info, /health, the explorer page, unknown paths).
+MODEL = ("model",)
+
+
 class ServiceMetrics:
     """The families, created in the process that records them (metric objects do not pickle)."""
 
     def __init__(self) -> None:
         self.requests = Counter(
             PREFIX + "requests_total", "HTTP requests by route and status class (2xx, 4xx, 5xx).",
-            tag_keys=("route", "status_class"),
+            tag_keys=("route", "status_class", "model"),
         )
         self.failures = Counter(
             PREFIX + "request_failures_total",
             f"Failed requests by reason ({', '.join(FAILURE_REASONS)}).",
-            tag_keys=("route", "reason"),
+            tag_keys=("route", "reason", "model"),
         )
         self.duration = Histogram(
             PREFIX + "request_duration_seconds",
             "Request time by stage: tokenization, queue (waiting for a batch), inference, total.",
-            boundaries=LATENCY_BUCKETS, tag_keys=("route", "stage"),
+            boundaries=LATENCY_BUCKETS, tag_keys=("route", "stage", "model"),
         )
         self.in_flight = Gauge(PREFIX + "in_flight_requests", "Requests being handled by this ingress replica.")
         self.response_bytes = Counter(
             PREFIX + "response_bytes_total",
             "Response body bytes by output kind (embedding, token_embeddings, tokens, attention, other).",
-            tag_keys=("route", "kind"),
+            tag_keys=("route", "kind", "model"),
         )
         self.batch_requests = Histogram(
-            PREFIX + "batch_size_requests", "Requests per batch.", boundaries=REQUEST_BUCKETS
+            PREFIX + "batch_size_requests", "Requests per batch.", boundaries=REQUEST_BUCKETS, tag_keys=MODEL
         )
         self.batch_tokens = Histogram(
-            PREFIX + "batch_size_tokens", "Real (unpadded) tokens per batch.", boundaries=TOKEN_BUCKETS
+            PREFIX + "batch_size_tokens", "Real (unpadded) tokens per batch.", boundaries=TOKEN_BUCKETS, tag_keys=MODEL
         )
         self.padding_ratio = Histogram(
             PREFIX + "batch_padding_ratio", "Share of the tokens computed in a batch that were padding.",
-            boundaries=RATIO_BUCKETS,
+            boundaries=RATIO_BUCKETS, tag_keys=MODEL,
         )
-        self.tokens = Counter(PREFIX + "tokens_total", "Real tokens processed by the encoder.")
+        self.tokens = Counter(PREFIX + "tokens_total", "Real tokens processed by the encoder.", tag_keys=MODEL)
         self.padded_tokens = Counter(
-            PREFIX + "padded_tokens_total", "Tokens computed by the encoder, padding included."
+            PREFIX + "padded_tokens_total", "Tokens computed by the encoder, padding included.", tag_keys=MODEL
         )
         self.inference_runs = Counter(
-            PREFIX + "inference_runs_total", "onnxruntime session runs, by graph.", tag_keys=("graph",)
+            PREFIX + "inference_runs_total", "onnxruntime session runs, by graph.", tag_keys=("graph", "model")
         )
         self.model_info = Gauge(
             PREFIX + "model_info", "1 for each encoder replica: the model, bundle and execution provider it serves.",

@@ -67,18 +67,19 @@ class MetricsMiddleware:
             metrics.in_flight.set(MetricsMiddleware.in_flight)
             # set by the app's route dependency (or an error handler): the template, so label values stay few
             route = scope.get("route_template", "unmatched")
-            metrics.requests.inc(tags={"route": route, "status_class": status_class(status)})
-            metrics.duration.observe(time.perf_counter() - started, tags={"route": route, "stage": "total"})
+            model = scope.get("model", "")  # set by the route once it knows which model the request is for
+            metrics.requests.inc(tags={"route": route, "status_class": status_class(status), "model": model})
+            metrics.duration.observe(time.perf_counter() - started, tags={"route": route, "stage": "total", "model": model})
             if status >= 400:
                 reason = scope.get("failure_reason") or _REASON_BY_STATUS.get(status, "backend")
-                metrics.failures.inc(tags={"route": route, "reason": reason})
+                metrics.failures.inc(tags={"route": route, "reason": reason, "model": model})
             kinds: dict[str, int] = scope.get("response_kinds") or {}
             for kind, n in kinds.items():
                 if n > 0:
-                    metrics.response_bytes.inc(n, tags={"route": route, "kind": kind})
+                    metrics.response_bytes.inc(n, tags={"route": route, "kind": kind, "model": model})
             other = sent - sum(kinds.values())
             if other > 0:
-                metrics.response_bytes.inc(other, tags={"route": route, "kind": "other"})
+                metrics.response_bytes.inc(other, tags={"route": route, "kind": "other", "model": model})
 
 
 class BearerAuthMiddleware:

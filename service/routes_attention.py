@@ -74,16 +74,17 @@ class AttentionRoutes:
     @app.post("/v1/attention", response_model=AttentionResponse, responses=ERROR_RESPONSES)
     async def attention(self, body: AttentionRequest, request: Request) -> JSONResponse:
         """Attention rollout, per-head entropy and top-k per unit (token or word); weights on request."""
+        served = self._model(body.model, request)
         texts = self._texts(body.inputs)
         # in model order: rollout multiplies layers in the order the model applies them
-        layers = tuple(sorted(self._indexes(body.layers, self.model.num_layers, "layer")))
-        heads = tuple(sorted(self._indexes(body.heads, self.model.num_heads, "head")))
-        tokenized = await self._tokenize(texts, body.truncate, "/v1/attention")
-        self._check_attention_size(tokenized)
+        layers = tuple(sorted(self._indexes(body.layers, served.model.num_layers, "layer")))
+        heads = tuple(sorted(self._indexes(body.heads, served.model.num_heads, "head")))
+        tokenized = await self._tokenize(served, texts, body.truncate, "/v1/attention")
+        self._check_attention_size(served, tokenized)
         self._check_response_size(attention_response_size(body, tokenized, len(layers), len(heads)))
-        job = EncodeJob(route="/v1/attention", ids=[t.ids for t in tokenized], normalize=self.model.normalize,
+        job = EncodeJob(route="/v1/attention", ids=[t.ids for t in tokenized], normalize=served.model.normalize,
                         attention=(layers, heads))
-        result = await self._infer(job, request)
+        result = await self._infer(served, job, request)
         units = [units_of(t, text, body.level) for t, text in zip(tokenized, texts, strict=True)]
 
         def analyse_all() -> list[dict[str, Any]]:
@@ -111,14 +112,15 @@ class AttentionRoutes:
             data.append(item)
         kinds.report(request)
         return JSONResponse({
-            "model": self.name, "level": body.level, "layers": list(layers), "heads": list(heads), "data": data,
+            "model": served.name, "level": body.level, "layers": list(layers), "heads": list(heads), "data": data,
             "usage": {"tokens": sum(t.n_tokens for t in tokenized)},
         })
 
     @app.post("/v1/similarity", response_model=SimilarityResponse, responses=ERROR_RESPONSES)
     async def similarity(self, body: SimilarityRequest, request: Request) -> JSONResponse:
         """Cosine similarity of text pairs; with explain, each token's (or word's) exact share of it."""
-        pooling = self.model.pooling
+        served = self._model(body.model, request)
+        pooling = served.model.pooling
         if body.explain:
             try:
                 check_explainable(pooling)
@@ -128,12 +130,12 @@ class AttentionRoutes:
             raise TooLarge(f"{len(body.pairs)} pairs are {2 * len(body.pairs)} texts; at most "
                            f"{self.settings.max_inputs} texts ({self.settings.max_inputs // 2} pairs) per request")
         texts = self._texts([text for pair in body.pairs for text in pair])
-        tokenized = await self._tokenize(texts, body.truncate, "/v1/similarity")
+        tokenized = await self._tokenize(served, texts, body.truncate, "/v1/similarity")
         if body.explain:
             self._check_response_size(sum(t.n_tokens * (UNIT_JSON_BYTES + JSON_FLOAT_BYTES) for t in tokenized))
-        job = EncodeJob(route="/v1/similarity", ids=[t.ids for t in tokenized], normalize=self.model.normalize,
+        job = EncodeJob(route="/v1/similarity", ids=[t.ids for t in tokenized], normalize=served.model.normalize,
                         want_hidden=body.explain)
-        result = await self._infer(job, request)
+        result = await self._infer(served, job, request)
         kinds = KindCounter()
         data = []
         for p in range(len(body.pairs)):
@@ -157,7 +159,7 @@ class AttentionRoutes:
         if pooling == "cls":
             note = "the model pools with cls: the embedding is the first token's, so each text's whole score is on its first token"
         return JSONResponse({
-            "model": self.name, "pooling": pooling, "level": body.level, "note": note, "data": data,
+            "model": served.name, "pooling": pooling, "level": body.level, "note": note, "data": data,
             "usage": {"tokens": sum(t.n_tokens for t in tokenized)},
         })
 

@@ -39,18 +39,19 @@ class NativeRoutes:
     @app.post("/v1/encode", response_model=EncodeResponse, responses=ERROR_RESPONSES)
     async def encode(self, body: EncodeRequest, request: Request) -> JSONResponse:
         """Embeddings, token encodings, tokens with offsets, attention weights."""
+        served = self._model(body.model, request)
         texts = self._texts(body.inputs)
         attention = None
         if body.attention is not None:
             attention = (
-                self._indexes(body.attention.layers, self.model.num_layers, "layer"),
-                self._indexes(body.attention.heads, self.model.num_heads, "head"),
+                self._indexes(body.attention.layers, served.model.num_layers, "layer"),
+                self._indexes(body.attention.heads, served.model.num_heads, "head"),
             )
-        tokenized = await self._tokenize(texts, body.truncate, "/v1/encode")
+        tokenized = await self._tokenize(served, texts, body.truncate, "/v1/encode")
         if attention is not None:
-            self._check_attention_size(tokenized)
-        self._check_response_size(encode_size(body, tokenized, attention, self.model.hidden_size))
-        normalize = self.model.normalize if body.normalize is None else body.normalize
+            self._check_attention_size(served, tokenized)
+        self._check_response_size(encode_size(body, tokenized, attention, served.model.hidden_size))
+        normalize = served.model.normalize if body.normalize is None else body.normalize
         job = EncodeJob(
             route="/v1/encode",
             ids=[t.ids for t in tokenized],
@@ -59,7 +60,7 @@ class NativeRoutes:
             want_hidden=body.token_embeddings,
             attention=attention,
         )
-        result = await self._infer(job, request)
+        result = await self._infer(served, job, request)
         kinds = KindCounter()
         data = []
         for i, tok in enumerate(tokenized):
@@ -87,17 +88,18 @@ class NativeRoutes:
             data.append(item)
         usage = {"tokens": sum(t.n_tokens for t in tokenized)}
         kinds.report(request)
-        return JSONResponse({"model": self.name, "data": data, "usage": usage})
+        return JSONResponse({"model": served.name, "data": data, "usage": usage})
 
     @app.post("/v1/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(self, body: TokenizeRequest, request: Request) -> JSONResponse:
         """Tokens, ids and character offsets, exactly as /v1/encode sees them."""
+        served = self._model(body.model, request)
         texts = self._texts(body.inputs)
-        tokenized = await self._tokenize(texts, body.truncate, "/v1/tokenize", limit_tokens=False)
+        tokenized = await self._tokenize(served, texts, body.truncate, "/v1/tokenize", limit_tokens=False)
         kinds = KindCounter()
         data = [
             {"index": i, "tokens": kinds.fragment("tokens", token_list(t.encoding)), "truncated": t.truncated}
             for i, t in enumerate(tokenized)
         ]
         kinds.report(request)
-        return JSONResponse({"model": self.name, "data": data})
+        return JSONResponse({"model": served.name, "data": data})

@@ -3,12 +3,14 @@
 No `from __future__ import annotations` (see routes_native.py).
 """
 
+from datetime import datetime
+
 import numpy as np
 from fastapi import Request
 
 from service.batching import EncodeJob, l2_normalize
-from service.errors import InvalidRequest, NotFound
-from service.http_app import ERROR_RESPONSES, app
+from service.errors import InvalidRequest
+from service.http_app import ERROR_RESPONSES, SERVER_NAME, app
 from service.responses import JSONResponse, KindCounter, encode_array
 from service.schemas import OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
 
@@ -17,15 +19,13 @@ class OpenAIRoutes:
     @app.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=ERROR_RESPONSES)
     async def embeddings(self, body: OpenAIEmbeddingRequest, request: Request) -> JSONResponse:
         """OpenAI's embeddings API: works with the official `openai` client."""
-        if body.model is not None and body.model != self.name:
-            raise NotFound(f"model {body.model!r} is not served here; this service serves {self.name!r}")
-        if body.dimensions is not None and body.dimensions > self.model.hidden_size:
-            raise InvalidRequest(f"dimensions {body.dimensions} exceeds the model's {self.model.hidden_size}")
+        served = self._model(body.model, request, required=True)
+        if body.dimensions is not None and body.dimensions > served.model.hidden_size:
+            raise InvalidRequest(f"dimensions {body.dimensions} exceeds the model's {served.model.hidden_size}")
         texts = self._texts(body.input)
-        tokenized = await self._tokenize(texts, True, "/v1/embeddings")
-        result = await self._infer(
-            EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized], normalize=self.model.normalize), request
-        )
+        tokenized = await self._tokenize(served, texts, True, "/v1/embeddings")
+        job = EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized], normalize=served.model.normalize)
+        result = await self._infer(served, job, request)
         vectors = result.embeddings
         if body.dimensions is not None:  # shortened as OpenAI does: cut, then re-normalise
             vectors = np.ascontiguousarray(l2_normalize(vectors[:, : body.dimensions]).astype(np.float32))
@@ -41,5 +41,28 @@ class OpenAIRoutes:
         kinds.report(request)
         tokens = sum(t.n_tokens for t in tokenized)
         return JSONResponse(
-            {"object": "list", "data": data, "model": self.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+            {"object": "list", "data": data, "model": served.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
         )
+
+    @app.get("/v1/models")
+    async def models_list(self) -> JSONResponse:
+        """The served models, in OpenAI's list format (`client.models.list()` works unchanged)."""
+        return JSONResponse({"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": _unix_time(m.manifest.created_at), "owned_by": SERVER_NAME}
+            for m in self.models
+        ]})
+
+    @app.get("/v1/models/{name}", responses=ERROR_RESPONSES)
+    async def model_retrieve(self, name: str) -> JSONResponse:
+        """One served model (OpenAI's `client.models.retrieve`)."""
+        m = self.models.get(name)
+        return JSONResponse({"id": m.name, "object": "model", "created": _unix_time(m.manifest.created_at),
+                             "owned_by": SERVER_NAME})
+
+
+def _unix_time(iso: str) -> int:
+    """The bundle's export time as OpenAI's `created` (seconds since the epoch); 0 when unreadable."""
+    try:
+        return int(datetime.fromisoformat(iso).timestamp())
+    except ValueError:
+        return 0

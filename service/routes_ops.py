@@ -10,35 +10,27 @@ from service.responses import JSONResponse
 class OpsRoutes:
     @app.get("/health", responses=ERROR_RESPONSES)
     async def health(self) -> JSONResponse:
-        """Ready when this replica's sessions passed their last health check: 200, else 503."""
+        """Ready when this replica's sessions (every model's) passed their last health check: 200, else 503."""
         self._check_ready()
-        return JSONResponse({"status": "ok", "model": self.name, "provider": self.runtime.provider})
+        default = self.models.default
+        return JSONResponse({"status": "ok", "model": default.name, "models": self.models.names,
+                             "provider": default.runtime.provider})
 
     @app.get("/info")
     async def info_route(self) -> JSONResponse:
-        """The served model, where it runs, how requests are batched and limited, where the metrics
-        are, its parity report, and what the replica that answered has done."""
+        """Every served model (dims, pooling, where it runs, its bundle and parity report), how requests
+        are batched and limited, where the metrics are, and what the replica that answered has done.
+        The default model's description is also at the top level (the first listed)."""
         s = self.settings
         replica = self.info()
+        models = [describe_model(m, replica["models"][m.name]) for m in self.models]
         return JSONResponse(
             {
-                "model": self.name,
-                "hidden_size": self.model.hidden_size,
-                "num_layers": self.model.num_layers,
-                "num_heads": self.model.num_heads,
-                "max_tokens": self.model.max_tokens,
-                "pooling": self.model.pooling,
-                "normalize": self.model.normalize,
-                "provider": replica["provider"],
-                "provider_note": replica["provider_note"],
-                "intra_op_threads": replica["intra_op_threads"],
-                "precision": replica["precision"],
-                "precision_requested": replica["precision_requested"],
-                "graphs": replica["graphs"],
+                **models[0],
+                "models": models,
                 "batching": replica["batching"],
                 "metrics": replica["metrics"],
                 "replica": {k: replica[k] for k in ("replica_id", "node_id", "pid", "load")},
-                "encoder_counters": replica["counters"],  # of the replica that answered
                 "replicas": (
                     {"autoscaling": s.autoscaling.model_dump()} if s.autoscaling else {"replicas": s.replicas}
                 ),
@@ -47,18 +39,41 @@ class OpsRoutes:
                     "max_text_chars": s.max_text_chars,
                     "max_body_bytes": s.max_body_bytes,
                     "max_response_bytes": s.max_response_bytes,
+                    "max_attention_values": s.max_attention_values,
                     "max_request_tokens": s.batching.max_batch_tokens,
                     "request_timeout_s": s.request_timeout_s,
                     "max_ongoing_requests": s.max_ongoing_requests,
                     "max_queued_requests": s.max_queued_requests,
                 },
-                "bundle": {"path": str(s.bundle), "sha256": self.bundle_sha256, "opset": self.manifest.graph.opset},
-                "parity": self.manifest.parity.model_dump(mode="json"),
-                "variants": {
-                    p: {"file": v.file, "fusions": v.fusions, "providers": v.providers,
-                        "gate": (v.quality or v.parity).model_dump(mode="json")}
-                    for p, v in self.manifest.variants.items()
-                },
-                "versions": self.manifest.versions,
             }
         )
+
+
+def describe_model(m, state: dict) -> dict:
+    """One served model as /info describes it; `state` is the replica's (provider, graphs, counters)."""
+    model, manifest = m.model, m.manifest
+    return {
+        "model": m.name,
+        "architecture": model.architecture,
+        "hidden_size": model.hidden_size,
+        "num_layers": model.num_layers,
+        "num_heads": model.num_heads,
+        "max_tokens": model.max_tokens,
+        "pooling": model.pooling,
+        "normalize": model.normalize,
+        "provider": state["provider"],
+        "provider_note": state["provider_note"],
+        "intra_op_threads": state["intra_op_threads"],
+        "precision": state["precision"],
+        "precision_requested": state["precision_requested"],
+        "graphs": state["graphs"],
+        "encoder_counters": state["counters"],  # of the replica that answered
+        "bundle": {"path": str(m.path), "sha256": m.sha256, "opset": manifest.graph.opset},
+        "parity": manifest.parity.model_dump(mode="json"),
+        "variants": {
+            p: {"file": v.file, "fusions": v.fusions, "providers": v.providers,
+                "gate": (v.quality or v.parity).model_dump(mode="json")}
+            for p, v in manifest.variants.items()
+        },
+        "versions": manifest.versions,
+    }

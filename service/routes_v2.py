@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from service.batching import EncodeJob, EncodeResult
-from service.errors import InvalidRequest, NotFound
+from service.errors import InvalidRequest
 from service.http_app import ERROR_RESPONSES, SERVER_NAME, SERVER_VERSION, app, describe
 from service.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter
 from service.schemas import V2InferRequest, V2ModelMetadata
@@ -143,9 +143,6 @@ def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[st
 
 
 class V2Routes:
-    def _v2_model(self, name: str) -> None:
-        if name != self.name:
-            raise NotFound(f"model {name!r} not found; this service serves {self.name!r}")
 
     @app.get("/v2")
     async def v2_server(self) -> JSONResponse:
@@ -165,12 +162,12 @@ class V2Routes:
 
     @app.get("/v2/models/{name}", response_model=V2ModelMetadata, responses=ERROR_RESPONSES)
     @app.get("/v2/models/{name}/versions/{version}", include_in_schema=False)
-    async def v2_metadata(self, name: str, version: str = "1") -> JSONResponse:
-        self._v2_model(name)
-        d, L, H = self.model.hidden_size, self.model.num_layers, self.model.num_heads
+    async def v2_metadata(self, name: str, request: Request, version: str = "1") -> JSONResponse:
+        served = self._model(name, request)
+        d, L, H = served.model.hidden_size, served.model.num_layers, served.model.num_heads
         return JSONResponse(
             {
-                "name": self.name,
+                "name": served.name,
                 "versions": ["1"],
                 "platform": "onnxruntime_onnx",
                 "inputs": [{"name": V2_INPUT, "datatype": "BYTES", "shape": [-1]}],
@@ -185,10 +182,15 @@ class V2Routes:
 
     @app.get("/v2/models/{name}/ready", responses=ERROR_RESPONSES)
     @app.get("/v2/models/{name}/versions/{version}/ready", include_in_schema=False)
-    async def v2_model_ready(self, name: str, version: str = "1") -> JSONResponse:
-        self._v2_model(name)
+    async def v2_model_ready(self, name: str, request: Request, version: str = "1") -> JSONResponse:
+        served = self._model(name, request)
         self._check_ready()
-        return JSONResponse({"name": self.name, "ready": True})
+        return JSONResponse({"name": served.name, "ready": True})
+
+    @app.post("/v2/repository/index")
+    async def v2_repository_index(self) -> JSONResponse:
+        """The model repository extension's index: every served model, all loaded and ready."""
+        return JSONResponse([{"name": m.name, "version": "1", "state": "READY", "reason": ""} for m in self.models])
 
     @app.post("/v2/models/{name}/infer", responses=ERROR_RESPONSES)
     @app.post("/v2/models/{name}/versions/{version}/infer", include_in_schema=False)
@@ -197,7 +199,7 @@ class V2Routes:
 
         Supports the binary tensor data extension that tritonclient uses by default.
         """
-        self._v2_model(name)
+        served = self._model(name, request)
         raw = await request.body()
         header_len = request.headers.get("inference-header-content-length")
         req, binary = _parse_v2_body(raw, header_len)
@@ -217,20 +219,22 @@ class V2Routes:
         }
         for n in requested:
             binary_out.setdefault(n, bool(params.get("binary_data_output", False)))
-        tokenized = await self._tokenize(texts, truncate, "/v2/models/{name}/infer")
+        tokenized = await self._tokenize(served, texts, truncate, "/v2/models/{name}/infer")
         n, T = len(tokenized), max(t.n_tokens for t in tokenized)
-        d, L, H = self.model.hidden_size, self.model.num_layers, self.model.num_heads
+        d, L, H = served.model.hidden_size, served.model.num_layers, served.model.num_heads
+        if "attentions" in requested:
+            self._check_attention_size(served, tokenized)
         sizes = {"sentence_embedding": n * d, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
         self._check_response_size(sum(sizes[k] * (4 if binary_out[k] else JSON_FLOAT_BYTES) for k in requested))
         job = EncodeJob(
             route="/v2/models/{name}/infer",
             ids=[t.ids for t in tokenized],
-            normalize=self.model.normalize,
+            normalize=served.model.normalize,
             want_hidden="last_hidden_state" in requested,
             attention=(tuple(range(L)), tuple(range(H))) if "attentions" in requested else None,
         )
-        result = await self._infer(job, request)
+        result = await self._infer(served, job, request)
         tensors = _v2_tensors(result, tokenized, requested, T)
         return _v2_response(
-            {"model_name": self.name, "model_version": "1", "id": req.id or ""}, tensors, binary_out, request
+            {"model_name": served.name, "model_version": "1", "id": req.id or ""}, tensors, binary_out, request
         )

@@ -16,7 +16,8 @@ import numpy as np
 import onnxruntime as ort
 
 from bundle.contract import ENCODINGS_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES
-from bundle.manifest import Bundle, BundleError
+from bundle.manifest import Bundle, BundleError, load_bundle
+from service.config import ServiceSettings
 
 logger = logging.getLogger("service.runtime")
 
@@ -266,3 +267,17 @@ def preflight(bundle: Bundle, precision: str = "fp32") -> None:
         encoder.smoke_test()
     except Exception as exc:
         raise BundleError(f"{bundle.graph_path}: smoke test failed: {exc}") from None
+
+
+def check_bundles(settings: ServiceSettings) -> list[str]:
+    """Every listed bundle verified and smoke-tested, and served under a name of its own; returns the names."""
+    names = []
+    for ref in settings.bundles:
+        bundle = load_bundle(ref.path)
+        preflight(bundle, settings.precision)
+        names.append(ref.name or bundle.manifest.model.name)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"two bundles would be served as {', '.join(map(repr, twice))}; give each a name of its "
+                         "own (NAME=DIR on the command line, {path, name} in the config)")
+    return names

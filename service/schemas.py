@@ -52,6 +52,7 @@ class AttentionSpec(_Request):
 
 
 class EncodeRequest(_Request):
+    model: str | None = Field(None, description="which served model (GET /v1/models); default: the first listed")
     inputs: Texts = Field(description="a text or a list of texts", examples=["The cat sat on the mat."])
     truncate: bool = Field(True, description="cut texts at the model's limit; false: refuse longer texts (413)")
     normalize: bool | None = Field(None, description="L2-normalise the embedding; null: as the model was trained")
@@ -72,6 +73,7 @@ class EncodeRequest(_Request):
 
 
 class TokenizeRequest(_Request):
+    model: str | None = Field(None, description="which served model (GET /v1/models); default: the first listed")
     inputs: Texts = Field(examples=[["Hello world", "Grüße"]])
     truncate: bool = True
 
@@ -135,6 +137,7 @@ Level = Literal["token", "word"]
 
 
 class AttentionRequest(_Request):
+    model: str | None = Field(None, description="which served model (GET /v1/models); default: the first listed")
     inputs: Texts = Field(description="a text or a list of texts", examples=["The cat sat on the mat."])
     layers: list[int] | None = Field(
         None, max_length=SCHEMA_MAX_INDEXES, description="layer indexes (0-based, any order; used in model order); null: all"
@@ -203,6 +206,7 @@ class AttentionResponse(BaseModel):
 
 
 class SimilarityRequest(_Request):
+    model: str | None = Field(None, description="which served model (GET /v1/models); default: the first listed")
     pairs: list[list[str]] = Field(
         min_length=1, max_length=SCHEMA_MAX_INPUTS, description="pairs of texts, [[a, b], ...]",
         examples=[[["A man is eating food.", "A man is eating a piece of bread."]]],
@@ -250,7 +254,7 @@ class OpenAIEmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     input: Texts = Field(examples=[["first text", "second text"]])
-    model: str | None = Field(None, description="must be the served model's name when given")
+    model: str | None = Field(None, description="a served model's name (GET /v1/models); required when several are served")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions, re-normalised")
     user: str | None = None

@@ -85,7 +85,8 @@ def deploy(settings_overrides: dict, name: str, route_prefix: str, bundle: Path)
     from service.app import build_app
     from service.config import ServiceSettings
 
-    settings = ServiceSettings.model_validate({"bundle": str(bundle), **settings_overrides})
+    given = {"bundle": str(bundle)} if "bundles" not in settings_overrides else {}
+    settings = ServiceSettings.model_validate({**given, **settings_overrides})
     serve.run(build_app(settings), name=name, route_prefix=route_prefix, logging_config={"enable_access_log": False})
     return settings
 

@@ -26,11 +26,11 @@ class HoldsTheFirstBatch(Encoder.func_or_class):  # type: ignore[misc]
         """Requests in the batch that waits for release()."""
         return self._held
 
-    async def _run_batch(self, jobs):
+    async def _run_batch(self, served, jobs):
         if not self._gate.is_set():
             self._held += len(jobs)
             await self._gate.wait()
-        return await super()._run_batch(jobs)
+        return await super()._run_batch(served, jobs)
 
 
 def deploy_holding(name: str, route_prefix: str, bundle: Path, **settings):

@@ -111,7 +111,7 @@ class BreaksAfterStart(Encoder.func_or_class):  # type: ignore[misc]
 
     def check_health(self) -> None:
         if time.monotonic() > self._broken_at:
-            self.runtime.full.session = None  # what a lost device or a corrupted session amounts to
+            self.models.default.runtime.full.session = None  # what a lost device or a corrupted session amounts to
         super().check_health()
 
 

@@ -104,6 +104,8 @@ def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(
         r = httpx.post(f"{url}/v1/encode", json={"inputs": ["started by python -m service"]}, timeout=30)
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
         info = httpx.get(f"{url}/info", timeout=30).json()
+        explorer = httpx.get(f"{url}/explorer", timeout=30)
+        assert explorer.status_code == 200 and explorer.headers["content-type"].startswith("text/html")
         # the summary is printed before health answers; wait for its last line all the same
         wait_until(lambda: any(line.startswith("stop it with Ctrl-C") for line in lines), "the start-up summary")
         spawned |= stop_with_sigterm(proc)
@@ -119,6 +121,7 @@ def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(
     assert info["provider_note"] and f"(CUDA not used: {info['provider_note']})" in output, output
     assert f"metrics    {metrics_url}" in output and info["metrics"]["prometheus_url"] == metrics_url
     assert f"logs       {log}" in output
+    assert f"explore    {url}/explorer" in output
     assert "stop it with Ctrl-C or SIGTERM" in output and output.rstrip().endswith("stopped")
     # and nothing else: no colour codes (red errors, Ray's coloured prefixes), no warnings, no tracebacks
     assert "\x1b[" not in output and "Traceback" not in output and "WARNING" not in output, output
@@ -158,7 +161,7 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
     config = yaml.safe_load((ROOT / "deploy/serve_config.yaml").read_text())
     port = free_port()
     config["http_options"]["port"] = port
-    config["applications"][0]["args"]["bundle"] = str(default_bundle)
+    config["applications"][0]["args"]["bundles"] = [str(default_bundle)]
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     serve_bin = Path(sys.executable).with_name("serve")

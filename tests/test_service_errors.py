@@ -42,7 +42,7 @@ BAD_REQUESTS = [
     ("openai unknown model", "POST", "/v1/embeddings", {"json": {"input": "x", "model": "gpt-4"}}, 404, "not served"),
     ("openai token arrays", "POST", "/v1/embeddings", {"json": {"input": [[1, 2, 3]]}}, 422, "list of strings"),
     ("openai dimensions too big", "POST", "/v1/embeddings", {"json": {"input": "x", "dimensions": 1000}}, 422, "exceeds"),
-    ("v2 unknown model", "POST", "/v2/models/nope/infer", {"json": {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}}, 404, "not found"),
+    ("v2 unknown model", "POST", "/v2/models/nope/infer", {"json": {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}}, 404, "'nope' is not served here; served: 'all-MiniLM-L6-v2'"),
     ("v2 wrong datatype", "POST", "/v2/models/all-MiniLM-L6-v2/infer", {"json": {"inputs": [{"name": "text", "shape": [1], "datatype": "FP32", "data": [1.0]}]}}, 422, "BYTES"),
     ("v2 shape mismatch", "POST", "/v2/models/all-MiniLM-L6-v2/infer", {"json": {"inputs": [{"name": "text", "shape": [3], "datatype": "BYTES", "data": ["x"]}]}}, 422, "1 elements"),
     ("v2 unknown output", "POST", "/v2/models/all-MiniLM-L6-v2/infer", {"json": {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}], "outputs": [{"name": "logits"}]}}, 422, "unknown output"),
