@@ -37,6 +37,7 @@ def compose(settings: ServiceSettings, deployment=Encoder) -> Application:
         max_queued_requests=settings.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=settings.retry_after_s),
         ray_actor_options={"num_cpus": settings.num_cpus},
+        max_replicas_per_node=settings.max_replicas_per_node,
         user_config=settings.batching.model_dump(),
         graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
         health_check_period_s=settings.health_check_period_s,

@@ -117,6 +117,11 @@ class ServiceSettings(BaseModel):
         None, description="scale between min and max replicas on requests in flight; replaces replicas"
     )
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per replica")
+    max_replicas_per_node: int | None = Field(
+        None, ge=1,
+        description="at most this many replicas on one Ray node (1 spreads them over nodes, so losing a node "
+        "loses one replica); null: Ray Serve places them where they fit",
+    )
     max_ongoing_requests: int = Field(
         128, ge=1,
         description="requests one replica holds at once, waiting for a batch or in one; the next one is "

@@ -71,6 +71,7 @@ def ray_serve(default_bundle):
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+        _INGRESS.append(f"http://127.0.0.1:{port}")
         yield RayServe(url=f"http://127.0.0.1:{port}", metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         try:
@@ -79,7 +80,13 @@ def ray_serve(default_bundle):
             ray.shutdown()
 
 
+_INGRESS: list[str] = []  # the session's ingress URL, once ray_serve has started it
+
+
 def deploy(settings_overrides: dict, name: str, route_prefix: str, bundle: Path):
+    """Deploy the service as application `name` at `route_prefix` and wait until the ingress routes
+    the prefix to it: serve.run returns before HAProxy has reloaded with a new application's prefix."""
+    import httpx
     from ray import serve
 
     from service.app import build_app
@@ -88,6 +95,9 @@ def deploy(settings_overrides: dict, name: str, route_prefix: str, bundle: Path)
     given = {"bundle": str(bundle)} if "bundles" not in settings_overrides else {}
     settings = ServiceSettings.model_validate({**given, **settings_overrides})
     serve.run(build_app(settings), name=name, route_prefix=route_prefix, logging_config={"enable_access_log": False})
+    if _INGRESS:
+        live = f"{_INGRESS[0]}{route_prefix.rstrip('/')}/v2/health/live"
+        wait_until(lambda: httpx.get(live, timeout=10).status_code == 200, f"the ingress to route {live}", timeout=60)
     return settings
 
 

@@ -1,0 +1,148 @@
+"""A real multi-node Ray cluster on loopback: a head node and worker nodes started with `ray start`,
+each its own raylet with its own ports and temp dir, as on separate machines; torn down by killing
+every process of the cluster (never `ray stop`, which would stop every Ray on the machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from service import processes
+
+RAY = str(Path(sys.executable).with_name("ray"))
+SERVE = str(Path(sys.executable).with_name("serve"))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pids_with(text: str) -> set[int]:
+    """Processes whose command line mentions `text` (a node's temp dir names all of its daemons)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if text in Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"):
+                    found.add(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@dataclass
+class Node:
+    index: int
+    temp_dir: Path
+    metrics_port: int
+    head: bool = False
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def processes(self) -> set[int]:
+        """The node's daemons (raylet, agents; the head's GCS and dashboard) and everything they started."""
+        own = pids_with(str(self.temp_dir) + "/")
+        return own.union(*(processes.descendants(p) for p in own)) if own else set()
+
+
+@dataclass
+class LoopbackCluster:
+    """`ray start --head` plus `ray start --address` per worker, every port free and on 127.0.0.1."""
+
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mharay-", dir="/tmp")))
+    nodes: dict[int, Node] = field(default_factory=dict)
+    gcs_port: int = 0
+    dashboard_port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A cluster of its own: its own token, Ray Serve's fixed ports moved to free ones, the proxy
+        # actor as ingress (every node of this cluster shares one IP address, so the per-node
+        # HAProxy and the replicas' direct ports of a real cluster would collide here).
+        self.env = {
+            **os.environ,
+            **processes.local_cluster_ports(),
+            "RAY_SERVE_ENABLE_HA_PROXY": "0",
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(16),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_ADDRESS": "",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # the test session sets 0 (one-node Ray); nodes join here
+        }
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def start_node(self, index: int, head: bool = False, num_cpus: int = 1) -> Node:
+        """Start one node (the head runs no replicas: 0 CPUs) and return it once `ray start` has."""
+        temp_dir = self.root / f"n{index}-{int(time.monotonic() * 1000) % 100000}"
+        node = Node(index, temp_dir, processes.free_port(), head)
+        low = processes.free_port_range(64)
+        args = [
+            RAY, "start", "--node-ip-address", "127.0.0.1", "--temp-dir", str(temp_dir), "--disable-usage-stats",
+            "--metrics-export-port", str(node.metrics_port),
+            "--dashboard-agent-listen-port", str(processes.free_port()),
+            "--dashboard-agent-grpc-port", str(processes.free_port()),
+            "--runtime-env-agent-port", str(processes.free_port()),
+            "--node-manager-port", str(processes.free_port()),
+            "--object-manager-port", str(processes.free_port()),
+            "--min-worker-port", str(low), "--max-worker-port", str(low + 63),
+        ]
+        if head:
+            self.gcs_port, self.dashboard_port = processes.free_port(), processes.free_port()
+            args += ["--head", "--port", str(self.gcs_port), "--num-cpus", "0", "--include-dashboard", "true",
+                     "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
+                     "--ray-client-server-port", str(processes.free_port()),
+                     "--system-config", json.dumps({"metrics_report_interval_ms": 1000})]
+        else:
+            args += ["--address", f"127.0.0.1:{self.gcs_port}", "--num-cpus", str(num_cpus)]
+        result = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+        if result.returncode != 0:
+            raise RuntimeError(f"ray start of node {index} failed: {result.stderr[-2000:]}")
+        self.nodes[index] = node
+        return node
+
+    def kill_node(self, index: int) -> int:
+        """SIGKILL a node's raylet, agents and workers (its replicas): the machine is gone. Returns the count."""
+        node = self.nodes.pop(index)
+        doomed = node.processes()
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(doomed)
+
+    def serve_deploy(self, config: Path) -> None:
+        """`serve deploy` against the head's dashboard, as a cluster user (and KubeRay) applies a config."""
+        result = subprocess.run([SERVE, "deploy", str(config), "--address", self.dashboard], env=self.env,
+                                capture_output=True, text=True, timeout=120, cwd=ROOT)
+        if result.returncode != 0:
+            raise RuntimeError(f"serve deploy failed: {result.stderr[-2000:]}")
+
+    def all_processes(self) -> set[int]:
+        own = pids_with(str(self.root) + "/")
+        return own.union(*(processes.descendants(p) for p in own)) if own else set()
+
+    def shutdown(self) -> set[int]:
+        """Kill every process of the cluster; returns those still alive afterwards (none, or a bug)."""
+        doomed = self.all_processes()
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(processes.alive(p) for p in doomed):
+            time.sleep(0.1)
+        shutil.rmtree(self.root, ignore_errors=True)
+        return {p for p in doomed if processes.alive(p)}
