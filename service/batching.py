@@ -136,10 +136,11 @@ class BatchRunner:
     def warm_up(self) -> None:
         """Run the shapes traffic will bring, so the first real request does not pay for allocation."""
         self.runtime.smoke_test()
+        token = 1000 % self.manifest.model.vocab_size  # an ordinary token of any vocabulary
         for length in (8, self.manifest.model.max_tokens):
-            ids = np.full((4, length), 1000, dtype=np.int64)
+            ids = np.full((4, length), token, dtype=np.int64)
             self.runtime.run(ids, np.ones_like(ids), ["sentence_embedding"])
-        ids = np.full((2, 8), 1000, dtype=np.int64)
+        ids = np.full((2, 8), token, dtype=np.int64)
         self.runtime.run(ids, np.ones_like(ids), ["sentence_embedding", "attentions"])
 
     def compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
