@@ -25,7 +25,7 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install run test export bundle bench profile report reliability loadtest loadtest-overload clean
+.PHONY: help install run test export bundle bench profile report reliability loadtest loadtest-overload soak prometheus clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
@@ -37,6 +37,7 @@ help:
 	@echo "make reliability        fault tests (overload, kills, shutdown, hostile input, bad bundles, auth) -> RELIABILITY.md"
 	@echo "make loadtest           locust, headless, about a minute; summary and SLO check (LOADTEST_ARGS=...)"
 	@echo "make loadtest-overload  above capacity: load shedding with 503 + Retry-After, bounded p99"
+	@echo "make soak               the traffic mix for 10 minutes with Prometheus scraping: throughput, p99, errors, memory (SOAK_ARGS=...)"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -76,10 +77,13 @@ report: bundle
 
 # RELIABILITY.md from the fault tests' own records
 RELIABILITY_TESTS := tests/test_service_errors.py tests/test_cancellation.py tests/test_replica_failure.py \
-	tests/test_service_cli.py tests/test_hostile_input.py tests/test_bad_artifacts.py tests/test_auth.py
-reliability: $(STAMP)
+	tests/test_service_cli.py tests/test_hostile_input.py tests/test_bad_artifacts.py tests/test_auth.py \
+	tests/test_models.py tests/test_multinode.py tests/test_soak.py
+reliability: $(STAMP) prometheus
 	rm -f results/reliability.jsonl
 	RELIABILITY_LOG=results/reliability.jsonl $(BIN)/python -m pytest -q $(RELIABILITY_TESTS)
+	@# the last `make soak` that passed, if any, keeps its row
+	@if [ -f results/soak/reliability.jsonl ]; then cat results/soak/reliability.jsonl >> results/reliability.jsonl; fi
 	$(BIN)/python -m tests.reliability RELIABILITY.md
 
 # LOADTEST_ARGS, e.g. '--host http://10.0.0.5:8000 --users 32 --duration 2m --max-p99-ms 2000'
@@ -88,6 +92,13 @@ loadtest: bundle
 
 loadtest-overload: bundle
 	$(BIN)/python -m loadtests.run --overload --users 48 --spawn-rate 48 --duration 30s --results results/overload $(LOADTEST_ARGS)
+
+# The locust traffic mix for a bounded time with a real Prometheus scraping the service: throughput,
+# p99, errors and the memory of each replica and the ingress, from Prometheus, into results/soak/
+# (soak.csv, soak.png); fails on errors or memory growth. SOAK_ARGS, e.g. '--duration 1h --users 32'.
+SOAK_ARGS ?=
+soak: bundle prometheus
+	$(BIN)/python -m loadtests.soak $(SOAK_ARGS)
 
 # The browser test drives headless Chromium through chromedriver, both from Debian's packages
 # (browser builds cannot be downloaded by a driver library here): installed when missing and
@@ -100,8 +111,31 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "the browser test needs the Debian packages chromium and chromium-driver: apt-get install chromium chromium-driver" >&2; exit 1; fi
 
-test: $(STAMP) browser
+# Prometheus and promtool from Debian's package, for the tests of the dashboard's queries and the
+# alert rules and for `make soak`: installed when missing and apt-get can, else one line naming it.
+prometheus:
+	@if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing prometheus (Debian package: prometheus and promtool) for the metrics and alert tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	else echo "the metrics and alert tests need the Debian package prometheus (prometheus, promtool): apt-get install prometheus" >&2; exit 1; fi
+
+test: $(STAMP) browser prometheus
 	$(BIN)/python -m pytest
+
+# The CPU image from deploy/Dockerfile with podman or docker, its size and build time, then a smoke test
+# of it (docs/images.md). Where no base image can be pulled, the bases are made from Debian's packages
+# (debootstrap + podman import, cached); podman and debootstrap are installed when missing and apt-get
+# can. Minutes and gigabytes, so not part of `make test`. IMAGE_ARGS, e.g. '--dockerfile
+# deploy/Dockerfile.cuda', '--serve-base rayproject/ray:2.60.0-py311-cpu', '--no-smoke';
+# LOCAL_BASE=1 builds on the local base without trying to pull. Results in results/image/.
+IMAGE_ARGS ?=
+.PHONY: image image-smoke
+image:
+	$(PYTHON) deploy/image/build.py $(IMAGE_ARGS)
+
+image-smoke:
+	$(PYTHON) deploy/image/build.py --smoke-only $(IMAGE_ARGS)
 
 clean:
 	rm -rf bundles .pytest_cache

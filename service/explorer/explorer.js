@@ -108,14 +108,15 @@
     return Float32Array.from(att.data.flat(3));
   }
 
-  async function analyseTexts(texts, level) {
+  async function analyseTexts(texts, level, model) {
+    const chosen = model ? { model } : {}; // left out: the service's default model
     const body = {
       inputs: texts, level, weights: true, format: "base64", dtype: "float32",
-      summaries: ["rollout", "entropy", "top_k"], top_k: TOP_K, truncate: true,
+      summaries: ["rollout", "entropy", "top_k"], top_k: TOP_K, truncate: true, ...chosen,
     };
     const attention = api("/v1/attention", body);
     const similarity = texts.length === 2
-      ? api("/v1/similarity", { pairs: [texts], explain: true, level, truncate: true })
+      ? api("/v1/similarity", { pairs: [texts], explain: true, level, truncate: true, ...chosen })
       : Promise.resolve(null);
     const [att, sim] = await Promise.all([attention, similarity]);
     const analyses = att.data.map((item) => {
@@ -136,13 +137,14 @@
     const params = new URLSearchParams(location.search);
     const texts = params.getAll("text").filter((t) => t.trim()).slice(0, MAX_TEXTS);
     const level = params.get("level") === "word" ? "word" : "token";
-    return { texts, level };
+    return { texts, level, model: params.get("model") || "" };
   }
 
-  function writeAddress(texts, level) {
+  function writeAddress(texts, level, model) {
     const params = new URLSearchParams();
     texts.forEach((t) => params.append("text", t));
     if (level !== "token") params.set("level", level);
+    if (model) params.set("model", model);
     history.replaceState(null, "", `${location.pathname}?${params}`);
   }
 
@@ -164,12 +166,13 @@
   async function analyse() {
     const texts = [$("text-a").value, $("text-b").value].map((t) => t.trim()).filter(Boolean);
     const level = $("level").value;
+    const model = $("model-field").hidden ? "" : $("model").value;
     showError("");
     if (!texts.length) {
       showError("Type a text to analyse.");
       return;
     }
-    writeAddress(texts, level);
+    writeAddress(texts, level, model);
     $("copy-link").disabled = false;
     if (AUTH_REQUIRED && !token()) {
       askForToken("This service needs an API token: enter it to analyse.");
@@ -182,7 +185,7 @@
     setStatus(texts.length === 2 ? "Analysing both texts and their similarity…" : "Analysing…");
     const started = performance.now();
     try {
-      const { analyses, similarity } = await analyseTexts(texts, level);
+      const { analyses, similarity } = await analyseTexts(texts, level, model);
       if (token()) sessionStorage.setItem(TOKEN_KEY, token());
       Object.assign(state, { texts, level, analyses, similarity, current: 0, unit: 0 });
       const a = analyses[0];
@@ -575,14 +578,24 @@
       if (e.key === "ArrowRight") stepHead(1);
     });
 
-    const { texts, level } = readAddress();
+    const { texts, level, model } = readAddress();
     $("text-a").value = texts[0] || "";
     $("text-b").value = texts[1] || "";
     $("level").value = level;
     try {
       state.info = await api("/info");
-      const i = state.info;
-      $("model-badge").textContent = `${i.model} · ${i.num_layers} layers × ${i.num_heads} heads`;
+      const models = state.info.models || [state.info];
+      const badge = () => {
+        const i = models.find((m) => m.model === $("model").value) || models[0];
+        $("model-badge").textContent = `${i.model} · ${i.num_layers} layers × ${i.num_heads} heads`;
+      };
+      if (models.length > 1) { // several served: choose one (the first is the service's default)
+        models.forEach((m) => $("model").append(new Option(m.model, m.model)));
+        if (models.some((m) => m.model === model)) $("model").value = model;
+        $("model").addEventListener("change", badge);
+        $("model-field").hidden = false;
+      }
+      badge();
     } catch (e) {
       showError(`Could not read /info: ${e.message}`);
     }
