@@ -13,6 +13,13 @@ from fastapi.responses import Response
 JSON_FLOAT_BYTES = 16  # a float32 in JSON, with its separator, at most
 
 
+def value_bytes(fmt: str, dtype: str) -> float:
+    """Bytes one array value takes in a response: a JSON float, or its base64 share."""
+    if fmt == "base64":
+        return (2 if dtype == "float16" else 4) * 4 / 3
+    return JSON_FLOAT_BYTES
+
+
 class JSONResponse(Response):
     """orjson with numpy support: float32 arrays are written as float32, not widened to float64."""
 

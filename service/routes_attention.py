@@ -17,7 +17,7 @@ from service.analysis import NoExactSplit, Units, check_explainable, contributio
 from service.batching import EncodeJob
 from service.errors import InvalidRequest, TooLarge
 from service.http_app import ERROR_RESPONSES, app
-from service.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, encode_array
+from service.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, encode_array, value_bytes
 from service.schemas import AttentionRequest, AttentionResponse, SimilarityRequest, SimilarityResponse
 from service.tokenization import TokenizedText
 
@@ -39,8 +39,7 @@ def attention_response_size(body: AttentionRequest, tokenized: list[TokenizedTex
         if "top_k" in body.summaries:
             size += n * min(body.top_k, n) * (JSON_FLOAT_BYTES + 8)
         if body.weights or body.format == "bertviz":
-            per_value = JSON_FLOAT_BYTES if body.format != "base64" else (2 if body.dtype == "float16" else 4) * 4 / 3
-            size += int(n_layers * n_heads * n * n * per_value)
+            size += int(n_layers * n_heads * n * n * value_bytes(body.format, body.dtype))
     return size
 
 

@@ -11,7 +11,7 @@ from fastapi import Request
 
 from service.batching import EncodeJob
 from service.http_app import ERROR_RESPONSES, app
-from service.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, encode_array
+from service.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, encode_array, value_bytes
 from service.schemas import EncodeRequest, EncodeResponse, TokenizeRequest, TokenizeResponse
 from service.tokenization import TokenizedText, token_list
 
@@ -26,9 +26,7 @@ def encode_size(body: EncodeRequest, tokenized: list[TokenizedText], attention, 
     if body.tokens:
         size += sum(t.n_tokens for t in tokenized) * 80
     if attention is not None:
-        per_value = JSON_FLOAT_BYTES
-        if body.attention.format == "base64":
-            per_value = (2 if body.attention.dtype == "float16" else 4) * 4 / 3
+        per_value = value_bytes(body.attention.format, body.attention.dtype)
         size += int(sum(len(attention[0]) * len(attention[1]) * t.n_tokens**2 for t in tokenized) * per_value)
     return size
 

@@ -23,6 +23,20 @@ SERVE = str(Path(sys.executable).with_name("serve"))
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def kill_all(pids: set[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def tree_of(text: str) -> set[int]:
+    """The processes whose command line mentions `text`, and every process they started."""
+    own = pids_with(text)
+    return own.union(*(processes.descendants(p) for p in own)) if own else set()
+
+
 def pids_with(text: str) -> set[int]:
     """Processes whose command line mentions `text` (a node's temp dir names all of its daemons)."""
     found = set()
@@ -49,8 +63,7 @@ class Node:
 
     def processes(self) -> set[int]:
         """The node's daemons (raylet, agents; the head's GCS and dashboard) and everything they started."""
-        own = pids_with(str(self.temp_dir) + "/")
-        return own.union(*(processes.descendants(p) for p in own)) if own else set()
+        return tree_of(str(self.temp_dir) + "/")
 
 
 @dataclass
@@ -115,11 +128,7 @@ class LoopbackCluster:
         """SIGKILL a node's raylet, agents and workers (its replicas): the machine is gone. Returns the count."""
         node = self.nodes.pop(index)
         doomed = node.processes()
-        for pid in doomed:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(doomed)
         return len(doomed)
 
     def serve_deploy(self, config: Path) -> None:
@@ -129,18 +138,10 @@ class LoopbackCluster:
         if result.returncode != 0:
             raise RuntimeError(f"serve deploy failed: {result.stderr[-2000:]}")
 
-    def all_processes(self) -> set[int]:
-        own = pids_with(str(self.root) + "/")
-        return own.union(*(processes.descendants(p) for p in own)) if own else set()
-
     def shutdown(self) -> set[int]:
         """Kill every process of the cluster; returns those still alive afterwards (none, or a bug)."""
-        doomed = self.all_processes()
-        for pid in doomed:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        doomed = tree_of(str(self.root) + "/")
+        kill_all(doomed)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(processes.alive(p) for p in doomed):
             time.sleep(0.1)
