@@ -1,39 +1,36 @@
-"""Load a local BERT-family checkpoint directory into our Encoder, refusing anything doubtful.
+"""Load a local checkpoint directory of a BERT-like family into our Encoder, refusing anything doubtful.
 
 A checkpoint directory holds config.json, model.safetensors (or pytorch_model.bin),
 tokenizer.json and, for sentence-transformers models, modules.json with a pooling config.
 Every tensor must land somewhere and every parameter must be filled: a silently ignored
 or missing weight produces a model that runs and answers wrong.
+
+Families (config.json's model_type) and how each maps onto export/encoder.py's modules are
+listed in FAMILIES and in docs/families.md: BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT,
+ELECTRA. They are the same post-norm encoder; they differ in weight names, in how positions
+are counted, in token types, and (ELECTRA) in a projection after narrower embeddings.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from export.config import EncoderConfig
-from export.encoder import Encoder
+from export.encoder import Encoder, sinusoidal_positions
 
 DEFAULT_CHECKPOINT = "default"
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
-SUPPORTED_MODEL_TYPES = ("bert",)
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
-# Checkpoint tensors we know and deliberately do not use, with the reason printed when skipped.
-IGNORED_TENSORS = {
-    re.compile(r"^pooler\."): "BERT's tanh pooler; sentence embeddings come from the pooling config",
-    re.compile(r"^cls\."): "pre-training heads (masked LM / next sentence), not part of the encoder",
-    re.compile(r"^embeddings\.position_ids$"): "a constant index buffer, rebuilt by the encoder",
-}
-
-# BERT's parameter names -> ours. Anything that matches none of these and is not ignored
-# above is an error naming the tensor.
-_RENAMES = [
+# BERT's parameter names -> ours; RoBERTa, XLM-RoBERTa, CamemBERT and ELECTRA share them.
+# Anything that matches no rename of its family and is not ignored is an error naming the tensor.
+_BERT_RENAMES = (
     (r"^embeddings\.word_embeddings\.", "embeddings.token."),
     (r"^embeddings\.position_embeddings\.", "embeddings.position."),
     (r"^embeddings\.token_type_embeddings\.", "embeddings.segment."),
@@ -46,11 +43,85 @@ _RENAMES = [
     (r"^encoder\.layer\.(\d+)\.intermediate\.dense\.", r"layers.\1.ffn.linear1."),
     (r"^encoder\.layer\.(\d+)\.output\.dense\.", r"layers.\1.ffn.linear2."),
     (r"^encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"layers.\1.norm2."),
-]
+)
+_ELECTRA_RENAMES = (*_BERT_RENAMES, (r"^embeddings_project\.", "embeddings.project."))
+_DISTILBERT_RENAMES = (
+    (r"^embeddings\.word_embeddings\.", "embeddings.token."),
+    (r"^embeddings\.position_embeddings\.", "embeddings.position."),
+    (r"^embeddings\.LayerNorm\.", "embeddings.norm."),
+    (r"^transformer\.layer\.(\d+)\.attention\.q_lin\.", r"layers.\1.attention.w_q."),
+    (r"^transformer\.layer\.(\d+)\.attention\.k_lin\.", r"layers.\1.attention.w_k."),
+    (r"^transformer\.layer\.(\d+)\.attention\.v_lin\.", r"layers.\1.attention.w_v."),
+    (r"^transformer\.layer\.(\d+)\.attention\.out_lin\.", r"layers.\1.attention.w_o."),
+    (r"^transformer\.layer\.(\d+)\.sa_layer_norm\.", r"layers.\1.norm1."),
+    (r"^transformer\.layer\.(\d+)\.ffn\.lin1\.", r"layers.\1.ffn.linear1."),
+    (r"^transformer\.layer\.(\d+)\.ffn\.lin2\.", r"layers.\1.ffn.linear2."),
+    (r"^transformer\.layer\.(\d+)\.output_layer_norm\.", r"layers.\1.norm2."),
+)
+
+# Checkpoint tensors each family knows and deliberately does not use, with the reason (patterns
+# match names after the family's prefix is removed; the export lists every tensor so skipped).
+_INDEX_BUFFERS = {
+    re.compile(r"^embeddings\.(position_ids|token_type_ids)$"): "a constant index buffer, rebuilt by the encoder",
+}
+_BERT_IGNORED = {
+    re.compile(r"^pooler\."): "BERT's tanh pooler; sentence embeddings come from the pooling config",
+    re.compile(r"^cls\."): "pre-training heads (masked LM / next sentence), not part of the encoder",
+    **_INDEX_BUFFERS,
+}
+_ROBERTA_IGNORED = {
+    re.compile(r"^pooler\."): "the tanh pooler; sentence embeddings come from the pooling config",
+    re.compile(r"^lm_head\."): "the masked-LM head, not part of the encoder",
+    **_INDEX_BUFFERS,
+}
+_DISTILBERT_IGNORED = {
+    re.compile(r"^vocab_(transform|layer_norm|projector)\."): "the masked-LM head, not part of the encoder",
+    **_INDEX_BUFFERS,
+}
+_ELECTRA_IGNORED = {
+    re.compile(r"^discriminator_predictions\."): "the discriminator's replaced-token head, not part of the encoder",
+    re.compile(r"^generator_(predictions|lm_head)\."): "a generator's masked-LM head, not part of the encoder",
+    **_INDEX_BUFFERS,
+}
 
 
 class CheckpointError(Exception):
     """A checkpoint we cannot load faithfully; the message names the file and the tensor."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One checkpoint family: its model_type(s), its weight names, and what it leaves out on purpose."""
+
+    name: str
+    model_types: tuple[str, ...]
+    prefix: str  # the base model's attribute in task checkpoints ("roberta." in RobertaForMaskedLM)
+    renames: tuple[tuple[str, str], ...]
+    ignored: dict[re.Pattern, str] = field(hash=False)
+
+
+FAMILIES = (
+    Family("BERT", ("bert",), "bert.", _BERT_RENAMES, _BERT_IGNORED),
+    Family("RoBERTa", ("roberta",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED),
+    Family("XLM-RoBERTa", ("xlm-roberta",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED),
+    Family("CamemBERT", ("camembert",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED),
+    Family("DistilBERT", ("distilbert",), "distilbert.", _DISTILBERT_RENAMES, _DISTILBERT_IGNORED),
+    Family("ELECTRA", ("electra",), "electra.", _ELECTRA_RENAMES, _ELECTRA_IGNORED),
+)
+SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
+_ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
+
+
+def family_of(model_type: str | None, config_path: Path) -> Family:
+    """The family of a model_type, or one CheckpointError that lists every family we load."""
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    supported = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)
+    raise CheckpointError(
+        f"{config_path}: model_type {model_type!r} is not supported; the encoder loads these families "
+        f"(model_type): {supported}"
+    )
 
 
 @dataclass(frozen=True)
@@ -65,6 +136,7 @@ class Checkpoint:
     tokenizer_path: Path
     max_tokens: int
     ignored: tuple[str, ...]
+    family: str  # Family.name: BERT, RoBERTa, ...
 
 
 def resolve_checkpoint(spec: str | Path) -> tuple[Path, str]:
@@ -117,47 +189,92 @@ def _pooling(directory: Path) -> tuple[str, bool]:
     return modes[0], normalize
 
 
-def encoder_config(directory: Path, pooling: str = "mean", normalize: bool = False) -> tuple[EncoderConfig, str]:
-    """Translate a transformers config.json into an EncoderConfig; return it and the architecture."""
-    config_path = directory / "config.json"
-    raw = _read_json(config_path)
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"{config_path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+def _value(raw: dict, key: str, default):
+    """raw[key], with `default` when the key is absent or null (transformers' config default)."""
+    value = raw.get(key)
+    return default if value is None else value
+
+
+def _activation(raw: dict, key: str, config_path: Path) -> str:
+    act = _value(raw, key, "gelu")
+    if act not in _ACTIVATIONS:
+        raise CheckpointError(f"{config_path}: {key} {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[act]
+
+
+def _bert_like_fields(raw: dict, model_type: str, config_path: Path) -> dict:
+    """BERT's config keys, as RoBERTa, XLM-RoBERTa, CamemBERT and ELECTRA also write them."""
     if raw.get("position_embedding_type", "absolute") != "absolute":
         raise CheckpointError(
             f"{config_path}: position_embedding_type {raw['position_embedding_type']!r} is not supported (absolute)"
         )
-    act = raw.get("hidden_act", "gelu")
-    if act not in _ACTIVATIONS:
-        raise CheckpointError(f"{config_path}: hidden_act {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+    roberta = model_type in _ROBERTA_TYPES
+    pad_token_id = _value(raw, "pad_token_id", 1 if roberta else 0)
+    fields = dict(
+        vocab_size=raw["vocab_size"],
+        d_model=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=raw["num_attention_heads"],
+        d_ff=raw["intermediate_size"],
+        max_positions=raw["max_position_embeddings"],
+        type_vocab_size=_value(raw, "type_vocab_size", 2),
+        layer_norm_eps=_value(raw, "layer_norm_eps", 1e-12),
+        dropout=_value(raw, "hidden_dropout_prob", 0.1),
+        attention_dropout=_value(raw, "attention_probs_dropout_prob", 0.1),
+        activation=_activation(raw, "hidden_act", config_path),
+        position_kind="learned",
+        pad_token_id=pad_token_id,
+    )
+    if roberta:  # fairseq counts positions from padding_idx + 1 over real tokens
+        fields["position_offset"] = pad_token_id + 1
+    if model_type == "electra":  # ElectraConfig's default embedding_size is 128
+        fields["embedding_size"] = _value(raw, "embedding_size", 128)
+    return fields
+
+
+def _distilbert_fields(raw: dict, config_path: Path) -> dict:
+    """DistilBERT's own config keys; no token types, LayerNorm eps fixed at 1e-12 in its code."""
+    return dict(
+        vocab_size=raw["vocab_size"],
+        d_model=raw["dim"],
+        n_layers=raw["n_layers"],
+        n_heads=raw["n_heads"],
+        d_ff=raw["hidden_dim"],
+        max_positions=raw["max_position_embeddings"],
+        type_vocab_size=0,
+        layer_norm_eps=1e-12,
+        dropout=_value(raw, "dropout", 0.1),
+        attention_dropout=_value(raw, "attention_dropout", 0.1),
+        activation=_activation(raw, "activation", config_path),
+        # the fixed table is added to unscaled token embeddings, as a learned one would be
+        position_kind="sinusoidal" if raw.get("sinusoidal_pos_embds") else "learned",
+        embedding_scale=1.0,
+        pad_token_id=_value(raw, "pad_token_id", 0),
+    )
+
+
+def encoder_config(directory: Path, pooling: str = "mean", normalize: bool = False) -> tuple[EncoderConfig, str]:
+    """Translate a transformers config.json into an EncoderConfig; return it and the architecture."""
+    config, architecture, _ = _read_config(directory, pooling, normalize)
+    return config, architecture
+
+
+def _read_config(directory: Path, pooling: str, normalize: bool) -> tuple[EncoderConfig, str, Family]:
+    config_path = directory / "config.json"
+    raw = _read_json(config_path)
+    model_type = raw.get("model_type")
+    family = family_of(model_type, config_path)
     try:
-        config = EncoderConfig(
-            vocab_size=raw["vocab_size"],
-            d_model=raw["hidden_size"],
-            n_layers=raw["num_hidden_layers"],
-            n_heads=raw["num_attention_heads"],
-            d_ff=raw["intermediate_size"],
-            max_positions=raw["max_position_embeddings"],
-            type_vocab_size=raw.get("type_vocab_size", 2),
-            layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
-            dropout=raw.get("hidden_dropout_prob", 0.1),
-            attention_dropout=raw.get("attention_probs_dropout_prob", 0.1),
-            activation=_ACTIVATIONS[act],
-            position_kind="learned",
-            norm_first=False,
-            pooling=pooling,
-            normalize=normalize,
-            pad_token_id=raw.get("pad_token_id", 0),
+        fields = _distilbert_fields(raw, config_path) if family.name == "DistilBERT" else _bert_like_fields(
+            raw, model_type, config_path
         )
+        config = EncoderConfig(**fields, norm_first=False, pooling=pooling, normalize=normalize)
     except KeyError as exc:
         raise CheckpointError(f"{config_path}: required key {exc.args[0]!r} is missing") from None
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{config_path}: {exc}") from None
     architecture = (raw.get("architectures") or [model_type])[0]
-    return config, architecture
+    return config, architecture, family
 
 
 def read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
@@ -180,19 +297,19 @@ def read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
 
 
 def map_state_dict(
-    weights: dict[str, torch.Tensor], weights_path: Path
+    weights: dict[str, torch.Tensor], weights_path: Path, family: Family = FAMILIES[0]
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Rename BERT tensors to our parameter names; return (mapped, ignored names)."""
+    """Rename a family's tensors to our parameter names; return (mapped, ignored names)."""
     mapped: dict[str, torch.Tensor] = {}
     ignored: list[str] = []
     unknown: list[str] = []
     for name, tensor in weights.items():
-        key = name.removeprefix("bert.")
+        key = name.removeprefix(family.prefix)
         key = re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", key))  # TF-era LayerNorm names
-        if any(pattern.search(key) for pattern in IGNORED_TENSORS):
+        if any(pattern.search(key) for pattern in family.ignored):
             ignored.append(name)
             continue
-        for pattern, replacement in _RENAMES:
+        for pattern, replacement in family.renames:
             if re.search(pattern, key):
                 mapped[re.sub(pattern, replacement, key)] = tensor
                 break
@@ -200,9 +317,40 @@ def map_state_dict(
             unknown.append(name)
     if unknown:
         raise CheckpointError(
-            f"{weights_path}: {len(unknown)} tensor(s) the encoder has no place for, e.g. {unknown[:3]}"
+            f"{weights_path}: {len(unknown)} tensor(s) the {family.name} encoder has no place for, e.g. {unknown[:3]}"
         )
     return mapped, ignored
+
+
+_SINUSOID_ATOL = 1e-6  # float32 rounding of the same float64 formula; measured 0.0 with transformers 5
+
+
+def take_sinusoidal_table(
+    mapped: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], config: EncoderConfig, weights_path: Path
+) -> list[str]:
+    """With sinusoidal positions, check a stored position table against our encoding and drop it.
+
+    DistilBERT with sinusoidal_pos_embds saves the fixed table as a weight; the encoder computes
+    the same table itself. A stored table that is not the encoding is refused, not guessed at.
+    Returns the name of the tensor so consumed (none when the checkpoint has no table).
+    """
+    if config.position_kind != "sinusoidal" or "embeddings.position.weight" not in mapped:
+        return []
+    stored = mapped.pop("embeddings.position.weight").float()
+    source = next(n for n in weights if n.endswith("embeddings.position_embeddings.weight"))
+    expected = sinusoidal_positions(config.max_positions, config.d_embed)
+    if stored.shape != expected.shape:
+        raise CheckpointError(
+            f"{weights_path}: tensor {source} has shape {tuple(stored.shape)}, "
+            f"the config implies {tuple(expected.shape)}"
+        )
+    diff = (stored - expected).abs().max().item()
+    if diff > _SINUSOID_ATOL:
+        raise CheckpointError(
+            f"{weights_path}: {source} is not the sinusoidal table config.json's sinusoidal_pos_embds promises "
+            f"(max abs diff {diff:.3g}); set sinusoidal_pos_embds to false to load it as a learned table"
+        )
+    return [source]
 
 
 def load_into(encoder: Encoder, mapped: dict[str, torch.Tensor], weights_path: Path) -> None:
@@ -226,14 +374,15 @@ def load_into(encoder: Encoder, mapped: dict[str, torch.Tensor], weights_path: P
 
 
 def max_tokens_of(directory: Path, config: EncoderConfig) -> int:
-    """The longest input in tokens: sentence-transformers' max_seq_length, else the tokenizer's limit."""
-    limit = config.max_positions
+    """The longest input in tokens: sentence-transformers' max_seq_length, else the tokenizer's limit,
+    never more than the position table covers (RoBERTa's 514 rows hold 512 tokens)."""
+    limit = config.max_sequence_length
     st_config = directory / "sentence_bert_config.json"
     tok_config = directory / "tokenizer_config.json"
     if st_config.exists():
-        limit = min(limit, int(_read_json(st_config).get("max_seq_length", limit)))
+        limit = min(limit, int(_read_json(st_config).get("max_seq_length") or limit))
     elif tok_config.exists():
-        limit = min(limit, int(_read_json(tok_config).get("model_max_length", limit)))
+        limit = min(limit, int(_read_json(tok_config).get("model_max_length") or limit))
     return limit
 
 
@@ -246,9 +395,10 @@ def load_checkpoint(spec: str | Path, name: str | None = None) -> Checkpoint:
     if not tokenizer_path.is_file():
         raise CheckpointError(f"{tokenizer_path}: missing (a fast tokenizer file is required)")
     pooling, normalize = _pooling(directory)
-    config, architecture = encoder_config(directory, pooling, normalize)
+    config, architecture, family = _read_config(directory, pooling, normalize)
     weights, weights_path = read_weights(directory)
-    mapped, ignored = map_state_dict(weights, weights_path)
+    mapped, ignored = map_state_dict(weights, weights_path, family)
+    ignored += take_sinusoidal_table(mapped, weights, config, weights_path)
     encoder = Encoder(config)
     load_into(encoder, mapped, weights_path)
     encoder.eval()
@@ -261,4 +411,5 @@ def load_checkpoint(spec: str | Path, name: str | None = None) -> Checkpoint:
         tokenizer_path=tokenizer_path,
         max_tokens=max_tokens_of(directory, config),
         ignored=tuple(ignored),
+        family=family.name,
     )

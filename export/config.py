@@ -28,13 +28,39 @@ class EncoderConfig:
     pooling: Pooling = "mean"  # sentence-transformers' choice for MiniLM
     normalize: bool = False  # L2-normalise the pooled embedding
     pad_token_id: int = 0
+    # 0: token i sits at position i (BERT). k > 0: real tokens are counted over the attention
+    # mask from k and padding sits at k - 1 (RoBERTa's padding_idx + 1, fairseq's make_positions).
+    position_offset: int = 0
+    # Width of the token/position/segment embeddings, projected up to d_model after their
+    # LayerNorm when it differs (ELECTRA's embedding_size); None means d_model.
+    embedding_size: int | None = None
+    # Token embeddings are multiplied by this before positions are added. None: sqrt(width) with
+    # sinusoidal positions ("Attention Is All You Need" keeps the fixed [-1, 1] signal from
+    # drowning them), 1 with learned ones. DistilBERT adds its sinusoidal table unscaled: 1.0.
+    embedding_scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads != 0:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
-        if self.position_kind == "sinusoidal" and self.d_model % 2 != 0:
-            raise ValueError(f"sinusoidal positions need an even d_model, got {self.d_model}")
+        if self.position_kind == "sinusoidal" and self.d_embed % 2 != 0:
+            raise ValueError(f"sinusoidal positions need an even embedding width, got {self.d_embed}")
+        if self.embedding_size is not None and self.embedding_size <= 0:
+            raise ValueError(f"embedding_size must be positive, got {self.embedding_size}")
+        if not 0 <= self.position_offset < self.max_positions:
+            raise ValueError(
+                f"position_offset {self.position_offset} leaves no room in {self.max_positions} positions"
+            )
 
     @property
     def d_k(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def d_embed(self) -> int:
+        """Width of the embedding tables (d_model unless the checkpoint projects them)."""
+        return self.embedding_size or self.d_model
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest input the position table covers, in tokens."""
+        return self.max_positions - self.position_offset

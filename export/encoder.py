@@ -176,39 +176,68 @@ def sinusoidal_positions(n_positions: int, d_model: int) -> torch.Tensor:
 
 
 class Embeddings(nn.Module):
-    """Token + position + segment embeddings, then LayerNorm and dropout."""
+    """Token + position + segment embeddings, then LayerNorm and dropout (and a projection to d_model
+    when the embeddings are narrower, as ELECTRA's are)."""
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
+        width = config.d_embed
         self.position_kind = config.position_kind
-        self.token = nn.Embedding(config.vocab_size, config.d_model)
+        self.position_offset = config.position_offset
+        self.token = nn.Embedding(config.vocab_size, width)
         if config.position_kind == "learned":
-            self.position = nn.Embedding(config.max_positions, config.d_model)
+            self.position = nn.Embedding(config.max_positions, width)
             self.register_buffer("position_ids", torch.arange(config.max_positions)[None], persistent=False)
-            self.scale = 1.0
         else:
-            self.register_buffer(
-                "sinusoid", sinusoidal_positions(config.max_positions, config.d_model), persistent=False
-            )
+            self.register_buffer("sinusoid", sinusoidal_positions(config.max_positions, width), persistent=False)
+        if config.embedding_scale is not None:
+            self.scale = config.embedding_scale
+        else:
             # "Attention Is All You Need" scales token embeddings by sqrt(d_model) so that the
-            # fixed [-1, 1] positional signal does not drown them.
-            self.scale = math.sqrt(config.d_model)
-        self.segment = nn.Embedding(config.type_vocab_size, config.d_model) if config.type_vocab_size else None
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+            # fixed [-1, 1] positional signal does not drown them; learned positions need no scale.
+            self.scale = 1.0 if config.position_kind == "learned" else math.sqrt(width)
+        self.segment = nn.Embedding(config.type_vocab_size, width) if config.type_vocab_size else None
+        self.norm = nn.LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
+        self.project = nn.Linear(width, config.d_model) if width != config.d_model else None
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def counted_positions(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) position ids counted over real tokens from position_offset; padding at offset - 1.
+
+        RoBERTa's rule (fairseq's make_positions), computed from the mask inside the graph, so a
+        caller sends only input_ids and attention_mask: with right padding the real tokens get
+        offset, offset + 1, ... and every padding token gets padding_idx.
+        """
+        mask = attention_mask.to(torch.long)
+        return torch.cumsum(mask, dim=1) * mask + (self.position_offset - 1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         T = input_ids.size(1)
-        x = self.token(input_ids) * self.scale  # (B, T, d_model)
-        if self.position_kind == "learned":
-            x = x + self.position(self.position_ids[:, :T])  # (1, T, d_model) broadcast over B
+        x = self.token(input_ids) * self.scale  # (B, T, width)
+        if self.position_offset:
+            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            positions = self.counted_positions(mask)  # (B, T)
+            x = x + (self.position(positions) if self.position_kind == "learned" else self.sinusoid[positions])
+        elif self.position_kind == "learned":
+            x = x + self.position(self.position_ids[:, :T])  # (1, T, width) broadcast over B
         else:
-            x = x + self.sinusoid[:T][None]  # (1, T, d_model)
+            x = x + self.sinusoid[:T][None]  # (1, T, width)
         if self.segment is not None:
-            if token_type_ids is None:
-                token_type_ids = torch.zeros_like(input_ids)
-            x = x + self.segment(token_type_ids)
-        return self.dropout(self.norm(x))
+            if self.segment.num_embeddings == 1:
+                # A single token type (the RoBERTa family): the same vector for every token, whatever
+                # ids a caller sends; transformers would fail on a non-zero id instead.
+                x = x + self.segment.weight[0]
+            else:
+                if token_type_ids is None:
+                    token_type_ids = torch.zeros_like(input_ids)
+                x = x + self.segment(token_type_ids)
+        x = self.dropout(self.norm(x))
+        return self.project(x) if self.project is not None else x  # (B, T, d_model)
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
@@ -247,7 +276,7 @@ class Encoder(nn.Module):
         attention_mask: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = self.embeddings(input_ids, token_type_ids)  # (B, T, d_model)
+        x = self.embeddings(input_ids, token_type_ids, attention_mask)  # (B, T, d_model)
         all_weights = []
         for layer in self.layers:
             x, weights = layer(x, attention_mask)

@@ -65,8 +65,16 @@ class EncodingsOnly(nn.Module):
     def __init__(self, encoder: Encoder) -> None:
         super().__init__()
         self.encoder = encoder
+        self.reads_token_types = encoder.config.type_vocab_size > 1
 
     def forward(self, input_ids, attention_mask, token_type_ids):
+        if not self.reads_token_types:
+            # A family with one token type (RoBERTa) or none (DistilBERT) never reads token_type_ids,
+            # and both the TorchScript tracer and the transformer optimizer prune an unread input
+            # (a no-op Reshape by its shape is removed too); the contract, and so the service,
+            # feeds it all the same. Adding it times zero to input_ids keeps it, for one integer
+            # multiply-add per token.
+            input_ids = input_ids + token_type_ids * 0
         hidden, embedding, _ = self.encoder(input_ids, attention_mask, token_type_ids)
         return hidden, embedding
 

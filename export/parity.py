@@ -70,8 +70,14 @@ def make_probes(
     rng = np.random.default_rng(0)
     cls_id, sep_id = (101, 102) if vocab_size > 1000 else (1, 2)
     if tokenizer is not None:
-        cls_id = tokenizer.token_to_id("[CLS]") or cls_id
-        sep_id = tokenizer.token_to_id("[SEP]") or sep_id
+        tokenizer = Tokenizer.from_str(tokenizer.to_str())  # a copy: settings made here must not leak
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_tokens)
+        # What the post-processor wraps every text in: [CLS] ... [SEP] for BERT, <s> ... </s> for
+        # RoBERTa (whose id 1 is the padding a default would otherwise put first).
+        wrapped = tokenizer.encode("").ids
+        if len(wrapped) >= 2:
+            cls_id, sep_id = wrapped[0], wrapped[-1]
     low = min(1000, vocab_size // 2)  # skip [PAD]/[unused]/special ids, as real text does
 
     def random_row(length: int) -> list[int]:
@@ -86,9 +92,6 @@ def make_probes(
         _pad([random_row(n) for n in mixed_lengths], None, pad_id),  # 1..max, padded to max
     ]
     if tokenizer is not None:
-        tokenizer = Tokenizer.from_str(tokenizer.to_str())  # a copy: settings made here must not leak
-        tokenizer.no_padding()
-        tokenizer.enable_truncation(max_tokens)
         texts = [e.ids for e in tokenizer.encode_batch(list(PROBE_TEXTS))]
         long_text = tokenizer.encode(" ".join(PROBE_TEXTS * 40)).ids  # truncated to max_tokens
         pair = tokenizer.encode("What is the capital of France?", "Paris is the capital of France.")

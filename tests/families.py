@@ -1,0 +1,256 @@
+"""Small random checkpoints of every encoder family we load, built locally (no downloads).
+
+    from tests.families import FAMILIES, make_checkpoint
+    path = make_checkpoint("roberta", tmp_path / "roberta", pooling="cls")
+    # then: build_bundle(ExportOptions(str(path), out, ...)) or `python -m export --checkpoint path`
+
+Each checkpoint is what a user would point `make export CHECKPOINT=DIR` at: config.json and
+model.safetensors written by transformers' own classes (`save_pretrained`, safetensors), a fast
+tokenizer made here with the `tokenizers` library (tokenizer.json, plus tokenizer_config.json
+so that transformers and sentence-transformers load exactly that tokenizer), and
+sentence-transformers' modules.json, sentence_bert_config.json and 1_Pooling/config.json.
+Models are tiny (hidden 32, 2 layers, 4 heads, at most 64 tokens): under 0.2 MB and a few
+hundredths of a second to build once transformers is imported. The same family, pooling and seed
+give the same files in every process (weights and token ids alike).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from collections import Counter
+from pathlib import Path
+
+# family -> (transformers model class that saves it, tokenizer kind, what makes it different)
+FAMILIES: dict[str, tuple[str, str, str]] = {
+    "bert": ("BertModel", "wordpiece", "the reference layout: learned positions from 0, two token types, pooler"),
+    "roberta": ("RobertaForMaskedLM", "bytelevel-bpe", "positions from padding_idx + 1, one token type, lm_head"),
+    "xlm-roberta": ("XLMRobertaModel", "unigram", "RoBERTa's layout with a sentencepiece-like Unigram vocabulary"),
+    "camembert": ("CamembertForMaskedLM", "unigram-camembert", "RoBERTa's layout, CamemBERT's special-token ids"),
+    "distilbert": ("DistilBertForMaskedLM", "wordpiece", "own weight names, no token types, no pooler, MLM head"),
+    "distilbert-sinusoidal": ("DistilBertModel", "wordpiece", "DistilBERT with sinusoidal_pos_embds=True"),
+    "electra": ("ElectraForPreTraining", "wordpiece", "discriminator: embedding_size 16 projected to hidden 32"),
+}
+POOLINGS = ("mean", "cls", "max")
+MAX_TOKENS = 64  # the longest input, special tokens included
+
+_HIDDEN, _LAYERS, _HEADS, _FFN = 32, 2, 4, 64
+
+# Varied text in several scripts, so every tokenizer learns more than one alphabet.
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog near the riverbank at dawn.",
+    "A man is playing a guitar on the stage while the crowd sings along.",
+    "The new movie is awesome, I loved every minute of it!",
+    "How do I reset my password if I no longer have access to my email?",
+    "Standard shipping takes three to five business days after dispatch.",
+    "Refunds are issued to the original payment method within fourteen days.",
+    "Paris is the capital and largest city of France.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "Rain is expected tomorrow afternoon with temperatures around twelve degrees.",
+    "Error: connection refused while contacting the database after three retries.",
+    "def add(a, b): return a + b",
+    "SELECT name, email FROM users WHERE created_at > '2024-01-01' ORDER BY name;",
+    "Der schnelle braune Fuchs springt über den faulen Hund.",
+    "Der Zug nach München fährt um acht Uhr ab.",
+    "Le renard brun rapide saute par-dessus le chien paresseux, n'est-ce pas ?",
+    "La tour Eiffel est illuminée chaque soir et attire des millions de visiteurs.",
+    "El pedido llegó incompleto y todavía no he recibido respuesta del vendedor.",
+    "Il museo è chiuso il lunedì e nei giorni festivi.",
+    "Быстрая коричневая лиса перепрыгивает через ленивую собаку.",
+    "Москва — столица России.",
+    "敏捷的棕色狐狸跳过了懒狗。",
+    "東京は日本の首都です。このレストランの料理はとても美味しかったです。",
+    "مرحبا بالعالم",
+    "Hello, world! 🙂 ok",
+) * 3
+
+
+def make_checkpoint(family: str, out: Path, pooling: str = "mean", seed: int = 0, normalize: bool = False) -> Path:
+    """Write a small random checkpoint of `family` (a key of FAMILIES) into `out`; return `out`.
+
+    pooling: sentence-transformers' pooling mode (mean, cls or max); normalize: add its Normalize
+    module. Needs torch and transformers (the export extra), not the network.
+    """
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}: expected one of {', '.join(FAMILIES)}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}: expected one of {', '.join(POOLINGS)}")
+    class_name, tokenizer_kind, _ = FAMILIES[family]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_json, names = _tokenizer(tokenizer_kind)
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    specials = {role: tokenizer.token_to_id(token) for role, token in names.items()}
+    config = _config(family, vocab_size=tokenizer.get_vocab_size(), specials=specials)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        torch.manual_seed(seed)
+        model = getattr(transformers, class_name)(config).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    _write_tokenizer(out, tokenizer_json, names, token_types=family in ("bert", "electra"))
+    _write_sentence_transformers(out, pooling, normalize)
+    return out
+
+
+def _config(family: str, vocab_size: int, specials: dict[str, int]):
+    """The transformers config of a tiny model of `family`."""
+    import transformers
+
+    bert_like = dict(
+        vocab_size=vocab_size, hidden_size=_HIDDEN, num_hidden_layers=_LAYERS, num_attention_heads=_HEADS,
+        intermediate_size=_FFN, pad_token_id=specials["pad"],
+    )
+    if family == "bert":
+        return transformers.BertConfig(**bert_like, max_position_embeddings=MAX_TOKENS)
+    if family in ("roberta", "xlm-roberta", "camembert"):
+        config_class = {
+            "roberta": transformers.RobertaConfig,
+            "xlm-roberta": transformers.XLMRobertaConfig,
+            "camembert": transformers.CamembertConfig,
+        }[family]
+        # positions run from pad_token_id + 1, so the table holds pad_token_id + 1 more rows
+        return config_class(
+            **bert_like, max_position_embeddings=MAX_TOKENS + specials["pad"] + 1, type_vocab_size=1,
+            bos_token_id=specials["bos"], eos_token_id=specials["eos"],
+        )
+    if family.startswith("distilbert"):
+        return transformers.DistilBertConfig(
+            vocab_size=vocab_size, dim=_HIDDEN, n_layers=_LAYERS, n_heads=_HEADS, hidden_dim=_FFN,
+            max_position_embeddings=MAX_TOKENS, pad_token_id=specials["pad"],
+            sinusoidal_pos_embds=family == "distilbert-sinusoidal",
+        )
+    if family == "electra":
+        return transformers.ElectraConfig(**bert_like, embedding_size=16, max_position_embeddings=MAX_TOKENS)
+    raise AssertionError(family)
+
+
+def _words(normalizer, pre_tokenizer) -> Counter:
+    """How often each pre-tokenized word of CORPUS occurs, after the tokenizer's own normalizer."""
+    counts: Counter = Counter()
+    for text in CORPUS:
+        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    return counts
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer(kind: str) -> tuple[str, dict[str, str]]:
+    """A tokenizer of `kind` for CORPUS: (its JSON, special tokens by role: pad, unk, bos, eos, mask, ...).
+
+    Deterministic, so that a checkpoint's token ids are the same in every process: the vocabularies
+    of WordPiece and Unigram are built here from word and character counts (their trainers break
+    ties differently from run to run); byte-level BPE comes from its trainer, which is stable.
+    """
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers.models import BPE, Unigram, WordPiece
+
+    if kind == "wordpiece":  # BERT, DistilBERT, ELECTRA: [CLS] $A [SEP]
+        names = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
+        normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+        counts = _words(normalizer, pre_tokenizer)
+        chars = sorted({c for word in counts for c in word})
+        words = [w for w, _ in sorted(counts.items(), key=lambda wc: (-wc[1], wc[0])) if len(w) > 1][:250]
+        pieces = [*names.values(), *chars, *(f"##{c}" for c in chars), *words]
+        tokenizer = Tokenizer(WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
+        tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
+        tokenizer.decoder = decoders.WordPiece()
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[(t, tokenizer.token_to_id(t)) for t in ("[CLS]", "[SEP]")],
+        )
+        names |= {"bos": "[CLS]", "eos": "[SEP]"}
+    elif kind == "bytelevel-bpe":  # RoBERTa: GPT-2's byte-level BPE, <s> $A </s>
+        names = {"bos": "<s>", "pad": "<pad>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}
+        tokenizer = Tokenizer(BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=700, special_tokens=list(names.values()), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(CORPUS, trainer)
+        tokenizer.post_processor = processors.RobertaProcessing(
+            ("</s>", tokenizer.token_to_id("</s>")), ("<s>", tokenizer.token_to_id("<s>")),
+            trim_offsets=True, add_prefix_space=False,
+        )
+    elif kind in ("unigram", "unigram-camembert"):  # XLM-R, CamemBERT: sentencepiece Unigram, <s> $A </s>
+        names = {"bos": "<s>", "pad": "<pad>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}
+        if kind == "unigram":  # XLM-R's fairseq order: <s> <pad> </s> <unk>, <mask> last
+            specials = ["<s>", "<pad>", "</s>", "<unk>"]
+        else:  # CamemBERT's: unused <s>NOTUSED / </s>NOTUSED at 0 and 2, the real <s> </s> at 5 and 6
+            specials = ["<s>NOTUSED", "<pad>", "</s>NOTUSED", "<unk>", "<unused>", "<s>", "</s>"]
+        normalizer = normalizers.NFKC()
+        pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+        counts: Counter = Counter()  # words split from their punctuation: "▁world!" -> "▁world", "!"
+        for word, n in _words(normalizer, pre_tokenizer).items():
+            counts.update({piece: n for piece in re.findall(r"▁?\w+|[^\w▁]+|▁", word)})
+        chars: Counter = Counter()
+        for word, n in counts.items():
+            chars.update({c: n for c in word})
+        # log-probabilities: whole words (their own counts) beat spelling them out character by character
+        total_words, total_chars = sum(counts.values()), sum(chars.values())
+        scored = [(w, round(math.log(n / total_words), 6)) for w, n in counts.items() if len(w) > 1]
+        scored += [(c, round(math.log(n / total_chars) - 2.0, 6)) for c, n in chars.items()]
+        scored.sort(key=lambda ps: (-ps[1], ps[0]))
+        vocab = [(t, 0.0) for t in specials] + scored[:330] + [("<mask>", 0.0)]
+        tokenizer = Tokenizer(Unigram(vocab, unk_id=specials.index("<unk>"), byte_fallback=False))
+        tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
+        tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+            special_tokens=[(t, tokenizer.token_to_id(t)) for t in ("<s>", "</s>")],
+        )
+    else:
+        raise AssertionError(kind)
+    tokenizer.add_special_tokens([t for t in names.values()])  # never split, skipped when decoding
+    return tokenizer.to_str(), names
+
+
+def _write_tokenizer(out: Path, tokenizer_json: str, names: dict[str, str], token_types: bool) -> None:
+    """tokenizer.json, and a tokenizer_config.json naming the generic fast class so that
+    transformers and sentence-transformers use exactly tokenizer.json (a model-specific class
+    would re-derive normalizer and post-processor settings of its own)."""
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": MAX_TOKENS,
+        "padding_side": "right",
+        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"] if token_types
+        else ["input_ids", "attention_mask"],
+        "pad_token": names["pad"],
+        "unk_token": names["unk"],
+        "mask_token": names["mask"],
+        "cls_token": names.get("cls") or names["bos"],
+        "sep_token": names.get("sep") or names["eos"],
+    }
+    if "bos" in names:
+        config |= {"bos_token": names["bos"], "eos_token": names["eos"]}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _write_sentence_transformers(out: Path, pooling: str, normalize: bool) -> None:
+    """modules.json (Transformer, Pooling, optional Normalize), the Pooling config, max_seq_length."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (out / "2_Normalize").mkdir(exist_ok=True)
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": MAX_TOKENS, "do_lower_case": False}))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": _HIDDEN,
+        "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_max_tokens": pooling == "max",
+        "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": False,
+        "include_prompt": True,
+    }, indent=2))

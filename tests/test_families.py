@@ -1,0 +1,297 @@
+"""Every checkpoint family we load (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT learned and
+sinusoidal, ELECTRA discriminator), loaded into our encoder and held against the references:
+transformers (hidden states, attention probabilities) and sentence-transformers (pooled embedding),
+through PyTorch and through the bundle's ONNX graphs, on small random checkpoints built locally."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL, GRAPH_FILE, encodings_file
+from bundle.manifest import load_bundle
+from export.checkpoint import FAMILIES as LOADED_FAMILIES
+from export.checkpoint import CheckpointError, load_checkpoint
+from export.pipeline import ExportOptions, build_bundle
+from tests.families import FAMILIES, MAX_TOKENS, POOLINGS, make_checkpoint
+
+TOLERANCE = 1e-4
+
+# Varied scripts and lengths; "" is special tokens only; the last one is cut at MAX_TOKENS, so the
+# batch is padded everywhere but one row, and that row reaches the last position in the table.
+TEXTS = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog near the riverbank at dawn.",
+    "Der Zug nach München fährt um acht Uhr ab.",
+    "Le renard brun rapide saute par-dessus le chien paresseux, n'est-ce pas ?",
+    "東京は日本の首都です。",
+    "Москва — столица России.",
+    "🙂 ok",
+    "a",
+    "",
+    " ".join(["a long support ticket that keeps going and going"] * 20),
+]
+
+# The pooling each family's bundle is exported with: every mode goes through ONNX at least twice.
+BUNDLE_POOLING = {
+    "bert": "mean", "roberta": "cls", "xlm-roberta": "max", "camembert": "mean",
+    "distilbert": "cls", "distilbert-sinusoidal": "max", "electra": "mean",
+}
+EXPECTED = {  # family name, pad id, position offset, embedding width, token types, position kind
+    "bert": ("BERT", 0, 0, 32, 2, "learned"),
+    "roberta": ("RoBERTa", 1, 2, 32, 1, "learned"),
+    "xlm-roberta": ("XLM-RoBERTa", 1, 2, 32, 1, "learned"),
+    "camembert": ("CamemBERT", 1, 2, 32, 1, "learned"),
+    "distilbert": ("DistilBERT", 0, 0, 32, 0, "learned"),
+    "distilbert-sinusoidal": ("DistilBERT", 0, 0, 32, 0, "sinusoidal"),
+    "electra": ("ELECTRA", 0, 0, 16, 2, "learned"),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {
+        family: make_checkpoint(family, root / family, pooling=BUNDLE_POOLING[family], normalize=family == "electra")
+        for family in FAMILIES
+    }
+
+
+def tokenize(tokenizer_path: Path, pad_id: int, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TEXTS as the service batches them: truncated, right-padded with the pad id, a mask."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    tokenizer.enable_truncation(max_tokens)
+    tokenizer.enable_padding(pad_id=pad_id)
+    encodings = tokenizer.encode_batch(TEXTS)
+    return torch.tensor([e.ids for e in encodings]), torch.tensor([e.attention_mask for e in encodings])
+
+
+@pytest.fixture(scope="module")
+def reference_cache() -> dict:
+    return {}
+
+
+def reference(directory: Path, ids: torch.Tensor, mask: torch.Tensor, cache: dict):
+    """transformers' own model of the checkpoint (AutoModel, eager attention) on a padded batch."""
+    from transformers import AutoModel
+
+    key = (str(directory), ids.numpy().tobytes())
+    if key not in cache:
+        model = AutoModel.from_pretrained(str(directory), attn_implementation="eager").eval()
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        cache[key] = (out.last_hidden_state, torch.stack(out.attentions))  # attentions (layers, B, heads, T, T)
+    return cache[key]
+
+
+def max_diffs(hidden, attentions, ref_hidden, ref_attentions, mask) -> tuple[float, float]:
+    """Largest |ours - reference| over real tokens, and over attention between real tokens."""
+    hidden, attentions = torch.as_tensor(hidden), torch.as_tensor(attentions)
+    assert hidden.shape == ref_hidden.shape and attentions.shape == ref_attentions.shape
+    real = mask.bool()
+    pairs = real[:, :, None] & real[:, None, :]
+    hidden_diff = (hidden[real] - ref_hidden[real]).abs().max().item()
+    by_pair = lambda a: a.permute(1, 3, 4, 0, 2)[pairs]  # noqa: E731  (n_pairs, layers, heads)
+    attn_diff = (by_pair(attentions) - by_pair(ref_attentions)).abs().max().item()
+    return hidden_diff, attn_diff
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loads_into_our_encoder_and_matches_transformers(family, checkpoints, reference_cache):
+    ckpt = load_checkpoint(checkpoints[family])
+    name, pad_id, offset, width, types, positions = EXPECTED[family]
+    cfg = ckpt.config
+    got = (ckpt.family, cfg.pad_token_id, cfg.position_offset, cfg.d_embed, cfg.type_vocab_size, cfg.position_kind)
+    assert got == (name, pad_id, offset, width, types, positions)
+    assert ckpt.max_tokens == MAX_TOKENS and cfg.d_model == 32 and cfg.n_layers == 2 and cfg.n_heads == 4
+    assert (ckpt.encoder.embeddings.project is not None) == (family == "electra")
+    ids, mask = tokenize(ckpt.tokenizer_path, pad_id, ckpt.max_tokens)
+    assert mask.sum(1).max() == MAX_TOKENS and mask.sum(1).min() == 2 and not mask.all()  # padded batch
+    with torch.no_grad():
+        hidden, _, attentions = ckpt.encoder(ids, mask, torch.zeros_like(ids))
+    ref_hidden, ref_attentions = reference(checkpoints[family], ids, mask, reference_cache)
+    hidden_diff, attn_diff = max_diffs(hidden, attentions, ref_hidden, ref_attentions, mask)
+    assert hidden_diff <= TOLERANCE and attn_diff <= TOLERANCE, (hidden_diff, attn_diff)
+
+
+def check_bundle(family: str, out: Path, checkpoints: dict[str, Path], cache: dict) -> None:
+    """A published bundle of `family`: verified, its manifest right, both fp32 graphs equal to the references."""
+    from sentence_transformers import SentenceTransformer
+
+    bundle = load_bundle(out)  # the service's own loader
+    m = bundle.manifest
+    assert m.parity.passed and m.variants["fp32"].parity.passed
+    assert all(o.values > 0 and o.max_abs_diff <= DEFAULT_ATOL for o in m.parity.outputs)
+    assert m.model.pad_token_id == EXPECTED[family][1] and m.model.max_tokens == MAX_TOKENS
+    assert m.model.pooling == BUNDLE_POOLING[family] and m.model.normalize == (family == "electra")
+
+    # The bundle ships the checkpoint's tokenizer; batch as the service does: right-padded with the
+    # manifest's pad id, token_type_ids all zeros; the graph computes positions itself.
+    ids, mask = tokenize(bundle.tokenizer_path, m.model.pad_token_id, m.model.max_tokens)
+    assert torch.equal(ids, tokenize(checkpoints[family] / "tokenizer.json", m.model.pad_token_id, MAX_TOKENS)[0])
+    feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": np.zeros_like(ids.numpy())}
+    full = ort.InferenceSession(str(out / GRAPH_FILE), providers=["CPUExecutionProvider"])
+    fused = ort.InferenceSession(str(out / encodings_file("fp32")), providers=["CPUExecutionProvider"])
+    assert [i.name for i in full.get_inputs()] == [i.name for i in fused.get_inputs()] == list(feed)
+    hidden, embedding, attentions = full.run(None, feed)
+    fused_hidden, fused_embedding = fused.run(None, feed)
+
+    ref_hidden, ref_attentions = reference(checkpoints[family], ids, mask, cache)
+    hidden_diff, attn_diff = max_diffs(hidden, attentions, ref_hidden, ref_attentions, mask)
+    fused_diff, _ = max_diffs(fused_hidden, attentions, ref_hidden, ref_attentions, mask)
+    assert max(hidden_diff, attn_diff, fused_diff) <= TOLERANCE, (hidden_diff, attn_diff, fused_diff)
+
+    st = SentenceTransformer(str(checkpoints[family]), device="cpu")
+    expected = st.encode(TEXTS, convert_to_numpy=True, batch_size=len(TEXTS))
+    assert np.abs(embedding - expected).max() <= TOLERANCE
+    assert np.abs(fused_embedding - expected).max() <= TOLERANCE
+
+
+# RoBERTa's bundle is made by `python -m export` in test_make_export_cli_exports_a_roberta_checkpoint.
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "roberta"])
+def test_bundle_passes_parity_and_its_graphs_match_the_references(family, checkpoints, reference_cache, tmp_path):
+    out = tmp_path / family
+    result = build_bundle(
+        ExportOptions(str(checkpoints[family]), out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, lossy=()),
+        progress=lambda _: None,
+    )
+    assert set(result.manifest.variants) == {"fp32"}
+    check_bundle(family, out, checkpoints, reference_cache)
+
+
+@pytest.mark.parametrize("pooling", POOLINGS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pooling_config_matches_sentence_transformers(family, pooling, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    directory = make_checkpoint(family, tmp_path / family, pooling=pooling, normalize=pooling == "max")
+    ckpt = load_checkpoint(directory)
+    assert (ckpt.config.pooling, ckpt.config.normalize) == (pooling, pooling == "max")
+    st = SentenceTransformer(str(directory), device="cpu")
+    assert st.max_seq_length == ckpt.max_tokens
+    ids, mask = tokenize(ckpt.tokenizer_path, ckpt.config.pad_token_id, ckpt.max_tokens)
+    assert torch.equal(st.tokenize(TEXTS)["input_ids"], ids)  # one tokenizer for both
+    with torch.no_grad():
+        _, ours, _ = ckpt.encoder(ids, mask, torch.zeros_like(ids))
+    expected = st.encode(TEXTS, convert_to_tensor=True, batch_size=len(TEXTS))
+    torch.testing.assert_close(ours, expected, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "t5", None])
+def test_an_unsupported_family_is_one_error_listing_the_supported_ones(model_type, checkpoints, tmp_path):
+    import transformers
+
+    directory = tmp_path / "other"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_bytes((checkpoints["bert"] / "tokenizer.json").read_bytes())
+    if model_type == "gpt2":
+        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4).save_pretrained(directory)
+    elif model_type == "t5":
+        transformers.T5Config(num_layers=1, d_model=32, num_heads=4).save_pretrained(directory)
+    else:
+        (directory / "config.json").write_text(json.dumps({"hidden_size": 32}))
+    assert json.loads((directory / "config.json").read_text()).get("model_type") == model_type
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(directory)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"{directory / 'config.json'}: model_type {model_type!r} is not supported")
+    for name, model_types in [("BERT", "bert"), ("RoBERTa", "roberta"), ("XLM-RoBERTa", "xlm-roberta"),
+                              ("CamemBERT", "camembert"), ("DistilBERT", "distilbert"), ("ELECTRA", "electra")]:
+        assert f"{name} ({model_types})" in message
+    assert len(LOADED_FAMILIES) == 6
+
+
+def test_roberta_positions_are_counted_over_real_tokens_from_padding_idx_plus_one(checkpoints):
+    from transformers.models.roberta.modeling_roberta import RobertaEmbeddings
+
+    ckpt = load_checkpoint(checkpoints["roberta"])
+    ids, mask = tokenize(ckpt.tokenizer_path, ckpt.config.pad_token_id, ckpt.max_tokens)
+    ours = ckpt.encoder.embeddings.counted_positions(mask)
+    theirs = RobertaEmbeddings.create_position_ids_from_input_ids(ids, padding_idx=1)
+    assert torch.equal(ours, theirs)
+    assert ours[mask.sum(1).argmax()].tolist() == list(range(2, 2 + MAX_TOKENS))  # the full row: 2..65
+
+
+def test_roberta_limit_comes_from_the_position_table_without_tokenizer_limits(checkpoints, tmp_path):
+    """514-row tables hold 512 tokens: the limit is max_position_embeddings - (padding_idx + 1)."""
+    import shutil
+
+    directory = shutil.copytree(checkpoints["xlm-roberta"], tmp_path / "xlmr")
+    (directory / "sentence_bert_config.json").unlink()
+    (directory / "tokenizer_config.json").unlink()
+    ckpt = load_checkpoint(directory)
+    assert json.loads((directory / "config.json").read_text())["max_position_embeddings"] == MAX_TOKENS + 2
+    assert ckpt.max_tokens == ckpt.config.max_sequence_length == MAX_TOKENS
+
+
+def test_distilbert_sinusoidal_table_is_checked_then_rebuilt(checkpoints, tmp_path):
+    import shutil
+
+    ckpt = load_checkpoint(checkpoints["distilbert-sinusoidal"])
+    assert ckpt.config.position_kind == "sinusoidal" and ckpt.config.embedding_scale == 1.0
+    assert "embeddings.position_embeddings.weight" in ckpt.ignored
+    assert not hasattr(ckpt.encoder.embeddings, "position")
+
+    # a table that is not the encoding the config promises is refused, with the way out named
+    directory = shutil.copytree(checkpoints["distilbert-sinusoidal"], tmp_path / "tampered")
+    weights = load_file(str(directory / "model.safetensors"))
+    weights["embeddings.position_embeddings.weight"][5, 3] += 0.01
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"embeddings.position_embeddings.weight is not the sinusoidal table "
+                       r".*\(max abs diff 0.01\); set sinusoidal_pos_embds to false"):
+        load_checkpoint(directory)
+    # without a stored table the encoder computes it, as transformers initialises it
+    del weights["embeddings.position_embeddings.weight"]
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    assert load_checkpoint(directory).config.position_kind == "sinusoidal"
+
+
+def test_heads_are_skipped_by_name_and_unknown_tensors_still_refused(checkpoints, tmp_path):
+    import shutil
+
+    ignored = {family: load_checkpoint(checkpoints[family]).ignored for family in FAMILIES}
+    assert all(n.startswith("lm_head.") for n in ignored["roberta"]) and ignored["roberta"]
+    assert set(ignored["xlm-roberta"]) == {"pooler.dense.weight", "pooler.dense.bias"}
+    assert all(re.match(r"vocab_(transform|layer_norm|projector)\.", n) for n in ignored["distilbert"])
+    assert all(n.startswith("discriminator_predictions.") for n in ignored["electra"]) and len(ignored["electra"]) == 4
+
+    directory = shutil.copytree(checkpoints["electra"], tmp_path / "electra")
+    weights = load_file(str(directory / "model.safetensors"))
+    weights["electra.embeddings_project.extra"] = torch.zeros(2)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"map to no encoder parameter"):
+        load_checkpoint(directory)
+    weights.pop("electra.embeddings_project.extra")
+    weights["classifier.dense.weight"] = torch.zeros(2, 32)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"the ELECTRA encoder has no place for.*classifier.dense.weight"):
+        load_checkpoint(directory)
+
+
+def test_make_export_cli_exports_a_roberta_checkpoint(checkpoints, reference_cache, tmp_path):
+    """What `make export CHECKPOINT=DIR` runs, lossy variants included, on a non-BERT family."""
+    out = tmp_path / "bundles" / "roberta"
+    result = subprocess.run(
+        [sys.executable, "-m", "export", "--checkpoint", str(checkpoints["roberta"]), "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "(RobertaForMaskedLM)" in result.stdout and "not used: lm_head.dense.weight" in result.stdout
+    assert "parity PASSED" in result.stdout and f"published {out}" in result.stdout
+    m = load_bundle(out).manifest
+    assert (m.model.architecture, m.model.pad_token_id, m.model.max_tokens, m.model.pooling) == (
+        "RobertaForMaskedLM", 1, MAX_TOKENS, "cls"
+    )
+    assert {"fp32"} <= set(m.variants) and all(v.passed for v in m.variants.values())
+    check_bundle("roberta", out, checkpoints, reference_cache)
