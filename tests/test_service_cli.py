@@ -180,7 +180,11 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
         assert r.status_code == 200
         assert httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 200
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=90)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("serve run did not exit within 120 s of SIGINT; its last lines:\n"
+                                 + "".join(lines[-40:])) from None
     finally:
         if proc.poll() is None:
             proc.kill()
