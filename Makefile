@@ -38,6 +38,7 @@ help:
 	@echo "make loadtest           locust, headless, about a minute; summary and SLO check (LOADTEST_ARGS=...)"
 	@echo "make loadtest-overload  above capacity: load shedding with 503 + Retry-After, bounded p99"
 	@echo "make soak               the traffic mix for 10 minutes with Prometheus scraping: throughput, p99, errors, memory (SOAK_ARGS=...)"
+	@echo "make image              build the CPU image (podman or docker), report its size, smoke-test it (IMAGE_ARGS=...; minutes, GBs)"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
