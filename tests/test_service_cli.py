@@ -157,6 +157,12 @@ def test_python_m_service_refuses_a_bad_bundle_in_one_line(tmp_path):
     assert result.stderr.strip().count("\n") == 0 and "bundle directory does not exist" in result.stderr
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT handled by default and not blocked, as in a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_serve_run_with_the_config_file(default_bundle, tmp_path):
     config = yaml.safe_load((ROOT / "deploy/serve_config.yaml").read_text())
     port = free_port()
@@ -170,6 +176,10 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
     proc = subprocess.Popen(
         [str(serve_bin), "run", "--address", "local", str(path)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        # as from a terminal: Ctrl-C interrupts. A child inherits an ignored or blocked SIGINT (and
+        # Python then installs no KeyboardInterrupt handler): late in a full session `serve run`
+        # never reacted to SIGINT, though it does when this test runs alone.
+        preexec_fn=_default_sigint,
     )
     lines = collect(proc)
     try:
@@ -183,7 +193,9 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            raise AssertionError("serve run did not exit within 120 s of SIGINT; its last lines:\n"
+            raise AssertionError(f"serve run did not exit within 120 s of SIGINT (this process's SIGINT handler: "
+                                 f"{signal.getsignal(signal.SIGINT)}, blocked signals: "
+                                 f"{signal.pthread_sigmask(signal.SIG_BLOCK, [])}); its last lines:\n"
                                  + "".join(lines[-40:])) from None
     finally:
         if proc.poll() is None:
