@@ -182,6 +182,7 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
         preexec_fn=_default_sigint,
     )
     lines = collect(proc)
+    spawned: set[int] = set()
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for_health(url, proc, lines)
@@ -198,8 +199,10 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
                                  f"{signal.pthread_sigmask(signal.SIG_BLOCK, [])}); its last lines:\n"
                                  + "".join(lines[-40:])) from None
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # a failed test leaves nothing either: Ray's processes and its HAProxy
+            spawned |= processes.descendants(proc.pid)
             proc.kill()
+            processes.stop({p for p in spawned if processes.alive(p)})
     assert_no_orphans(spawned)
 
 
