@@ -11,6 +11,7 @@ import pytest
 from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
 from service.config import DEFAULT_INGRESS, INGRESS_ENV
 from service.processes import local_cluster_ports
+from tests.waiting import wait_until  # noqa: F401 - the tests import it from here
 
 # The test cluster runs as `make run` does: HAProxy in front (the default ingress), every Ray
 # process on loopback, and a short drain window for stopping replicas (python -m service sets the
@@ -112,18 +113,3 @@ def service_url(ray_serve, default_bundle) -> str:
 def metrics_url(ray_serve) -> str:
     """Ray's Prometheus endpoint of this node: every replica's families."""
     return ray_serve.metrics_url
-
-
-def wait_until(condition, what: str, timeout: float = 60, interval: float = 0.2):
-    """Poll `condition()` until it returns something truthy (returned), or fail after `timeout`
-    seconds saying what was awaited: tests wait for exactly what they assert, never for a guess."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout:g} s for {what}; it did not happen (last check: {value!r})")
-        time.sleep(interval)

@@ -14,12 +14,13 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import yaml
+
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "prometheus"
@@ -172,24 +173,10 @@ class Prometheus:
             active = self.api("targets")["activeTargets"]
             return len(active) == len(self.targets) and all(t["health"] == "up" for t in active)
 
-        wait(healthy, f"every scrape target of {self.url} to be up", timeout,
-             lambda: str([(t["scrapeUrl"], t["health"], t["lastError"]) for t in self.api("targets")["activeTargets"]]))
+        wait_until(healthy, f"every scrape target of {self.url} to be up", timeout, interval=0.5,
+                   last=lambda: str([(t["scrapeUrl"], t["health"], t["lastError"]) for t in self.api("targets")["activeTargets"]]))
 
 
 def finite(result: list[dict]) -> bool:
     """Whether an instant query's result holds at least one number that is not NaN or infinite."""
     return any(math.isfinite(float(r["value"][1])) for r in result)
-
-
-def wait(condition: Callable[[], object], what: str, timeout: float, last: Callable[[], str] | None = None,
-         interval: float = 0.5):
-    """Poll until `condition()` is truthy (returned), or fail after `timeout` saying what was awaited."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            detail = f" (last: {last()})" if last else ""
-            raise AssertionError(f"waited {timeout:g} s for {what}; it did not happen{detail}")
-        time.sleep(interval)

@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from tests.metrics_scrape import poll, scrape, settled, total
-from tests.prometheus import Prometheus, PrometheusMissing, finite, wait
+from tests.prometheus import Prometheus, PrometheusMissing, finite
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = "encoder"
@@ -94,8 +95,8 @@ def in_step(prom: Prometheus, direct: dict, what: str) -> float:
         at = time.time()
         return at if prometheus_records(prom, at) == direct else None
 
-    return wait(matches, f"Prometheus to hold the service's records ({what})", 30,
-                lambda: f"{prometheus_records(prom, time.time())} != {direct}")
+    return wait_until(matches, f"Prometheus to hold the service's records ({what})", 30, interval=0.5,
+                      last=lambda: f"{prometheus_records(prom, time.time())} != {direct}")
 
 
 def bucket_quantile(q: float, buckets: dict[str, float]) -> float:
@@ -202,7 +203,8 @@ def test_every_dashboard_query_returns_data(prometheus, service_url):
         return [f"{title}: {expr}" for title, expr in queries if not finite(prometheus.query(expr))]
 
     try:
-        wait(lambda: not empty(), "every dashboard query to return a number", 90, lambda: "; ".join(empty()))
+        wait_until(lambda: not empty(), "every dashboard query to return a number", 90, interval=0.5,
+                   last=lambda: "; ".join(empty()))
     finally:
         stop.set()
         worker.join(timeout=60)
@@ -226,7 +228,7 @@ def test_alert_rules_evaluate_on_the_real_series(prometheus, service_url):
         done = [r for r in rules if not r["lastEvaluation"].startswith("0001")]
         return rules if len(done) == len(names) else []
 
-    rules = wait(evaluated, "every alert rule to be evaluated", 30)
+    rules = wait_until(evaluated, "every alert rule to be evaluated", 30, interval=0.5)
     assert {r["name"] for r in rules} == names
     for rule in rules:
         assert rule["health"] == "ok", f"{rule['name']}: {rule.get('lastError')}"
@@ -238,5 +240,5 @@ def test_alert_rules_evaluate_on_the_real_series(prometheus, service_url):
             if any(m in matchers for m in ABSENT_WHEN_HEALTHY):
                 continue
             selector = f"{name}{{{matchers}}}"
-            wait(lambda s=selector: finite(prometheus.query(f"count({s})")), f"{rule['alert']}: {selector} to select a series",
-                 30)
+            wait_until(lambda s=selector: finite(prometheus.query(f"count({s})")),
+                       f"{rule['alert']}: {selector} to select a series", 30, interval=0.5)
