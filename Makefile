@@ -25,7 +25,7 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install run test export bundle bench profile report reliability loadtest loadtest-overload soak prometheus clean
+.PHONY: help install run test export bundle bench profile report reliability loadtest loadtest-overload soak prometheus gpu-check clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
@@ -38,6 +38,7 @@ help:
 	@echo "make loadtest           locust, headless, about a minute; summary and SLO check (LOADTEST_ARGS=...)"
 	@echo "make loadtest-overload  above capacity: load shedding with 503 + Retry-After, bounded p99"
 	@echo "make soak               the traffic mix for 10 minutes with Prometheus scraping: throughput, p99, errors, memory (SOAK_ARGS=...)"
+	@echo "make gpu-check          the CUDA path where a GPU is: each CUDA step, parity on CUDA vs CPU, throughput, the service"
 	@echo "make image              build the CPU image (podman or docker), report its size, smoke-test it (IMAGE_ARGS=...; minutes, GBs)"
 
 $(STAMP): pyproject.toml
@@ -137,6 +138,19 @@ image:
 
 image-smoke:
 	$(PYTHON) deploy/image/build.py --smoke-only $(IMAGE_ARGS)
+
+# The CUDA path, for a machine with a GPU (docs/gpu.md): installs the `cuda` extra into the venv when
+# its libraries do not load, then one line per CUDA step (build, libraries, driver, device), parity of
+# every graph on CUDA against CPU, throughput of batches of 1/8/32/128, and `python -m service
+# --provider cuda` end to end. Without a usable GPU it exits non-zero after the library line, naming
+# the missing driver or device. Not part of `make test` (the suite runs its code with
+# --dry-run-on-cpu). GPU_CHECK_ARGS, e.g. '--repeats 50 --no-service'.
+GPU_CHECK_ARGS ?=
+gpu-check: bundle
+	@$(BIN)/python -m service.cuda --libraries >/dev/null 2>&1 || { \
+	  echo "installing the cuda extra into $(VENV) (onnxruntime-gpu's CUDA 13 and cuDNN 9 wheels, about 2.5 GB)"; \
+	  $(BIN)/python -m pip install --disable-pip-version-check -q -e ".[$(EXTRAS),cuda]" 2>&1 | $(PIP_QUIET); }
+	$(BIN)/python -m benchmarks.gpu_check --bundle $(BUNDLE) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf bundles .pytest_cache

@@ -45,8 +45,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replica-num-cpus", type=float, dest="num_cpus", help="Ray CPUs reserved per replica")
     p.add_argument("--threads", type=int, dest="intra_op_threads", help="onnxruntime intra-op threads per session")
     p.add_argument("--provider", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--precision", choices=["fp32", "int8", "fp16"],
-                   help="encodings graph for requests without attention weights (default fp32)")
+    p.add_argument("--replica-num-gpus", type=float, dest="num_gpus",
+                   help="Ray GPUs per replica, a fraction to share one (default: 0.25 where CUDA is wanted and "
+                   "the machine has GPUs, else 0)")
+    p.add_argument("--precision", choices=["auto", "fp32", "int8", "fp16"],
+                   help="encodings graph for requests without attention weights (default auto: fp16 on CUDA, "
+                   "fp32 on CPU)")
     p.add_argument("--max-batch-tokens", type=int)
     p.add_argument("--batch-wait-timeout-s", type=float)
     p.add_argument("--sub-batch-tokens", type=int)
@@ -54,6 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-queued-requests", type=int, help="requests Serve holds in front of a busy replica")
     p.add_argument("--request-timeout-s", type=float)
     p.add_argument("--num-cpus", type=int, dest="ray_num_cpus", help="CPUs Ray may use (default: all)")
+    p.add_argument("--num-gpus", type=int, dest="ray_num_gpus",
+                   help="GPUs Ray may hand to replicas (default: the GPUs it detects); on a machine without "
+                   "GPUs a number declares logical ones, to see placement work (tests/test_gpu_placement.py)")
     p.add_argument("--ingress", choices=sorted(INGRESS_ENV), default=DEFAULT_INGRESS,
                    help=f"HTTP ingress of a local cluster: HAProxy (default, measured fastest) or Ray Serve's "
                    f"proxy actor (see README, Performance); default {DEFAULT_INGRESS}")
@@ -84,7 +91,7 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
         settings.pop("bundle", None)
         settings.pop("model_name", None)
         settings["bundles"] = args.bundle
-    for key in ("replicas", "num_cpus", "intra_op_threads", "provider", "precision",
+    for key in ("replicas", "num_cpus", "num_gpus", "intra_op_threads", "provider", "precision",
                 "max_ongoing_requests", "max_queued_requests", "request_timeout_s"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
@@ -147,8 +154,15 @@ def summary(settings: ServiceSettings, http: dict, info: dict, args: argparse.Na
     metrics = (info.get("metrics") or {}).get("prometheus_url") or "see Ray's metrics export port"
     ingress = f" ({args.ingress} ingress)" if args.address == "local" else ""  # a running cluster has its own
     models = [
-        f"  model      {name}: {state['precision']} encodings graph, full graph for attention; bundle {ref.path}"
+        f"  model      {name}: {state['precision']} encodings graph ({state['precision_note']}), full graph for "
+        f"attention; bundle {ref.path}"
         for ref, (name, state) in zip(settings.bundles, info["models"].items(), strict=True)
+    ]
+    gpu = info.get("gpu") or {}
+    gpu_lines = [] if not gpu.get("num_gpus") else [
+        f"  gpu        {gpu['num_gpus']:g} GPU per replica from Ray; this replica: id {', '.join(gpu['ray_gpu_ids']) or 'none'}, "
+        f"CUDA_VISIBLE_DEVICES={gpu['cuda_visible_devices']!r}, session device {gpu['device_id']}"
+        + (f" ({gpu['note']})" if gpu.get("note") else "")
     ]
     serving = ", ".join(info["models"])
     pick = f', \"model\": \"{next(iter(info["models"]))}\"' if len(info["models"]) > 1 else ""  # required then
@@ -156,6 +170,7 @@ def summary(settings: ServiceSettings, http: dict, info: dict, args: argparse.Na
         f"serving {serving} at {url}{ingress}, ready in {seconds:.1f}s",
         *models,
         f"  provider   {provider}",
+        *gpu_lines,
         f"  replicas   {replicas}, each holds up to {settings.max_ongoing_requests} requests, then 503 + Retry-After",
         f"  metrics    {metrics} (Prometheus text, every replica on this node)",
         f"  access     {access}",
@@ -198,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings, http = load_settings(args)
         from service.middleware import load_token
-        from service.runtime import check_bundles, check_cuda
+        from service.cuda import check_cuda
+        from service.runtime import check_bundles
 
         load_token(settings)  # an empty or unreadable token file refuses here
         check_bundles(settings)
@@ -237,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(
             address=args.address,
             num_cpus=args.ray_num_cpus if local else None,
+            num_gpus=args.ray_num_gpus if local else None,
             include_dashboard=False if local else None,  # no dashboard and no Ray client server
             _metrics_export_port=args.metrics_port if local else None,
             logging_level="WARNING",

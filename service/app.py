@@ -25,6 +25,8 @@ def compose(settings: ServiceSettings, deployment=Encoder) -> Application:
     """Bind the deployment; `deployment` lets fault tests deploy a replica that breaks."""
     settings = settings.resolved()
     check_bundles(settings)  # refuse here, in one line, before any replica starts
+    # the share each replica asks Ray for, fixed here so that every replica knows its own
+    settings = settings.model_copy(update={"num_gpus": settings.gpu_share(cluster_gpus())})
     if settings.autoscaling is not None:
         replicas: dict = {"autoscaling_config": settings.autoscaling.model_dump()}
     else:
@@ -36,7 +38,7 @@ def compose(settings: ServiceSettings, deployment=Encoder) -> Application:
         max_ongoing_requests=settings.serve_max_ongoing_requests,
         max_queued_requests=settings.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=settings.retry_after_s),
-        ray_actor_options={"num_cpus": settings.num_cpus},
+        ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": settings.num_gpus},
         max_replicas_per_node=settings.max_replicas_per_node,
         user_config=settings.batching.model_dump(),
         graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
@@ -44,3 +46,13 @@ def compose(settings: ServiceSettings, deployment=Encoder) -> Application:
         health_check_timeout_s=30,
     ).bind(settings)
 
+
+
+def cluster_gpus() -> float:
+    """GPUs in the Ray cluster the application is being deployed to (0 when Ray is not running).
+
+    Only what the cluster has now: a cluster that adds GPU nodes on demand asks for them when its
+    config sets num_gpus (the GPU Serve config does)."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0

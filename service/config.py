@@ -27,7 +27,11 @@ INGRESS_ENV: dict[str, dict[str, str]] = {
     },
 }
 DEFAULT_INGRESS = "haproxy"  # measured fastest with one deployment (README, Performance)
-Precision = Literal["fp32", "int8", "fp16"]
+Precision = Literal["auto", "fp32", "int8", "fp16"]
+# Ray GPUs per replica when CUDA is wanted and num_gpus is left out: four replicas per GPU, as many
+# as a GPU pod of the RayService has CPUs for (4 CPUs, 1 per replica); each gets a quarter of the
+# GPU's memory (service/cuda.py, session_memory_limit).
+DEFAULT_GPU_SHARE = 0.25
 
 
 class BatchingSettings(BaseModel):
@@ -117,6 +121,12 @@ class ServiceSettings(BaseModel):
         None, description="scale between min and max replicas on requests in flight; replaces replicas"
     )
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved per replica")
+    num_gpus: float | None = Field(
+        None, ge=0,
+        description="Ray GPUs per replica: Ray places replicas by it and gives each its device (CUDA_VISIBLE_DEVICES); "
+        "a fraction shares one GPU (0.25: four replicas); null: 0.25 with provider cuda, or auto on a cluster "
+        "that has GPUs, else 0",
+    )
     max_replicas_per_node: int | None = Field(
         None, ge=1,
         description="at most this many replicas on one Ray node (1 spreads them over nodes, so losing a node "
@@ -138,7 +148,20 @@ class ServiceSettings(BaseModel):
     health_check_period_s: float = Field(10.0, gt=0, description="how often Serve runs a replica's tiny inference")
 
     # onnxruntime
-    provider: ProviderPreference = Field("auto", description="auto: CUDA if it can be created, else CPU")
+    provider: ProviderPreference = Field(
+        "auto", description="auto: CUDA where it can be used (service/cuda.py checks), else CPU; cuda: refuse to "
+        "start without it; cpu: never try",
+    )
+    gpu_mem_limit_mb: int = Field(
+        0, ge=0,
+        description="CUDA arena limit per session in MiB; 0: the replica's GPU share of the device's memory, less "
+        "768 MiB for the process, split between its sessions (two per model)",
+    )
+    cuda_tf32: bool = Field(
+        False,
+        description="TF32 matrix products in the fp32 graphs on Ampere or newer GPUs: faster, but fp32 parity "
+        "(1e-4) no longer holds, so off by default",
+    )
     intra_op_threads: int = Field(
         0, ge=0,
         description="0: the CPUs this replica may use (affinity, cgroup quota) divided by batching."
@@ -147,9 +170,10 @@ class ServiceSettings(BaseModel):
     )
     inter_op_threads: int = Field(1, ge=1)
     precision: Precision = Field(
-        "fp32",
-        description="encodings graph for requests without attention weights: fp32 (strict parity), "
-        "int8 (CPU, gated: mean cosine >= 0.99 vs fp32) or fp16 (CUDA; fp32 on a CPU replica)",
+        "auto",
+        description="encodings graph for requests without attention weights: auto (fp16 on CUDA where the bundle "
+        "has its gated graph, fp32 elsewhere), fp32 (strict parity), int8 (CPU, gated: mean cosine >= 0.99 vs "
+        "fp32) or fp16 (CUDA; fp32 on a CPU replica)",
     )
     allow_spinning: bool = Field(False, description="let idle onnxruntime threads spin (only for dedicated cores)")
     warmup: bool = True
@@ -177,6 +201,21 @@ class ServiceSettings(BaseModel):
         """Ray Serve's own limit per replica: above ours, so that a replica sees the requests past
         max_ongoing_requests and refuses them itself, with the JSON error every other route gives."""
         return 2 * self.max_ongoing_requests
+
+    @model_validator(mode="after")
+    def _whole_or_fraction_of_gpu(self) -> ServiceSettings:
+        """Ray takes a fraction of one GPU or whole GPUs, never 1.5."""
+        if self.num_gpus is not None and self.num_gpus > 1 and not float(self.num_gpus).is_integer():
+            raise ValueError(f"num_gpus: {self.num_gpus} is neither a fraction of one GPU (<= 1) nor whole GPUs")
+        return self
+
+    def gpu_share(self, cluster_gpus: float) -> float:
+        """Ray GPUs each replica asks for, given how many GPUs the cluster has (see num_gpus)."""
+        if self.num_gpus is not None:
+            return self.num_gpus
+        if self.provider == "cuda" or (self.provider == "auto" and cluster_gpus > 0):
+            return DEFAULT_GPU_SHARE
+        return 0.0
 
     @model_validator(mode="after")
     def _one_list_of_bundles(self) -> ServiceSettings:

@@ -22,6 +22,7 @@ from ray import serve
 
 from service.batching import EncodeJob, EncodeResult
 from service.config import BatchingSettings, ServiceSettings
+from service.cuda import ray_gpu_assignment
 from service.errors import BackendError, ClientGone, InvalidRequest, NotReady, ServiceError, Timeout, TooLarge
 from service.http_app import app
 from service.metrics import node_metrics_url, refresh_periodically, service_metrics
@@ -56,7 +57,9 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
         started = time.perf_counter()
         self.settings = settings
         self.batching = settings.batching
-        self.models = ModelTable([load_model(ref, settings, self._run_batch) for ref in settings.bundles])
+        # the GPU share this replica asked Ray for (fixed in app.compose) and the device Ray gave it
+        self.gpu = ray_gpu_assignment(settings.num_gpus or 0.0)
+        self.models = ModelTable([load_model(ref, settings, self._run_batch, self.gpu) for ref in settings.bundles])
         self.healthy = True
         configure(settings)
         if BearerAuthMiddleware.token is None:
@@ -69,7 +72,9 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
         self.node_id = _node_id()
         self.metrics_url = node_metrics_url()
         metrics = service_metrics()
-        info_tags = [{"model": m.name, "bundle_sha256": m.sha256, "provider": m.runtime.provider} for m in self.models]
+        gpu_ids = ",".join(self.gpu.ray_gpu_ids)
+        info_tags = [{"model": m.name, "bundle_sha256": m.sha256, "provider": m.runtime.provider,
+                      "precision": m.runtime.precision, "gpu_ids": gpu_ids} for m in self.models]
 
         def refresh() -> None:  # Ray drops gauges that are not set again
             for tags in info_tags:
@@ -79,9 +84,9 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
         refresh_periodically(refresh)
         for m in self.models:
             logger.info(
-                "replica ready: model %s, provider %s, graphs %s and %s, %d intra-op threads, bundle %s (%.1fs)",
-                m.name, m.runtime.provider, m.runtime.full.label, m.runtime.fast.label, m.runtime.threads, m.path,
-                time.perf_counter() - started,
+                "replica ready: model %s, provider %s, graphs %s and %s, %d intra-op threads, %s, bundle %s (%.1fs)",
+                m.name, m.runtime.provider, m.runtime.full.label, m.runtime.fast.label, m.runtime.threads,
+                self.gpu.line(), m.path, time.perf_counter() - started,
             )
 
     # ---- Serve's hooks ----
@@ -110,6 +115,7 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
             "pid": os.getpid(),
             "models": {m.name: model_state(m) for m in self.models},
             **model_state(self.models.default),  # the default model's, at the top as before several were served
+            "gpu": self.gpu.describe(),
             "batching": self.batching.model_dump(),
             "load": {
                 "requests_in_flight": MetricsMiddleware.in_flight,
@@ -261,6 +267,8 @@ def model_state(m: ServedModel) -> dict:
         "intra_op_threads": m.runtime.threads,
         "precision": m.runtime.precision,
         "precision_requested": m.runtime.precision_requested,
+        "precision_note": m.runtime.precision_note,
+        "cuda": m.runtime.describe_cuda(),
         "graphs": {"attentions": m.runtime.full.label, "encodings": m.runtime.fast.label},
         "ort_runs_by_graph": dict(m.runner.runs_by_graph),
         "counters": dict(m.runner.counters),

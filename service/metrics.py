@@ -18,7 +18,8 @@ Families (exported names; one question each):
   ray_encoder_padded_tokens_total                       tokens computed, padding included
   ray_encoder_inference_runs_total{graph}               onnxruntime runs, by graph: full (attention
                                                         weights) or encodings-fp32/-int8/-fp16
-  ray_encoder_model_info{model,bundle_sha256,provider}  1 per encoder replica: what it serves, and where
+  ray_encoder_model_info{model,bundle_sha256,provider,precision,gpu_ids}  1 per encoder replica: what it
+      serves, and where (gpu_ids: the Ray GPU ids the replica was given, empty without a GPU share)
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ class ServiceMetrics:
             PREFIX + "inference_runs_total", "onnxruntime session runs, by graph.", tag_keys=("graph", "model")
         )
         self.model_info = Gauge(
-            PREFIX + "model_info", "1 for each encoder replica: the model, bundle and execution provider it serves.",
-            tag_keys=("model", "bundle_sha256", "provider"),
+            PREFIX + "model_info",
+            "1 for each encoder replica: the model, bundle, execution provider, precision and Ray GPU ids it serves with.",
+            tag_keys=("model", "bundle_sha256", "provider", "precision", "gpu_ids"),
         )
 
 

@@ -18,7 +18,8 @@ from bundle.manifest import BundleManifest, ModelInfo, load_bundle
 from service.batching import BatchRunner, EncodeJob, EncodeResult, intra_op_threads, job_tokens
 from service.config import BatchingSettings, BundleRef, ServiceSettings
 from service.errors import InvalidRequest, NotFound
-from service.runtime import OrtEncoder
+from service.cuda import GpuAssignment
+from service.runtime import CudaSettings, OrtEncoder
 from service.tokenization import TextTokenizer
 
 
@@ -49,14 +50,16 @@ class ServedModel:
 RunBatch = Callable[["ServedModel", list[EncodeJob]], Awaitable[list[EncodeResult]]]
 
 
-def load_model(ref: BundleRef, settings: ServiceSettings, run_batch: RunBatch) -> ServedModel:
-    """Verify and load one bundle, create its sessions and its batch queue, whose batches go to
-    `run_batch(model, jobs)` (the deployment's, so that tests can hold a batch)."""
+def load_model(ref: BundleRef, settings: ServiceSettings, run_batch: RunBatch,
+               gpu: GpuAssignment | None = None) -> ServedModel:
+    """Verify and load one bundle, create its sessions (on the GPU Ray gave the replica, where CUDA
+    is used) and its batch queue, whose batches go to `run_batch(model, jobs)` (the deployment's,
+    so that tests can hold a batch)."""
     bundle = load_bundle(ref.path)
     name = ref.name or bundle.manifest.model.name
     runtime = OrtEncoder(
         bundle, settings.provider, intra_op_threads(settings), settings.inter_op_threads, settings.allow_spinning,
-        settings.precision,
+        settings.precision, CudaSettings.from_settings(settings, gpu or GpuAssignment()),
     )
     runner = BatchRunner(runtime, bundle.manifest, settings.batching, name)
     served: ServedModel

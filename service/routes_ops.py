@@ -30,7 +30,7 @@ class OpsRoutes:
                 "models": models,
                 "batching": replica["batching"],
                 "metrics": replica["metrics"],
-                "replica": {k: replica[k] for k in ("replica_id", "node_id", "pid", "load")},
+                "replica": {k: replica[k] for k in ("replica_id", "node_id", "pid", "gpu", "load")},
                 "replicas": (
                     {"autoscaling": s.autoscaling.model_dump()} if s.autoscaling else {"replicas": s.replicas}
                 ),
@@ -66,6 +66,8 @@ def describe_model(m, state: dict) -> dict:
         "intra_op_threads": state["intra_op_threads"],
         "precision": state["precision"],
         "precision_requested": state["precision_requested"],
+        "precision_note": state["precision_note"],
+        "cuda": state["cuda"],  # each check step, the device, the provider options of the sessions
         "graphs": state["graphs"],
         "encoder_counters": state["counters"],  # of the replica that answered
         "bundle": {"path": str(m.path), "sha256": m.sha256, "opset": manifest.graph.opset},

@@ -1,15 +1,15 @@
-"""The only module that imports onnxruntime: session creation, provider choice, one padded run."""
+"""onnxruntime sessions: provider choice, session and CUDA provider options, one padded run.
+
+Whether CUDA can be used at all is service/cuda.py's question; this module acts on its answer.
+"""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
-import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cache
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +18,10 @@ import onnxruntime as ort
 from bundle.contract import ENCODINGS_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES
 from bundle.manifest import Bundle, BundleError, load_bundle
 from service.config import ServiceSettings
+from service.cuda import CUDA, CudaCheck, CudaOptions, GpuAssignment, check_cuda, session_memory_limit
 
 logger = logging.getLogger("service.runtime")
 
-CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 
 
@@ -39,60 +39,6 @@ def available_cpus() -> int:
     except (OSError, ValueError):
         pass
     return max(1, n)
-
-
-@dataclass(frozen=True)
-class CudaCheck:
-    """Whether onnxruntime can use CUDA in this process, and if not, why (one plain line)."""
-
-    usable: bool
-    reason: str = ""
-
-
-@cache
-def check_cuda() -> CudaCheck:
-    """Ask, without creating a session, whether the CUDA provider can work here.
-
-    onnxruntime-gpu lists CUDA as available whenever it was compiled in; creating a session on
-    a machine without a GPU or without CUDA's libraries prints red errors and falls back to CPU.
-    Checked in the order a user fixes things: the build, the driver and a device, then the
-    libraries the provider links against (the loader's message names the missing one).
-    """
-    if CUDA not in ort.get_available_providers():
-        return CudaCheck(False, f"this onnxruntime build ({ort.__version__}) has no CUDA provider (install onnxruntime-gpu)")
-    if not sys.platform.startswith("linux"):
-        return CudaCheck(True)  # the checks below are written for Linux's loader
-    reason = cuda_device_error() or cuda_provider_library_error()
-    return CudaCheck(reason is None, reason or "")
-
-
-def cuda_device_error() -> str | None:
-    """Why no CUDA device can be used (no driver, or no visible GPU); None when one can."""
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return "no GPU: the NVIDIA driver library libcuda.so.1 is not installed"
-    count = ctypes.c_int(0)
-    status = driver.cuInit(0)
-    if status == 0:
-        status = driver.cuDeviceGetCount(ctypes.byref(count))
-    if status != 0 or count.value == 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return (f"no GPU visible to this process (CUDA driver error {status}, {count.value} devices"
-                f"{'' if visible is None else f', CUDA_VISIBLE_DEVICES={visible!r}'})")
-    return None
-
-
-def cuda_provider_library_error() -> str | None:
-    """The loader's message when onnxruntime's CUDA provider library cannot be loaded (it names the
-    missing CUDA or cuDNN library); None when it loads."""
-    capi = Path(ort.__file__).parent / "capi"
-    try:
-        ctypes.CDLL(str(capi / "libonnxruntime_providers_shared.so"), mode=ctypes.RTLD_GLOBAL)
-        ctypes.CDLL(str(capi / "libonnxruntime_providers_cuda.so"))
-    except OSError as exc:
-        return f"onnxruntime's CUDA provider cannot load: {exc}"
-    return None
 
 
 def choose_providers(preference: str, cuda: CudaCheck | None = None) -> list[str]:
@@ -148,31 +94,50 @@ class OrtGraph:
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """One padded batch through the graph; returns only the outputs asked for."""
         feed = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": np.zeros_like(input_ids)}
-        if self.provider == CUDA:
-            return self._run_bound(feed, outputs)
+        # On CUDA too: every output goes back to the host for the response, and the inputs are a
+        # few int64s per token, so session.run's one copy each way is the least there is. IO binding
+        # would only pay with device buffers reused across runs, which varying (batch, tokens)
+        # shapes defeat; an earlier binding path allocated per run and saved nothing (docs/gpu.md).
         return dict(zip(outputs, self.session.run(list(outputs), feed), strict=True))
 
-    def _run_bound(self, feed: dict[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        """CUDA: inputs copied to the device once, outputs left there and copied back once each.
 
-        Without IO binding, session.run stages every input and output through extra host
-        buffers on each call.
-        """
-        binding = self.session.io_binding()
-        for name, array in feed.items():
-            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
-        for name in outputs:
-            binding.bind_output(name, "cuda", 0)
-        self.session.run_with_iobinding(binding)
-        return dict(zip(outputs, binding.copy_outputs_to_cpu(), strict=True))
+@dataclass(frozen=True)
+class CudaSettings:
+    """How a replica's CUDA sessions are set up: the device Ray gave it, its sessions' memory, TF32."""
+
+    gpu: GpuAssignment = field(default_factory=GpuAssignment)
+    sessions: int = 2  # CUDA sessions in the replica (two graphs per served model), sharing its GPU share
+    mem_limit_mb: int = 0  # per session arena; 0: derived from the replica's GPU share
+    tf32: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: ServiceSettings, gpu: GpuAssignment) -> CudaSettings:
+        return cls(gpu, 2 * len(settings.bundles), settings.gpu_mem_limit_mb, settings.cuda_tf32)
+
+
+def cuda_options(check: CudaCheck, cuda: CudaSettings) -> CudaOptions:
+    """Every CUDA provider option of a replica's sessions, from its device and GPU share."""
+    if cuda.mem_limit_mb:
+        limit = cuda.mem_limit_mb * 2**20
+    elif check.device is not None:
+        limit = session_memory_limit(check.device.total_bytes, cuda.gpu.share, cuda.sessions)
+    else:
+        limit = 0  # no device described (CUDA asked for without a usable one): onnxruntime's default
+    return CudaOptions(device_id=cuda.gpu.device_id, gpu_mem_limit=limit, use_tf32=cuda.tf32)
+
+
+def with_options(providers: list[str], options: CudaOptions | None) -> list:
+    """onnxruntime's providers argument: CUDA with its options, CPU as it is."""
+    return [(p, options.provider_options()) if p == CUDA and options else p for p in providers]
 
 
 class OrtEncoder:
     """Both graphs of a bundle: the full one (attention weights) and the fast encodings-only one.
 
     A run that needs attention weights goes to the full graph, every other run to the
-    encodings graph of the configured precision. A precision whose graph is meant for another
-    provider (fp16 is for CUDA) falls back to fp32, with a warning, rather than run slowly.
+    encodings graph of the configured precision. `auto` serves the gated fp16 graph on CUDA and
+    fp32 elsewhere; a precision whose graph is meant for another provider (fp16 is for CUDA)
+    falls back to fp32, with a warning, rather than run slowly.
     """
 
     def __init__(
@@ -182,16 +147,22 @@ class OrtEncoder:
         intra_op_threads: int = 0,
         inter_op_threads: int = 1,
         allow_spinning: bool = False,
-        precision: str = "fp32",
+        precision: str = "auto",
+        cuda_settings: CudaSettings | None = None,
     ):
         self.manifest = bundle.manifest
         self.threads = intra_op_threads or available_cpus()
+        self.cuda_settings = cuda_settings or CudaSettings()
         options = _session_options(self.threads, inter_op_threads, allow_spinning)
-        cuda = check_cuda() if preference != "cpu" else CudaCheck(False, "provider 'cpu' was asked for")
+        cuda = (check_cuda(self.cuda_settings.gpu.device_id) if preference != "cpu"
+                else CudaCheck(False, "provider 'cpu' was asked for"))
+        self.cuda_check = cuda
         if preference == "cuda" and not cuda.usable:
             raise RuntimeError(f"provider 'cuda' was required but CUDA cannot be used: {cuda.reason}")
         requested = choose_providers(preference, cuda)
-        self.full = OrtGraph(bundle.graph_path, OUTPUT_NAMES, "full", requested, options)
+        # every CUDA provider option in one place (shown in /info); None when CUDA is not asked for
+        self.cuda_options = cuda_options(cuda, self.cuda_settings) if CUDA in requested else None
+        self.full = OrtGraph(bundle.graph_path, OUTPUT_NAMES, "full", with_options(requested, self.cuda_options), options)
         self.provider = self.full.provider
         # why this replica is not on CUDA, in one line (empty when it is)
         self.provider_note = "" if self.provider == CUDA else (
@@ -204,16 +175,27 @@ class OrtEncoder:
         self._check_dims(self.full.shapes)
 
         self.precision_requested = precision
-        self.precision = resolve_precision(bundle, precision, self.provider)
-        if self.precision != precision:
+        self.precision, self.precision_note = resolve_precision(bundle, precision, self.provider)
+        if precision != "auto" and self.precision != precision:
             logger.warning("precision %s is meant for %s; this replica runs on %s, so it serves %s",
                            precision, self.manifest.variants[precision].providers, self.provider, self.precision)
         variant = self.manifest.variants[self.precision]
         providers = [p for p in requested if p in variant.providers] or [CPU]
         self.fast = OrtGraph(
-            bundle.variant_path(self.precision), ENCODINGS_OUTPUT_NAMES, f"encodings-{self.precision}", providers, options
+            bundle.variant_path(self.precision), ENCODINGS_OUTPUT_NAMES, f"encodings-{self.precision}",
+            with_options(providers, self.cuda_options), options,
         )
         self._check_dims(self.fast.shapes)
+
+    def describe_cuda(self) -> dict:
+        """The CUDA side of this encoder for /info: each check step, the device, the provider options."""
+        check = self.cuda_check
+        return {
+            "usable": check.usable,
+            "steps": [{"step": s.name, "ok": s.ok, "detail": s.detail} for s in check.steps],
+            "device": check.device.describe() if check.device else None,
+            "provider_options": self.cuda_options.provider_options() if self.cuda_options else None,
+        }
 
     def _check_dims(self, shapes: dict) -> None:
         """The graph must be the one the manifest describes: the dims it states."""
@@ -245,19 +227,31 @@ class OrtEncoder:
                     raise RuntimeError(f"smoke test: output {name} of the {graph.label} graph is not finite")
 
 
-def resolve_precision(bundle: Bundle, precision: str, provider: str) -> str:
-    """The precision a replica on `provider` serves: the one asked for, or fp32 when its graph is
-    meant for other providers. A precision the bundle lacks is an error, never a silent change."""
+def resolve_precision(bundle: Bundle, precision: str, provider: str) -> tuple[str, str]:
+    """The precision a replica on `provider` serves, and why: `auto` is fp16 on CUDA where the
+    bundle has a gated fp16 graph (it exists only if its gate passed), fp32 otherwise; an explicit
+    precision is served where its graph is meant for `provider`, else fp32. A precision the bundle
+    lacks is an error, never a silent change."""
     variants = bundle.manifest.variants
+    if precision == "auto":
+        fp16 = variants.get("fp16")
+        if provider == CUDA and fp16 is not None and provider in fp16.providers and fp16.passed:
+            gate = fp16.quality
+            return "fp16", ("auto: fp16 on CUDA" + (f" (its gate: mean cosine {gate.mean_cosine:.5f} vs fp32)" if gate else ""))
+        if provider == CUDA:
+            return "fp32", "auto: fp32 on CUDA, this bundle has no gated fp16 graph (TF32 off unless cuda_tf32)"
+        return "fp32", f"auto: fp32 on {provider}"
     if precision not in variants:
         raise BundleError(
             f"{bundle.root}: no {precision} encodings graph in this bundle (has {', '.join(variants)}); "
             "export it again, or check the export log: a variant whose quality gate failed is not published"
         )
-    return precision if provider in variants[precision].providers else "fp32"
+    if provider in variants[precision].providers:
+        return precision, f"{precision} as configured"
+    return "fp32", f"{precision} is meant for {', '.join(variants[precision].providers)}; on {provider}: fp32"
 
 
-def preflight(bundle: Bundle, precision: str = "fp32") -> None:
+def preflight(bundle: Bundle, precision: str = "auto") -> None:
     """Before any replica starts: the graphs load, match the manifest and compute finite numbers.
 
     Raises BundleError (or RuntimeError) with a one-line reason; a bundle whose hashes match but

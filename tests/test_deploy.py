@@ -259,10 +259,38 @@ def test_rayservice_manifests_are_rendered_from_the_current_serve_config():
     assert result.returncode == 0, result.stderr
 
 
+GPU_ARGS = {"provider": "cuda", "num_gpus": 0.25}  # all that a GPU cluster's Serve config changes
+
+
 @pytest.mark.parametrize("name", RAYSERVICES)
 def test_serve_config_v2_is_the_serve_config_file(name):
     embedded = yaml.safe_load(load(name)["spec"]["serveConfigV2"])
-    assert embedded == serve_config()
+    expected = serve_config()
+    if "gpu" in name:  # the same config, with replicas on CUDA asking Ray for a GPU share
+        assert embedded == yaml.safe_load((ROOT / "deploy/serve_config.gpu.yaml").read_text())
+        for app in expected["applications"]:
+            app["args"].update(GPU_ARGS)
+    assert embedded == expected
+
+
+def test_gpu_replicas_ask_ray_for_the_gpu_their_pod_has_and_ray_assigns_devices():
+    """The GPU RayService: each replica asks for a GPU share, as many replicas as a worker pod has
+    CPUs for fill exactly its GPUs, and nothing stops Ray from setting CUDA_VISIBLE_DEVICES."""
+    manifest = load("rayservice-gpu.yaml")
+    s = settings_of(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
+    assert s.provider == "cuda" and s.precision == "auto" and s.num_gpus == 0.25
+    group = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    pod_gpus, pod_cpus = int(limits["nvidia.com/gpu"]), int(limits["cpu"])
+    assert int(group["rayStartParams"]["num-gpus"]) == pod_gpus
+    replicas_per_pod = int(pod_cpus // s.num_cpus)
+    assert replicas_per_pod * s.num_gpus == pod_gpus  # fills the GPU, never over-asks it
+    assert s.autoscaling.max_replicas * s.num_gpus <= pod_gpus * group["maxReplicas"]
+    for c in containers(manifest):
+        names = {e["name"] for e in c.get("env", [])}
+        assert "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES" not in names, c["name"]
+    cpu = settings_of(serve_config())
+    assert cpu.provider == "auto" and cpu.num_gpus is None  # CPU clusters: no GPU asked for
 
 
 def test_serve_config_import_path_and_args_are_real():
@@ -355,7 +383,9 @@ def test_dockerfile_rules(dockerfile):
     users = [line.split()[1] for line in serve_body if line.upper().startswith("USER ")]
     assert users and users[-1] not in ("root", "0"), "the serving stage must end as a non-root user"
     assert "torch" not in re.sub(r"find_spec\('torch'\)", "", body), "no torch in the serving stage"
-    assert "[export]" not in body and ".[serve]" in body
+    assert "[export]" not in body and "export," not in body
+    # the CUDA image takes the CUDA libraries from the project's own `cuda` extra, nothing else
+    assert (".[serve,cuda]" in body) if dockerfile.name.endswith(".cuda") else (".[serve]" in body and "cuda" not in body)
     assert any(line.upper().startswith("HEALTHCHECK") for line in serve_body)
     assert "COPY --from=export" in body, "the bundle comes from the export stage"
     export_body = "\n".join(all_stages[0][1])

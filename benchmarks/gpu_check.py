@@ -1,0 +1,241 @@
+"""make gpu-check: what the day a GPU is there must prove, in one command.
+
+1. One line per CUDA step (build, libraries, driver, device; service/cuda.py). Without a usable GPU
+   it stops there, non-zero, naming what is missing.
+2. Parity of every CUDA graph of the bundle against the same graph on CPU: the full graph and the
+   fp32 encodings graph within 1e-4 (TF32 off, as the service runs them), the fp16 encodings graph
+   by cosine against CPU fp32, held to the floor of its own export gate.
+3. Throughput of batches of 1, 8, 32 and 128 texts on CUDA, per encodings graph.
+4. The service end to end: `python -m service --provider cuda`, /v1/embeddings against in-process
+   CPU fp32, /info naming CUDA and the device, SIGTERM, exit 0.
+
+`--dry-run-on-cpu` runs steps 2-4 with the CPU standing in for the GPU, so that the suite proves this
+script's own code on a machine without one; its figures say nothing about a GPU and are labelled so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.corpus import sentences
+from bundle.contract import ENCODINGS_OUTPUT_NAMES, OUTPUT_NAMES
+from bundle.manifest import Bundle, load_bundle
+from service.batching import pad
+from service.cuda import CUDA, CudaOptions, check_cuda
+from service.processes import free_port
+from service.runtime import CPU, OrtGraph, _session_options, with_options
+from service.tokenization import TextTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+FP32_ATOL = 1e-4
+BATCH_SIZES = (1, 8, 32, 128)
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def graphs(bundle: Bundle) -> list[tuple[str, Path, tuple[str, ...]]]:
+    """(label, file, outputs) of every graph meant for CUDA: the full graph and the CUDA variants."""
+    found = [("full", bundle.graph_path, OUTPUT_NAMES)]
+    for precision, variant in bundle.manifest.variants.items():
+        if CUDA in variant.providers:
+            found.append((f"encodings-{precision}", bundle.variant_path(precision), ENCODINGS_OUTPUT_NAMES))
+    return found
+
+
+def batches(bundle: Bundle, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The texts tokenized and padded in batches of mixed length (1, 3 and 8 texts)."""
+    tokenizer = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens)
+    ids = [t.ids for t in tokenizer.encode(texts, truncate=True)]
+    out, start = [], 0
+    for size in (1, 3, 8, 8):
+        if start < len(ids):
+            out.append(pad(ids[start:start + size], bundle.manifest.model.pad_token_id))
+            start += size
+    return out
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def parity(bundle: Bundle, device: str, providers: list) -> bool:
+    """Each CUDA graph on `providers` against the fp32 graphs on CPU; a line per graph."""
+    options = _session_options(os.cpu_count() or 1, 1, False)
+    probe = batches(bundle, [*sentences(12, 1, 60, seed=3), "OK", " ".join(["a long text"] * 200)])
+    cpu_full = OrtGraph(bundle.graph_path, OUTPUT_NAMES, "full", [CPU], options)
+    cpu_fp32 = OrtGraph(bundle.variant_path("fp32"), ENCODINGS_OUTPUT_NAMES, "encodings-fp32", [CPU], options)
+    ok = True
+    for label, path, outputs in graphs(bundle):
+        graph = OrtGraph(path, outputs, label, providers, options)
+        if graph.provider != providers_first(providers):
+            say(f"parity     FAILED      {label}: the session runs on {graph.provider}, not {providers_first(providers)}")
+            ok = False
+            continue
+        reference = cpu_full if label == "full" else cpu_fp32
+        if label.endswith("fp16"):
+            gate = bundle.manifest.variants["fp16"].quality
+            floor = gate.min_cosine_floor if gate else 0.99
+            worst = min(float(cosine(graph.run(i, m, ["sentence_embedding"])["sentence_embedding"],
+                                     reference.run(i, m, ["sentence_embedding"])["sentence_embedding"]).min())
+                        for i, m in probe)
+            passed = worst >= floor
+            say(f"parity     {'ok' if passed else 'FAILED':<11} {label} on {device} vs fp32 on CPU: "
+                f"min cosine {worst:.6f} (floor {floor:g}, the export gate's)")
+        else:
+            worst_by_output = {name: 0.0 for name in outputs}
+            for i, m in probe:
+                got, want = graph.run(i, m, outputs), reference.run(i, m, outputs)
+                real = m.astype(bool)
+                for name in outputs:
+                    diff = np.abs(got[name] - want[name])
+                    if name == "last_hidden_state":
+                        diff = diff[real]
+                    elif name == "attentions":  # [layers, batch, heads, q, k]: real queries and keys
+                        diff = diff * (real[None, :, None, :, None] & real[None, :, None, None, :])
+                    worst_by_output[name] = max(worst_by_output[name], float(diff.max()))
+            passed = max(worst_by_output.values()) <= FP32_ATOL
+            figures = ", ".join(f"{n} {v:.2e}" for n, v in worst_by_output.items())
+            say(f"parity     {'ok' if passed else 'FAILED':<11} {label} on {device} vs CPU: max abs diff {figures} "
+                f"(<= {FP32_ATOL:g}, TF32 off)")
+        ok &= passed
+    return ok
+
+
+def providers_first(providers: list) -> str:
+    first = providers[0]
+    return first[0] if isinstance(first, tuple) else first
+
+
+def throughput(bundle: Bundle, device: str, providers: list, repeats: int) -> None:
+    """texts/s and ms per batch of each encodings graph, batches of 1/8/32/128 texts of 8-40 words."""
+    options = _session_options(os.cpu_count() or 1, 1, False)
+    for label, path, outputs in graphs(bundle):
+        if label == "full":
+            continue
+        graph = OrtGraph(path, outputs, label, providers, options)
+        row = []
+        for size in BATCH_SIZES:
+            ids, mask = batches_of(bundle, size)
+            graph.run(ids, mask, ["sentence_embedding"])  # warm-up: kernels chosen, arena grown
+            started = time.perf_counter()
+            for _ in range(repeats):
+                graph.run(ids, mask, ["sentence_embedding"])
+            seconds = (time.perf_counter() - started) / repeats
+            row.append(f"{size}: {size / seconds:.0f} texts/s ({seconds * 1000:.1f} ms)")
+        say(f"throughput {label} on {device}: " + ", ".join(row))
+
+
+def batches_of(bundle: Bundle, size: int) -> tuple[np.ndarray, np.ndarray]:
+    tokenizer = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens)
+    return pad([t.ids for t in tokenizer.encode(sentences(size, seed=size), truncate=True)],
+               bundle.manifest.model.pad_token_id)
+
+
+def service_end_to_end(bundle_dir: Path, bundle: Bundle, provider: str, timeout_s: float) -> bool:
+    """`python -m service --provider PROVIDER` as a user starts it: ready, embeddings equal to CPU fp32
+    in-process (to the fp16 floor when it serves fp16), /info names the provider, SIGTERM exits 0."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "--bundle", str(bundle_dir), "--port", str(port), "--replicas", "1",
+         "--provider", provider, "--metrics-port", str(free_port())],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        passed = _check_service(f"http://127.0.0.1:{port}", proc, lines, bundle, provider, timeout_s)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code: int | str = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = "none: killed after 120 s"
+        say(f"service    {'ok' if code == 0 else 'FAILED':<11} SIGTERM: exit {code}")
+    return passed and code == 0
+
+
+def _check_service(url: str, proc: subprocess.Popen, lines: list[str], bundle: Bundle, provider: str,
+                   timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not any(line.startswith("serving ") for line in lines):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            say(f"service    FAILED      python -m service --provider {provider} did not start: "
+                + " | ".join(line.strip() for line in lines[-5:]))
+            return False
+        time.sleep(0.5)
+    texts = sentences(5, seed=11)
+    got = np.array([d["embedding"] for d in post(f"{url}/v1/embeddings", {"input": texts})["data"]])
+    info = json.loads(urllib.request.urlopen(f"{url}/info", timeout=30).read())
+    cpu = OrtGraph(bundle.variant_path("fp32"), ENCODINGS_OUTPUT_NAMES, "encodings-fp32", [CPU],
+                   _session_options(1, 1, False))
+    tokenizer = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens)
+    ids, mask = pad([t.ids for t in tokenizer.encode(texts, truncate=True)], bundle.manifest.model.pad_token_id)
+    want = cpu.run(ids, mask, ["sentence_embedding"])["sentence_embedding"]
+    worst = float(cosine(got, want).min())
+    gate = bundle.manifest.variants["fp16"].quality if info["precision"] == "fp16" else None
+    floor = gate.min_cosine_floor if gate else 0.9999
+    expected = CUDA if provider == "cuda" else CPU
+    gpu = info["replica"]["gpu"]
+    passed = worst >= floor and info["provider"] == expected
+    say(f"service    {'ok' if passed else 'FAILED':<11} --provider {provider}: {info['provider']}, "
+        f"{info['precision']} ({info['precision_note']}), device {gpu['device_id']} "
+        f"(Ray GPU ids {gpu['ray_gpu_ids']}), /v1/embeddings min cosine vs CPU fp32 {worst:.6f} (>= {floor:g})")
+    if info["cuda"]["provider_options"]:
+        say(f"           provider options {info['cuda']['provider_options']}")
+    return passed
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bundle", type=Path, default=ROOT / "bundles/all-MiniLM-L6-v2")
+    p.add_argument("--repeats", type=int, default=20, help="runs per throughput figure")
+    p.add_argument("--no-service", action="store_true", help="skip the end-to-end service step")
+    p.add_argument("--dry-run-on-cpu", action="store_true",
+                   help="after the CUDA steps, run the rest on CPU (proves this script, measures no GPU)")
+    p.add_argument("--service-timeout-s", type=float, default=300)
+    a = p.parse_args(argv)
+
+    check = check_cuda(0)
+    for line in check.lines():
+        say(line)
+    if not check.usable and not a.dry_run_on_cpu:
+        say(f"gpu-check: CUDA cannot be used here: {check.reason}")
+        return 1
+    bundle = load_bundle(a.bundle)
+    if check.usable:
+        device, provider = f"CUDA ({check.device.name})" if check.device else "CUDA", "cuda"
+        providers = with_options([CUDA, CPU], CudaOptions(device_id=0, use_tf32=False))
+    else:
+        say("gpu-check: no usable GPU; the steps below run on CPU in its place (a dry run of this script, "
+            "not a GPU measurement)")
+        device, provider, providers = "CPU (dry run)", "cpu", [CPU]
+    ok = parity(bundle, device, providers)
+    throughput(bundle, device, providers, a.repeats)
+    if not a.no_service:
+        ok &= service_end_to_end(a.bundle, bundle, provider, a.service_timeout_s)
+    say(f"gpu-check: {'PASSED' if ok else 'FAILED'}{' (dry run on CPU)' if not check.usable else ''}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

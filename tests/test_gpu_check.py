@@ -1,0 +1,44 @@
+"""`make gpu-check`, the command for the day a GPU is there: here it must stop after the library
+line naming the missing driver, and its later steps (parity, throughput, the service end to end)
+must run, with the CPU standing in for the GPU, so that the script cannot rot before that day."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from service.cuda import check_cuda
+from tests.test_service_cli import service_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gpu_check(bundle: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--bundle", str(bundle), *flags],
+                          cwd=ROOT, env=service_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_without_a_gpu_it_stops_after_the_steps_naming_what_is_missing(default_bundle):
+    if check_cuda().usable:
+        return  # a GPU machine runs the whole check (make gpu-check), not this
+    result = gpu_check(default_bundle)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert [line.split()[0] for line in lines[:4]] == ["build", "libraries", "driver", "device"]
+    assert lines[-1] == f"gpu-check: CUDA cannot be used here: {check_cuda().reason}"
+    assert not any(line.startswith(("parity", "throughput", "service")) for line in lines)
+
+
+def test_every_later_step_runs_with_the_cpu_in_place_of_the_gpu(default_bundle):
+    result = gpu_check(default_bundle, "--dry-run-on-cpu", "--repeats", "2")
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    for graph in ("full", "encodings-fp32", "encodings-fp16"):  # every graph the bundle has for CUDA
+        assert any(line.startswith(f"parity     ok          {graph} on ") for line in out.splitlines()), out
+    for graph in ("encodings-fp32", "encodings-fp16"):
+        row = next(line for line in out.splitlines() if line.startswith(f"throughput {graph} on "))
+        assert all(f"{size}: " in row and "texts/s" in row for size in (1, 8, 32, 128)), row
+    assert "service    ok          --provider cpu: CPUExecutionProvider" in out
+    assert "service    ok          SIGTERM: exit 0" in out
+    assert out.splitlines()[-1] == "gpu-check: PASSED (dry run on CPU)"
