@@ -1,4 +1,5 @@
-"""Smoke test of a built image: start the service from the image's own filesystem, call
+"""Smoke test of a built image: for the CUDA image, the CUDA library step (python -m service.cuda
+--libraries) from the image's filesystem; then start the service from the image's own filesystem, call
 /v2/health/ready and /v1/embeddings, stop it with SIGTERM and check that nothing is left running;
 then start Ray the way KubeRay does (`/bin/bash -lc -- "ray start ..."`, as uid 1000) and ask it
 the manifests' liveness probe (wget .../api/local_raylet_healthz).
@@ -246,6 +247,18 @@ def serve_check(runner: Runner, log, say: Callable[[str], None]) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def cuda_library_check(runner: Runner, log, say: Callable[[str], None]) -> dict:
+    """The CUDA image: the CUDA steps run from the image's own filesystem, as uid 1000; the build and
+    the libraries must pass (they are in the image), the driver and the device come with a GPU node."""
+    argv = ["python", "-m", "service.cuda", "--libraries"]
+    result = subprocess.run(runner.command(argv), capture_output=True, text=True, timeout=300)
+    log.write(result.stdout + result.stderr)
+    lines = result.stdout.splitlines()
+    for line in lines:
+        say(f"smoke: cuda: {line}")
+    return {"passed": result.returncode == 0, "exit_code": result.returncode, "lines": lines}
+
+
 def kuberay_check(runner: Runner, log, say: Callable[[str], None]) -> dict:
     """Ray started as KubeRay starts it (a login bash, uid 1000) answers the manifests' liveness probe."""
     gcs, agent, client, metrics = free_port(), free_port(), free_port(), free_port()
@@ -292,11 +305,13 @@ def smoke(engine: str, image: str, log_path: Path, say: Callable[[str], None]) -
     result["mode"] = runner.mode
     with log_path.open("w") as log:
         try:
+            if "cuda" in image.rsplit(":", 1)[-1]:  # the CUDA image: can its libraries load?
+                result["cuda"] = cuda_library_check(runner, log, say)
             result["service"] = serve_check(runner, log, say)
             result["kuberay"] = kuberay_check(runner, log, say)
         finally:
             runner.cleanup()
-    result["passed"] = result["service"]["passed"] and result["kuberay"]["passed"]
+    result["passed"] = all(result[k]["passed"] for k in ("cuda", "service", "kuberay") if k in result)
     say(f"smoke: {'PASSED' if result['passed'] else 'FAILED'} (log {log_path})")
     return result
 
