@@ -104,8 +104,11 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
             for served in self.models:
                 served.runtime.smoke_test()
         except Exception:
-            self.healthy = False  # readiness says so until Serve replaces this replica
+            self.healthy = False  # readiness says so until a check passes again, or Serve replaces it
             raise
+        # Readiness follows the last check: Serve replaces a replica only after several failed checks
+        # in a row, so one that recovered must not stay unready (its pod would flap) while it serves.
+        self.healthy = True
 
     def info(self) -> dict:
         """What this replica runs and has done, per model (counters are per replica); also callable by handle."""
@@ -185,7 +188,7 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
         if n_bytes > self.settings.max_response_bytes:
             raise TooLarge(
                 f"the response would be about {n_bytes} bytes; the limit is {self.settings.max_response_bytes} "
-                "(ask for fewer texts, layers or heads, or base64 float16)"
+                "(ask for fewer texts, layers or heads, or encoding_format/format base64, float16 for attention)"
             )
 
     def _indexes(self, requested: list[int] | None, count: int, what: str) -> tuple[int, ...]:

@@ -45,10 +45,14 @@ def test_abandoned_requests_are_not_computed(ray_serve, default_bundle):
             except httpx.TimeoutException:
                 return "client gave up"
 
+        load = lambda: handle.info.remote().result()["load"]  # noqa: E731
+        admitted = load()["inference_requests_admitted"]
         with ThreadPoolExecutor(max_workers=6) as pool:
             outcomes = list(pool.map(impatient, range(6)))
-        # the abandoned requests are gone from the replica before the model is free again
-        load = lambda: handle.info.remote().result()["load"]  # noqa: E731
+        # they reached the replica and were admitted (else this test would pass without them) ...
+        wait_until(lambda: load()["inference_requests_admitted"] - admitted == 6,
+                   "the six impatient requests to have been admitted by the replica", timeout=30)
+        # ... and are gone from it before the model is free again
         try:
             wait_until(lambda: load()["inference_requests"] == 1,
                        "the replica to hold only the first request once the impatient clients' deadlines passed",

@@ -102,17 +102,14 @@ def test_killed_replica_is_replaced_and_the_run_recovers(ray_serve, default_bund
                 f"{len(after)} requests after recovery all 200")
 
 
-class BreaksAfterStart(Encoder.func_or_class):  # type: ignore[misc]
-    """The real encoder, whose onnxruntime session starts failing two seconds after it is ready."""
+class BreaksOnDemand(Encoder.func_or_class):  # type: ignore[misc]
+    """The real encoder; `break_session()` swaps its full graph's onnxruntime session for the
+    encodings graph's, for good: every health check's inference then fails in onnxruntime itself
+    (the full graph's outputs do not exist there), as a session on a lost device would."""
 
-    async def __init__(self, settings) -> None:  # the ingress wrapper's __init__ is async
-        await super().__init__(settings)
-        self._broken_at = time.monotonic() + 2
-
-    def check_health(self) -> None:
-        if time.monotonic() > self._broken_at:
-            self.models.default.runtime.full.session = None  # what a lost device or a corrupted session amounts to
-        super().check_health()
+    async def break_session(self) -> None:
+        runtime = self.models.default.runtime
+        runtime.full.session = runtime.fast.session
 
 
 def test_health_check_detects_a_broken_session_and_serve_restarts_the_replica(ray_serve, default_bundle):
@@ -123,14 +120,29 @@ def test_health_check_detects_a_broken_session_and_serve_restarts_the_replica(ra
 
     cloudpickle.register_pickle_by_value(__import__(__name__))
     settings = ServiceSettings.model_validate(
-        {"bundle": str(default_bundle), "num_cpus": 0.5, "health_check_period_s": 1}
+        {"bundle": str(default_bundle), "num_cpus": 0.5, "health_check_period_s": 1, "request_timeout_s": TIMEOUT_S}
     )
-    serve.run(compose(settings, serve.deployment(BreaksAfterStart, name="Encoder")), name="fragile",
+    serve.run(compose(settings, serve.deployment(BreaksOnDemand, name="Encoder")), name="fragile",
               route_prefix="/fragile", logging_config={"enable_access_log": False})
+    url = f"{ray_serve.url}/fragile"
+    stop, results = threading.Event(), []
+    threads = load(url, stop, results, workers=2)
     try:
         handle = serve.get_deployment_handle("Encoder", "fragile")
         first = handle.info.remote().result()["pid"]
-        started = time.monotonic()
+        wait_until(lambda: len(results) >= 10, "10 requests before the session breaks")
+        handle.break_session.remote().result()
+        broken_at = time.monotonic()
+        health: list[int] = []
+
+        def unready() -> bool:
+            try:
+                health.append(httpx.get(f"{url}/health", timeout=5).status_code)
+            except httpx.HTTPError:
+                return False
+            return health[-1] == 503
+
+        wait_until(unready, "/health to say 503 once a health check failed", timeout=30, interval=0.1)
 
         def replaced() -> bool:
             try:
@@ -139,58 +151,129 @@ def test_health_check_detects_a_broken_session_and_serve_restarts_the_replica(ra
                 return False
 
         wait_until(replaced, "Serve to replace the replica whose session broke", timeout=60, interval=0.5)
-        replaced_after = time.monotonic() - started
+        replaced_after = time.monotonic() - broken_at
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200,
+                   "the new replica's /health to say 200", timeout=30, interval=0.2)
+        recovered_at = time.monotonic()
+        wait_until(lambda: sum(1 for r in results if r[0] >= recovered_at) >= 10, "10 requests after recovery")
     finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
         serve.delete("fragile")
-    record("broken onnxruntime session", "session set to None inside a running replica (health check every 1 s)",
-           "health check failed; Serve replaced the replica", replaced_after,
-           note="check_health runs a tiny real inference")
+    # no request hung while the session was broken and the replica replaced (each answered or failed
+    # within its deadline), and after recovery every one is served
+    assert max(r[2] for r in results) < TIMEOUT_S + 5, max(results, key=lambda r: r[2])
+    assert all(r[1] == 200 for r in results if r[0] >= recovered_at)
+    during = [r for r in results if broken_at <= r[0] < recovered_at]
+    counts = {str(k): sum(1 for r in during if r[1] == k) for k in sorted({r[1] for r in during}, key=str)}
+    record("broken onnxruntime session", "the full graph's session replaced by another graph's inside a running "
+           "replica (health check every 1 s), 2 closed-loop clients",
+           counts, replaced_after,
+           note="readiness 503 after the first failed check (check_health runs a tiny real inference through both "
+                "graphs); Serve replaced the replica; no request hung; all 200 after recovery")
 
 
-def test_ingress_stays_live_while_a_replica_loads_but_readiness_does_not(ray_serve, default_bundle):
-    """Deploy a replica that takes 15 s to start, without waiting, and probe meanwhile. With one
-    deployment there is no replica to answer yet: the ingress's own /-/healthz says it is alive,
-    and readiness gets no 200 (the ingress holds the probe until a replica can answer, so a probe
-    with Kubernetes' timeout fails)."""
+class FailsHealthChecksOnDemand(Encoder.func_or_class):  # type: ignore[misc]
+    """The real encoder; `fail_next_check()` swaps its full graph's onnxruntime session for the
+    encodings graph's, so the next health check's inference fails in onnxruntime itself (the full
+    graph's outputs do not exist there), then puts the right session back."""
+
+    async def __init__(self, settings) -> None:  # the ingress wrapper's __init__ is async
+        await super().__init__(settings)
+        self._good = None
+
+    async def fail_next_check(self) -> None:
+        full = self.models.default.runtime.full
+        self._good, full.session = full.session, self.models.default.runtime.fast.session
+
+    def check_health(self) -> None:
+        try:
+            super().check_health()
+        finally:
+            if self._good is not None:  # one check failed: the session is whole again
+                self.models.default.runtime.full.session, self._good = self._good, None
+
+
+def test_readiness_follows_the_last_health_check(ray_serve, default_bundle):
+    """One failed check makes the replica unready; the next check that passes makes it ready again,
+    without a restart (Serve replaces a replica only after several failures in a row)."""
+    from ray import cloudpickle
+
     from service.app import compose
     from service.config import ServiceSettings
 
-    settings = ServiceSettings.model_validate({"bundle": str(default_bundle), "num_cpus": 0.5})
-    app = compose(settings, serve.deployment(SlowToLoad, name="Encoder"))
+    cloudpickle.register_pickle_by_value(__import__(__name__))
+    settings = ServiceSettings.model_validate({"bundle": str(default_bundle), "num_cpus": 0.5, "health_check_period_s": 1})
+    serve.run(compose(settings, serve.deployment(FailsHealthChecksOnDemand, name="Encoder")), name="flaky",
+              route_prefix="/flaky", logging_config={"enable_access_log": False})
+    url = f"{ray_serve.url}/flaky"
+    try:
+        handle = serve.get_deployment_handle("Encoder", "flaky")
+        pid = handle.info.remote().result()["pid"]
+        assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
+        handle.fail_next_check.remote().result()
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503,
+                   "/health to say 503 after the failed check", timeout=30, interval=0.1)
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200,
+                   "/health to say 200 after the next check passed", timeout=30, interval=0.2)
+        assert httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
+        assert handle.info.remote().result()["pid"] == pid  # the same replica: recovered, not replaced
+    finally:
+        serve.delete("flaky")
+
+
+def test_ingress_stays_live_while_a_replica_loads_but_readiness_does_not(ray_serve, default_bundle, tmp_path):
+    """Deploy a replica that stays in its start-up until the test lets it finish, without waiting, and
+    probe meanwhile. With one deployment there is no replica to answer yet: the ingress's own
+    /-/healthz says it is alive, and readiness gets no 200 (the ingress holds the probe until a
+    replica can answer, so a probe with Kubernetes' timeout fails); once it has loaded, 200."""
     from ray import cloudpickle
 
+    from service.app import compose
+    from service.config import ServiceSettings
+
+    release = tmp_path / "release"
+    SlowToLoad.release_file = str(release)  # pickled with the class, by value
+    settings = ServiceSettings.model_validate({"bundle": str(default_bundle), "num_cpus": 0.5})
+    app = compose(settings, serve.deployment(SlowToLoad, name="Encoder"))
     cloudpickle.register_pickle_by_value(__import__(__name__))
     deployer = threading.Thread(target=lambda: serve.run(app, name="slow", route_prefix="/slow",
                                                          logging_config={"enable_access_log": False}), daemon=True)
-    started = time.monotonic()
     deployer.start()
     url = f"{ray_serve.url}/slow"
     live, ready = [], []
+
+    def probe() -> bool:
+        with httpx.Client(timeout=3) as c:
+            for url_, seen in ((f"{ray_serve.url}/-/healthz", live), (f"{url}/v2/health/ready", ready)):
+                try:
+                    seen.append(c.get(url_).status_code)
+                except httpx.HTTPError as exc:
+                    seen.append(type(exc).__name__)
+        return live.count(200) >= 3 and len(ready) >= 3  # the ingress up, readiness asked three times
+
     try:
-        # A probe that starts in the first 10 s and times out after 3 s ends before the replica's
-        # 15 s start-up is over: none of them may see a ready replica.
-        while time.monotonic() - started < 10:
-            with httpx.Client(timeout=3) as c:
-                for url_, seen in ((f"{ray_serve.url}/-/healthz", live), (f"{url}/v2/health/ready", ready)):
-                    try:
-                        seen.append(c.get(url_).status_code)
-                    except httpx.HTTPError as exc:
-                        seen.append(type(exc).__name__)
-            time.sleep(0.3)
-        assert 200 in live, f"the ingress never said it was alive while the replica loaded: {live}"
-        assert ready and 200 not in ready, f"readiness said ready before the replica was: {ready}"
+        wait_until(probe, "three probes while the replica is held in its start-up", timeout=120, interval=0.3)
+        assert 200 not in ready, f"readiness said ready before the replica was: {ready}"
+        release.touch()  # now it may load
         deployer.join(timeout=120)
         with httpx.Client(base_url=url, timeout=10) as c:
-            assert c.get("/v2/health/ready").status_code == 200
+            wait_until(lambda: c.get("/v2/health/ready").status_code == 200, "readiness 200 once loaded", timeout=60)
     finally:
+        release.touch()
         serve.delete("slow")
     outcomes = sorted({str(r) for r in ready})
-    record("replica still loading", "a replica whose start-up takes 15 s",
+    record("replica still loading", "a replica held in its start-up until released",
            f"ingress /-/healthz 200; readiness never 200 ({', '.join(outcomes)}) until loaded, then 200")
 
 
 class SlowToLoad(Encoder.func_or_class):  # type: ignore[misc]
-    async def __init__(self, settings) -> None:
-        await asyncio.sleep(15)
-        await super().__init__(settings)
+    """Stays in its start-up until the test creates `release_file` (the test runs on this machine)."""
 
+    release_file = ""
+
+    async def __init__(self, settings) -> None:
+        while not os.path.exists(self.release_file):
+            await asyncio.sleep(0.1)
+        await super().__init__(settings)
