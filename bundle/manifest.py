@@ -220,8 +220,11 @@ def _schema_version(path: Path) -> object:
 
 
 def load_bundle(root: str | Path) -> Bundle:
-    """Read and verify a bundle (schema, contract, file hashes); raise BundleError if unfit."""
-    root = Path(root)
+    """Read and verify a bundle (schema, contract, file hashes); raise BundleError if unfit.
+
+    A published bundle is a symlink to a versioned directory that a new export replaces: it is
+    resolved once, here, so every file comes from the same version however the link moves."""
+    root = Path(root).resolve()
     manifest_path = root / BUNDLE_MANIFEST
     if not root.is_dir():
         raise BundleError(f"{root}: bundle directory does not exist")

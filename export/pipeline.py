@@ -90,7 +90,8 @@ def _save_tokenizer(source: Path, target: Path, max_tokens: int) -> None:
 
 def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportResult:
     """Run the whole export; publish options.out only when the bundle verified end to end."""
-    out = options.out.resolve()
+    # absolute, but not resolved: `out` itself is the symlink that publishing replaces
+    out = options.out.parent.resolve() / options.out.name
     if out.exists() and not options.force:
         raise ExportError(f"{out} already exists (use --force to replace it)")
     total = 7
@@ -248,16 +249,38 @@ def _lossy_variant(
     )
 
 
-def _publish(staging: Path, out: Path) -> None:
-    """Rename staging onto out; an existing bundle is swapped out only after the new one is in place."""
-    if not out.exists():
-        os.rename(staging, out)
-        return
-    retired = out.with_name(f".{out.name}.old-{os.getpid()}")
-    os.rename(out, retired)
-    try:
-        os.rename(staging, out)
-    except OSError:
-        os.rename(retired, out)  # put the old bundle back rather than leave nothing
-        raise
-    shutil.rmtree(retired, ignore_errors=True)
+def _publish(staging: Path, out: Path, keep_s: float = 600) -> None:
+    """Make `staging` the bundle at `out`, atomically for readers.
+
+    `out` is a symlink to a versioned directory beside it (`.NAME.v<ns>`), and publishing replaces
+    the symlink with one rename(2): a reader finds the old bundle or the new one, whole, never none
+    and never a mix (the loader resolves the link once). A version stays `keep_s` seconds after it
+    was replaced, for readers that resolved the link just before (the one before is always kept).
+    """
+    version = out.with_name(f".{out.name}.v{time.time_ns()}")
+    os.rename(staging, version)
+    previous = os.readlink(out) if out.is_symlink() else None
+    if out.exists() and not out.is_symlink():
+        # a bundle published before versioned directories: once, it is moved to a version of its own
+        # (the only moment without a bundle at `out`), so that the link can replace it from now on
+        previous = f".{out.name}.v0-{os.getpid()}"
+        os.rename(out, out.with_name(previous))
+    link = out.with_name(f".{out.name}.link-{os.getpid()}")
+    os.symlink(version.name, link)  # relative: the directory and its versions move together (images)
+    os.replace(link, out)
+    _remove_old_versions(out, keep={version.name, previous}, keep_s=keep_s)
+
+
+def _version_ns(path: Path) -> int:
+    digits = path.name.rsplit(".v", 1)[-1].split("-")[0]
+    return int(digits) if digits.isdigit() else 0
+
+
+def _remove_old_versions(out: Path, keep: set, keep_s: float) -> None:
+    """Versions replaced more than keep_s ago go; a version was replaced when the next one was made."""
+    versions = sorted((p for p in out.parent.glob(f".{out.name}.v*") if p.is_dir() and not p.is_symlink()),
+                      key=_version_ns)
+    now = time.time_ns()
+    for old, successor in zip(versions, versions[1:]):
+        if old.name not in keep and now - _version_ns(successor) > keep_s * 1e9:
+            shutil.rmtree(old, ignore_errors=True)

@@ -237,6 +237,7 @@ class ServiceSettings(BaseModel):
         return self
 
     def resolved(self) -> ServiceSettings:
-        """A copy with the bundle paths made absolute, so replicas in other directories find them."""
-        bundles = [b.model_copy(update={"path": b.path.expanduser().resolve()}) for b in self.bundles]
+        """A copy with the bundle paths made absolute, so replicas in other directories find them; not
+        resolved, so that a replica (re)started after a new export loads the bundle published then."""
+        bundles = [b.model_copy(update={"path": b.path.expanduser().absolute()}) for b in self.bundles]
         return self.model_copy(update={"bundles": bundles, "bundle": bundles[0].path})

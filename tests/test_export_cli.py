@@ -4,8 +4,10 @@ exit and nothing published (no bundle, no half-written staging directory)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from bundle.contract import GRAPH_FILE
 from bundle.manifest import load_bundle
 from export import __main__ as cli
 from export import onnx_export
+from tests.conftest import wait_until
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -140,3 +143,83 @@ def test_bundle_cli_verifies_and_prints_the_table(default_bundle):
     assert result.returncode == 0, result.stderr
     assert "files verified" in result.stdout and result.stdout.count("PASS (atol") == 5 and "int8: cosine vs pytorch fp32" in result.stdout
     assert json.loads((default_bundle / "bundle.json").read_text())["parity"]["passed"] is True
+
+
+READER = r"""
+import json, os, sys
+out, stop, ready = sys.argv[1], sys.argv[2], sys.argv[3]
+reads, problems, versions = 0, [], set()
+while not os.path.exists(stop):
+    try:
+        root = os.path.realpath(out)  # as load_bundle does: resolved once, then every file from there
+        manifest = json.load(open(os.path.join(root, "bundle.json")))
+        for name, size in manifest["files"].items():
+            data = open(os.path.join(root, name), "rb").read()
+            if len(data) != size or set(data) != {manifest["version"] % 256}:
+                problems.append(f"{name} of version {manifest['version']}: {len(data)} bytes, not whole")
+        versions.add(manifest["version"])
+        reads += 1
+        if reads == 1:
+            open(ready, "w").close()
+    except Exception as exc:
+        problems.append(f"{type(exc).__name__}: {exc}")
+print(json.dumps({"reads": reads, "versions": len(versions), "problems": problems[:5], "failed": len(problems)}))
+"""
+
+
+def test_replacing_a_bundle_never_leaves_a_reader_without_a_whole_one(tmp_path):
+    """Another process reads the bundle in a loop while it is replaced 150 times: every read finds
+    bundle.json and each file it lists, whole and of one version. (Renaming the old directory away
+    and the new one in left moments with no bundle at all.)"""
+    from export.pipeline import _publish
+
+    out = tmp_path / "bundle"
+
+    def staged(version: int) -> Path:
+        staging = Path(tempfile.mkdtemp(prefix=".bundle.tmp-", dir=tmp_path))
+        for name in ("model.onnx", "tokenizer.json"):
+            (staging / name).write_bytes(bytes([version % 256]) * 65536)
+        (staging / "bundle.json").write_text(json.dumps(
+            {"version": version, "files": {"model.onnx": 65536, "tokenizer.json": 65536}}))
+        return staging
+
+    _publish(staged(0), out)
+    stop, ready = tmp_path / "stop", tmp_path / "ready"
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(out), str(stop), str(ready)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: ready.exists() or reader.poll() is not None, "the reader's first read", timeout=60,
+                   interval=0.01)
+        for version in range(1, 151):
+            _publish(staged(version), out)
+    finally:
+        stop.touch()
+        result = json.loads(reader.communicate(timeout=60)[0])
+    assert result["failed"] == 0, result
+    assert result["reads"] > 150 and result["versions"] > 10, result  # it really read while versions changed
+    assert json.loads((out / "bundle.json").read_text())["version"] == 150
+    assert leftovers(tmp_path) == [] and not list(tmp_path.glob(".bundle.link-*"))
+    # versions replaced longer ago than the grace period go; the current one and the one before stay
+    _publish(staged(151), out, keep_s=0)
+    assert sorted(p.name for p in tmp_path.glob(".bundle.v*")) == sorted({os.readlink(out), _previous(tmp_path, out)})
+
+
+def _previous(parent: Path, out: Path) -> str:
+    names = sorted((p.name for p in parent.glob(".bundle.v*")), key=lambda n: int(n.rsplit(".v", 1)[-1]))
+    return names[names.index(os.readlink(out)) - 1]
+
+
+def test_a_bundle_directory_from_before_versions_is_replaced_by_the_link(tmp_path):
+    """An existing plain bundle directory (published by an older version) becomes a version of its own."""
+    from export.pipeline import _publish
+
+    out = tmp_path / "bundle"
+    out.mkdir()
+    (out / "bundle.json").write_text("old")
+    staging = tmp_path / ".bundle.tmp-x"
+    staging.mkdir()
+    (staging / "bundle.json").write_text("new")
+    _publish(staging, out)
+    assert out.is_symlink() and (out / "bundle.json").read_text() == "new"
+    kept = [p for p in tmp_path.glob(".bundle.v*") if p.name != os.readlink(out)]
+    assert len(kept) == 1 and (kept[0] / "bundle.json").read_text() == "old"  # the previous version stays
