@@ -84,3 +84,21 @@ def test_truncated_graph_is_refused_before_onnxruntime_sees_it(default_bundle, t
     graph.write_bytes(graph.read_bytes()[: 1_000_000])
     with pytest.raises(BundleError, match="truncated or replaced"):
         load_bundle(bundle)
+
+
+def test_threads_come_from_the_replica_cpu_share_not_the_machine(monkeypatch):
+    """Four replicas of 1 CPU on a 4-CPU pod get one thread per session, not four; several models
+    and concurrent batches share the replica's CPUs; an explicit setting wins."""
+    from service import batching
+    from service.config import ServiceSettings
+
+    monkeypatch.setattr(batching, "available_cpus", lambda: 4)  # the pod's CPUs, as the process sees them
+    one = {"max_concurrent_batches": 1}
+    assert batching.intra_op_threads(ServiceSettings(num_cpus=1, batching=one)) == 1
+    assert batching.intra_op_threads(ServiceSettings(num_cpus=4, batching=one)) == 4
+    assert batching.intra_op_threads(ServiceSettings(num_cpus=4)) == 2  # two batches at once
+    assert batching.intra_op_threads(ServiceSettings(num_cpus=4, bundles=["a", "b"], batching=one)) == 2
+    assert batching.intra_op_threads(ServiceSettings(num_cpus=8, batching=one)) == 4  # never past the pod's
+    assert batching.intra_op_threads(ServiceSettings(num_cpus=0, batching=one)) == 4  # no share: the process's
+    assert batching.intra_op_threads(ServiceSettings(num_cpus=0.5, batching=one)) == 1
+    assert batching.intra_op_threads(ServiceSettings(num_cpus=1, intra_op_threads=3)) == 3
