@@ -136,7 +136,11 @@ class ModelInfo(_Strict):
     name: str = Field(min_length=1, description="served model name (OpenAI `model`, v2 `{name}`)")
     architecture: str
     source: str = Field(description="checkpoint the bundle was exported from")
-    hidden_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0, description="width of the token encodings")
+    embedding_dim: int | None = Field(
+        None, gt=0, description="width of the sentence embedding when a Dense projection changes it; null: hidden_size"
+    )
+    dense_layers: int = Field(0, ge=0, description="Dense projections of the pooled embedding inside the graph")
     num_layers: int = Field(gt=0)
     num_heads: int = Field(gt=0)
     vocab_size: int = Field(gt=0)
@@ -144,6 +148,11 @@ class ModelInfo(_Strict):
     pooling: Pooling
     normalize: bool
     pad_token_id: int = Field(ge=0)
+
+    @property
+    def sentence_dim(self) -> int:
+        """Size of the sentence embedding the graph returns."""
+        return self.embedding_dim or self.hidden_size
 
 
 class GraphInfo(_Strict):

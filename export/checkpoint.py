@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from export.config import EncoderConfig
+from export.config import DenseLayer, EncoderConfig
 from export.encoder import Encoder, sinusoidal_positions
 
 DEFAULT_CHECKPOINT = "default"
@@ -162,17 +162,64 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
 
 
-def _pooling(directory: Path) -> tuple[str, bool]:
-    """Pooling mode and normalisation from sentence-transformers' modules.json, if present."""
+# sentence-transformers' Dense activation_function (a torch.nn class path) -> DenseLayer.activation
+_DENSE_ACTIVATIONS = {
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.modules.activation.ReLU": "relu",
+    "torch.nn.modules.activation.GELU": "gelu",
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+}
+# the sentence-transformers modules whose computation the graph reproduces, by the end of their type
+_KNOWN_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+
+
+@dataclass
+class SentenceModules:
+    """What sentence-transformers' modules.json asks for after the transformer: pooling, Dense
+    projections (with their weights, keyed as our encoder's parameters) and normalisation."""
+
+    pooling: str = "mean"
+    normalize: bool = False
+    dense: tuple[DenseLayer, ...] = ()
+    dense_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _sentence_modules(directory: Path) -> SentenceModules:
+    """Read modules.json, if present: every module must be one the graph computes, in an order it
+    can; any other (a custom module, a second Pooling, a Dense before pooling) is refused by name,
+    since a module left out serves vectors of another size and meaning."""
     modules_path = directory / "modules.json"
     if not modules_path.exists():
-        return "mean", False
-    modules = _read_json(modules_path)
-    normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
-    pooling_dirs = [m.get("path", "") for m in modules if m.get("type", "").endswith(".Pooling")]
-    if not pooling_dirs:
-        return "mean", normalize
-    pool_config = _read_json(directory / pooling_dirs[0] / "config.json")
+        return SentenceModules()
+    found = SentenceModules()
+    seen: list[str] = []
+    for module in sorted(_read_json(modules_path), key=lambda m: m.get("idx", 0)):
+        kind = module.get("type", "").rsplit(".", 1)[-1]
+        where = directory / module.get("path", "")
+        if kind not in _KNOWN_MODULES:
+            raise CheckpointError(
+                f"{modules_path}: module {module.get('type')!r} ({module.get('path')}) is not supported: the graph "
+                f"computes {', '.join(_KNOWN_MODULES)} only, and leaving it out would change the embeddings"
+            )
+        order = {"Transformer": 0, "Pooling": 1, "Dense": 2, "Normalize": 3}
+        if kind in ("Transformer", "Pooling") and kind in seen or (seen and order[kind] < order[seen[-1]]):
+            raise CheckpointError(f"{modules_path}: module {kind} after {seen[-1]} is not supported "
+                                  "(Transformer, Pooling, Dense..., Normalize)")
+        seen.append(kind)
+        if kind == "Pooling":
+            found.pooling = _pooling_mode(where / "config.json")
+        elif kind == "Dense":
+            layer, weights = _dense(where)
+            found.dense_weights |= {f"dense.{len(found.dense)}.{k}": v for k, v in weights.items()}
+            found.dense += (layer,)
+        elif kind == "Normalize":
+            found.normalize = True
+    return found
+
+
+def _pooling_mode(path: Path) -> str:
+    pool_config = _read_json(path)
     if "pooling_mode" in pool_config:
         modes = [pool_config["pooling_mode"]]
     else:
@@ -182,11 +229,33 @@ def _pooling(directory: Path) -> tuple[str, bool]:
             if key.startswith("pooling_mode_") and on
         ]
     if len(modes) != 1 or modes[0] not in ("mean", "cls", "max"):
-        raise CheckpointError(
-            f"{directory / pooling_dirs[0] / 'config.json'}: pooling {modes} is not supported "
-            "(exactly one of mean, cls, max)"
-        )
-    return modes[0], normalize
+        raise CheckpointError(f"{path}: pooling {modes} is not supported (exactly one of mean, cls, max)")
+    return modes[0]
+
+
+def _dense(directory: Path) -> tuple[DenseLayer, dict[str, torch.Tensor]]:
+    """One Dense module: its config.json and weights (linear.weight, linear.bias, residual.weight)."""
+    config_path = directory / "config.json"
+    raw = _read_json(config_path)
+    activation = _DENSE_ACTIVATIONS.get(raw.get("activation_function", "torch.nn.modules.activation.Tanh"))
+    if activation is None:
+        raise CheckpointError(f"{config_path}: activation_function {raw.get('activation_function')!r} is not "
+                              f"supported ({', '.join(_DENSE_ACTIVATIONS)})")
+    if raw.get("module_input_name", "sentence_embedding") != "sentence_embedding" or \
+            raw.get("module_output_name", "sentence_embedding") != "sentence_embedding":
+        raise CheckpointError(f"{config_path}: a Dense module that reads or writes anything but the sentence "
+                              "embedding is not supported")
+    try:
+        layer = DenseLayer(int(raw["in_features"]), int(raw["out_features"]), bool(raw.get("bias", True)),
+                           activation, bool(raw.get("use_residual", False)))
+    except KeyError as exc:
+        raise CheckpointError(f"{config_path}: required key {exc.args[0]!r} is missing") from None
+    weights, weights_path = read_weights(directory)
+    expected = {"linear.weight"} | ({"linear.bias"} if layer.bias else set()) | (
+        {"residual.weight"} if layer.residual and layer.in_features != layer.out_features else set())
+    if set(weights) != expected:
+        raise CheckpointError(f"{weights_path}: tensors {sorted(weights)}, expected {sorted(expected)}")
+    return layer, weights
 
 
 def _value(raw: dict, key: str, default):
@@ -259,7 +328,8 @@ def encoder_config(directory: Path, pooling: str = "mean", normalize: bool = Fal
     return config, architecture
 
 
-def _read_config(directory: Path, pooling: str, normalize: bool) -> tuple[EncoderConfig, str, Family]:
+def _read_config(directory: Path, pooling: str, normalize: bool,
+                 dense: tuple[DenseLayer, ...] = ()) -> tuple[EncoderConfig, str, Family]:
     config_path = directory / "config.json"
     raw = _read_json(config_path)
     model_type = raw.get("model_type")
@@ -268,7 +338,7 @@ def _read_config(directory: Path, pooling: str, normalize: bool) -> tuple[Encode
         fields = _distilbert_fields(raw, config_path) if family.name == "DistilBERT" else _bert_like_fields(
             raw, model_type, config_path
         )
-        config = EncoderConfig(**fields, norm_first=False, pooling=pooling, normalize=normalize)
+        config = EncoderConfig(**fields, norm_first=False, pooling=pooling, normalize=normalize, dense=dense)
     except KeyError as exc:
         raise CheckpointError(f"{config_path}: required key {exc.args[0]!r} is missing") from None
     except (TypeError, ValueError) as exc:
@@ -394,11 +464,12 @@ def load_checkpoint(spec: str | Path, name: str | None = None) -> Checkpoint:
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise CheckpointError(f"{tokenizer_path}: missing (a fast tokenizer file is required)")
-    pooling, normalize = _pooling(directory)
-    config, architecture, family = _read_config(directory, pooling, normalize)
+    modules = _sentence_modules(directory)
+    config, architecture, family = _read_config(directory, modules.pooling, modules.normalize, modules.dense)
     weights, weights_path = read_weights(directory)
     mapped, ignored = map_state_dict(weights, weights_path, family)
     ignored += take_sinusoidal_table(mapped, weights, config, weights_path)
+    mapped |= modules.dense_weights  # the Dense modules' own files, already checked
     encoder = Encoder(config)
     load_into(encoder, mapped, weights_path)
     encoder.eval()

@@ -6,8 +6,22 @@ from dataclasses import dataclass
 from typing import Literal
 
 Activation = Literal["gelu", "gelu_tanh", "relu"]
+# what a sentence-transformers Dense module applies after its linear map
+DenseActivation = Literal["identity", "tanh", "relu", "gelu", "sigmoid"]
 PositionKind = Literal["learned", "sinusoidal"]
 Pooling = Literal["mean", "cls", "max"]
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A sentence-transformers Dense module after pooling: activation(W x + b), plus x (or a projection
+    of x) with use_residual. distiluse-style models project the pooled embedding this way."""
+
+    in_features: int
+    out_features: int
+    bias: bool = True
+    activation: DenseActivation = "tanh"  # sentence-transformers' default
+    residual: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,9 @@ class EncoderConfig:
     # sinusoidal positions ("Attention Is All You Need" keeps the fixed [-1, 1] signal from
     # drowning them), 1 with learned ones. DistilBERT adds its sinusoidal table unscaled: 1.0.
     embedding_scale: float | None = None
+    # Dense projections of the pooled embedding, in order, before normalisation (sentence-transformers'
+    # Dense modules); the sentence embedding then has the last one's out_features.
+    dense: tuple[DenseLayer, ...] = ()
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads != 0:
@@ -46,6 +63,11 @@ class EncoderConfig:
             raise ValueError(f"sinusoidal positions need an even embedding width, got {self.d_embed}")
         if self.embedding_size is not None and self.embedding_size <= 0:
             raise ValueError(f"embedding_size must be positive, got {self.embedding_size}")
+        width = self.d_model
+        for i, layer in enumerate(self.dense):
+            if layer.in_features != width:
+                raise ValueError(f"dense layer {i} takes {layer.in_features} features, the embedding before it has {width}")
+            width = layer.out_features
         if not 0 <= self.position_offset < self.max_positions:
             raise ValueError(
                 f"position_offset {self.position_offset} leaves no room in {self.max_positions} positions"
@@ -54,6 +76,11 @@ class EncoderConfig:
     @property
     def d_k(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def sentence_dim(self) -> int:
+        """Size of the sentence embedding: d_model, or the last Dense layer's output."""
+        return self.dense[-1].out_features if self.dense else self.d_model
 
     @property
     def d_embed(self) -> int:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export.config import EncoderConfig
+from export.config import DenseLayer, EncoderConfig
 
 
 def scaled_dot_product_attention(
@@ -253,11 +253,33 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
     raise ValueError(f"unknown pooling {how!r}: expected mean, cls or max")
 
 
+DENSE_ACTIVATIONS = {"identity": nn.Identity, "tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "sigmoid": nn.Sigmoid}
+
+
+class DenseHead(nn.Module):
+    """sentence-transformers' Dense: activation(W x + b) on the pooled embedding, plus x (projected
+    when the widths differ) with use_residual."""
+
+    def __init__(self, layer: DenseLayer) -> None:
+        super().__init__()
+        self.linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias)
+        self.activation = DENSE_ACTIVATIONS[layer.activation]()
+        self.residual = (
+            None if not layer.residual
+            else nn.Identity() if layer.in_features == layer.out_features
+            else nn.Linear(layer.in_features, layer.out_features, bias=False)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, in) -> (B, out)
+        out = self.activation(self.linear(x))
+        return out if self.residual is None else out + self.residual(x)
+
+
 class Encoder(nn.Module):
-    """Embeddings, n_layers encoder layers, pooling.
+    """Embeddings, n_layers encoder layers, pooling, optional Dense projections.
 
     forward(input_ids, attention_mask, token_type_ids) returns
-    (last_hidden_state (B, T, d), sentence_embedding (B, d), attentions (layers, B, heads, T, T)).
+    (last_hidden_state (B, T, d), sentence_embedding (B, sentence_dim), attentions (layers, B, heads, T, T)).
     """
 
     def __init__(self, config: EncoderConfig) -> None:
@@ -269,6 +291,7 @@ class Encoder(nn.Module):
         self.final_norm = (
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
         )
+        self.dense = nn.ModuleList(DenseHead(layer) for layer in config.dense)
 
     def forward(
         self,
@@ -283,6 +306,8 @@ class Encoder(nn.Module):
             all_weights.append(weights)  # (B, heads, T, T)
         x = self.final_norm(x)
         embedding = pool(x, attention_mask, self.config.pooling)  # (B, d_model)
+        for head in self.dense:
+            embedding = head(embedding)  # (B, sentence_dim)
         if self.config.normalize:
             embedding = F.normalize(embedding, p=2.0, dim=-1)
         return x, embedding, torch.stack(all_weights)  # attentions: (layers, B, heads, T, T)

@@ -131,8 +131,13 @@ def contributions(h: np.ndarray, g: np.ndarray, pooling: str) -> tuple[float, np
     raise AssertionError("unreachable")
 
 
-def check_explainable(pooling: str) -> None:
+def check_explainable(pooling: str, dense_layers: int = 0) -> None:
     """Raise NoExactSplit, saying why, for a pooling whose cosine cannot be split per token."""
+    if dense_layers:
+        raise NoExactSplit(
+            "the model projects its pooled embedding with a Dense layer (a non-linear map of all tokens at once), "
+            "so its cosine has no exact per-token split; ask without explain for the score"
+        )
     if pooling not in ("mean", "cls"):
         raise NoExactSplit(
             f"the model pools with {pooling!r}: a {pooling} pool takes each dimension from one token, so its "

@@ -178,7 +178,7 @@ class BatchRunner:
         needs = lambda j: (jobs[j].attention is not None, self._needs_hidden(jobs[j]))  # noqa: E731
         results = [
             EncodeResult(
-                embeddings=np.zeros((len(job.ids), model.hidden_size), dtype=np.float32),
+                embeddings=np.zeros((len(job.ids), model.sentence_dim), dtype=np.float32),
                 hidden=[None] * len(job.ids) if job.want_hidden else None,  # type: ignore[list-item]
                 attentions=[None] * len(job.ids) if job.attention is not None else None,  # type: ignore[list-item]
             )

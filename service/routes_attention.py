@@ -122,7 +122,7 @@ class AttentionRoutes:
         pooling = served.model.pooling
         if body.explain:
             try:
-                check_explainable(pooling)
+                check_explainable(pooling, served.model.dense_layers)
             except NoExactSplit as exc:
                 raise InvalidRequest(f"explain: {exc}") from None
         if 2 * len(body.pairs) > self.settings.max_inputs:

@@ -11,18 +11,20 @@ from fastapi import Request
 
 from service.batching import EncodeJob
 from service.http_app import ERROR_RESPONSES, app
-from service.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, encode_array, value_bytes
+from service.responses import JSONResponse, KindCounter, encode_array, value_bytes
 from service.schemas import EncodeRequest, EncodeResponse, TokenizeRequest, TokenizeResponse
 from service.tokenization import TokenizedText, token_list
 
 
-def encode_size(body: EncodeRequest, tokenized: list[TokenizedText], attention, hidden_size: int) -> int:
+def encode_size(body: EncodeRequest, tokenized: list[TokenizedText], attention, hidden_size: int,
+                sentence_dim: int | None = None) -> int:
     """An upper bound of a /v1/encode response's size, computed before any inference is spent."""
     floats = 0
     for t in tokenized:
-        floats += hidden_size if body.embedding else 0
+        floats += (sentence_dim or hidden_size) if body.embedding else 0
         floats += t.n_tokens * hidden_size if body.token_embeddings else 0
-    size = floats * JSON_FLOAT_BYTES + 100 * len(tokenized)
+    # what will be written: a JSON float, or a float32's share of base64 (a third of the bytes)
+    size = int(floats * value_bytes(body.encoding_format, "float32")) + 100 * len(tokenized)
     if body.tokens:
         size += sum(t.n_tokens for t in tokenized) * 80
     if attention is not None:
@@ -48,8 +50,13 @@ class NativeRoutes:
         tokenized = await self._tokenize(served, texts, body.truncate, "/v1/encode")
         if attention is not None:
             self._check_attention_size(served, tokenized)
-        self._check_response_size(encode_size(body, tokenized, attention, served.model.hidden_size))
+        self._check_response_size(encode_size(body, tokenized, attention, served.model.hidden_size,
+                                              served.model.sentence_dim))
         normalize = served.model.normalize if body.normalize is None else body.normalize
+        if served.model.normalize and not normalize and served.model.dense_layers:
+            # the raw embedding is re-pooled from the token encodings, which would skip the Dense projection
+            raise InvalidRequest("normalize: false is not available for this model: it normalises after a Dense "
+                                 "projection inside its graph, so only the normalised embedding exists")
         job = EncodeJob(
             route="/v1/encode",
             ids=[t.ids for t in tokenized],

@@ -20,8 +20,8 @@ class OpenAIRoutes:
     async def embeddings(self, body: OpenAIEmbeddingRequest, request: Request) -> JSONResponse:
         """OpenAI's embeddings API: works with the official `openai` client."""
         served = self._model(body.model, request, required=True)
-        if body.dimensions is not None and body.dimensions > served.model.hidden_size:
-            raise InvalidRequest(f"dimensions {body.dimensions} exceeds the model's {served.model.hidden_size}")
+        if body.dimensions is not None and body.dimensions > served.model.sentence_dim:
+            raise InvalidRequest(f"dimensions {body.dimensions} exceeds the model's {served.model.sentence_dim}")
         texts = self._texts(body.input)
         tokenized = await self._tokenize(served, texts, True, "/v1/embeddings")
         job = EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized], normalize=served.model.normalize)

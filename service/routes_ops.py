@@ -56,6 +56,7 @@ def describe_model(m, state: dict) -> dict:
         "model": m.name,
         "architecture": model.architecture,
         "hidden_size": model.hidden_size,
+        "embedding_dim": model.sentence_dim,  # the sentence embedding's size (a Dense projection may change it)
         "num_layers": model.num_layers,
         "num_heads": model.num_heads,
         "max_tokens": model.max_tokens,

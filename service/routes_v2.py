@@ -165,6 +165,7 @@ class V2Routes:
     async def v2_metadata(self, name: str, request: Request, version: str = "1") -> JSONResponse:
         served = self._model(name, request)
         d, L, H = served.model.hidden_size, served.model.num_layers, served.model.num_heads
+        e = served.model.sentence_dim
         return JSONResponse(
             {
                 "name": served.name,
@@ -172,7 +173,7 @@ class V2Routes:
                 "platform": "onnxruntime_onnx",
                 "inputs": [{"name": V2_INPUT, "datatype": "BYTES", "shape": [-1]}],
                 "outputs": [
-                    {"name": "sentence_embedding", "datatype": "FP32", "shape": [-1, d]},
+                    {"name": "sentence_embedding", "datatype": "FP32", "shape": [-1, e]},
                     {"name": "last_hidden_state", "datatype": "FP32", "shape": [-1, -1, d]},
                     {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1]},
                     {"name": "attentions", "datatype": "FP32", "shape": [L, -1, H, -1, -1]},
@@ -224,7 +225,7 @@ class V2Routes:
         d, L, H = served.model.hidden_size, served.model.num_layers, served.model.num_heads
         if "attentions" in requested:
             self._check_attention_size(served, tokenized)
-        sizes = {"sentence_embedding": n * d, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
+        sizes = {"sentence_embedding": n * served.model.sentence_dim, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
         self._check_response_size(sum(sizes[k] * (4 if binary_out[k] else JSON_FLOAT_BYTES) for k in requested))
         job = EncodeJob(
             route="/v2/models/{name}/infer",

@@ -202,7 +202,7 @@ class OrtEncoder:
         m = self.manifest.model
         expected = {
             "last_hidden_state": {2: m.hidden_size},
-            "sentence_embedding": {1: m.hidden_size},
+            "sentence_embedding": {1: m.sentence_dim},
             "attentions": {0: m.num_layers, 2: m.num_heads},
         }
         for name, shape in shapes.items():

@@ -254,3 +254,21 @@ def _write_sentence_transformers(out: Path, pooling: str, normalize: bool) -> No
         "pooling_mode_lasttoken": False,
         "include_prompt": True,
     }, indent=2))
+
+
+def add_dense(checkpoint: Path, out: Path, seed: int = 7) -> Path:
+    """`checkpoint` with two sentence-transformers Dense modules after its pooling, as distiluse-style
+    models have them (Tanh to 24 wide, then a linear map to 16 without bias), then Normalize; saved
+    by sentence-transformers itself into `out`."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Dense, Normalize
+
+    base = SentenceTransformer(str(checkpoint), device="cpu")
+    hidden = base.get_sentence_embedding_dimension()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        modules = [base[0], base[1], Dense(hidden, 24, activation_function=torch.nn.Tanh()),
+                   Dense(24, 16, bias=False, activation_function=torch.nn.Identity()), Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(out))
+    return Path(out)

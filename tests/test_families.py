@@ -23,7 +23,7 @@ from bundle.manifest import load_bundle
 from export.checkpoint import FAMILIES as LOADED_FAMILIES
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.pipeline import ExportOptions, build_bundle
-from tests.families import FAMILIES, MAX_TOKENS, POOLINGS, make_checkpoint
+from tests.families import FAMILIES, MAX_TOKENS, POOLINGS, add_dense, make_checkpoint
 
 TOLERANCE = 1e-4
 
@@ -295,3 +295,51 @@ def test_make_export_cli_exports_a_roberta_checkpoint(checkpoints, reference_cac
     )
     assert {"fp32"} <= set(m.variants) and all(v.passed for v in m.variants.values())
     check_bundle("roberta", out, checkpoints, reference_cache)
+
+
+@pytest.mark.parametrize("family", ["distilbert", "bert"])
+def test_dense_projections_after_pooling_are_in_the_graph_and_match_sentence_transformers(family, checkpoints, tmp_path):
+    """A distiluse-style model: Pooling, then Dense modules (Tanh to a narrower width, then a linear one
+    without bias), then Normalize, saved by sentence-transformers itself. The bundle's graphs return
+    what sentence-transformers returns, at the Dense width, and the manifest says that width."""
+    from sentence_transformers import SentenceTransformer
+
+    directory = add_dense(checkpoints[family], tmp_path / "with-dense")
+    hidden = load_checkpoint(checkpoints[family]).config.d_model
+    st = SentenceTransformer(str(directory), device="cpu")
+    expected = st.encode(TEXTS, convert_to_numpy=True, batch_size=len(TEXTS))
+    assert expected.shape == (len(TEXTS), 16)
+
+    ckpt = load_checkpoint(directory)
+    assert [(d.in_features, d.out_features, d.bias, d.activation) for d in ckpt.config.dense] == \
+        [(hidden, 24, True, "tanh"), (24, 16, False, "identity")]
+    out = tmp_path / "bundle"
+    build_bundle(ExportOptions(str(directory), out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, lossy=()),
+                 progress=lambda _: None)
+    bundle = load_bundle(out)
+    assert (bundle.manifest.model.embedding_dim, bundle.manifest.model.dense_layers) == (16, 2)
+    assert bundle.manifest.model.sentence_dim == 16 and bundle.manifest.model.hidden_size == hidden
+    ids, mask = tokenize(bundle.tokenizer_path, bundle.manifest.model.pad_token_id, bundle.manifest.model.max_tokens)
+    feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": np.zeros_like(ids.numpy())}
+    for graph in (GRAPH_FILE, encodings_file("fp32")):
+        session = ort.InferenceSession(str(out / graph), providers=["CPUExecutionProvider"])
+        embedding = session.run(["sentence_embedding"], feed)[0]
+        assert embedding.shape == (len(TEXTS), 16), graph
+        assert np.abs(embedding - expected).max() <= TOLERANCE, graph
+
+
+@pytest.mark.parametrize(("module_type", "message"), [
+    ("sentence_transformers.models.LayerNorm", "module 'sentence_transformers.models.LayerNorm' (3_X) is not supported"),
+    ("my_package.CustomHead", "module 'my_package.CustomHead' (3_X) is not supported"),
+])
+def test_a_sentence_transformers_module_the_graph_does_not_compute_is_refused_by_name(
+        module_type, message, checkpoints, tmp_path):
+    import shutil
+
+    directory = tmp_path / "extra-module"
+    shutil.copytree(checkpoints["bert"], directory)
+    modules = json.loads((directory / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_X", "type": module_type})
+    (directory / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_checkpoint(directory)

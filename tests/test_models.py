@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import deploy, wait_until
-from tests.families import make_checkpoint
+from tests.families import add_dense, make_checkpoint
 
 TEXTS = ["The weather is lovely today.", "Der Zug nach München fährt um acht Uhr ab.", "SELECT name FROM users;"]
 MINILM = "all-MiniLM-L6-v2"
@@ -221,3 +221,36 @@ def test_the_explorer_lets_a_person_choose_the_model(two_models):
         assert not console_errors(driver)
     finally:
         driver.quit()
+
+
+def test_a_model_with_a_dense_projection_serves_its_width_and_refuses_what_it_cannot_compute(
+        ray_serve, default_bundle, other_checkpoint, tmp_path):
+    """A Dense projection after pooling (distiluse-style) runs inside the graph: the service answers
+    sentence-transformers' vectors at the Dense width, and refuses, saying why, the two things that
+    would need the embedding before the projection (an un-normalised vector, per-token shares)."""
+    from ray import serve
+    from sentence_transformers import SentenceTransformer
+
+    checkpoint = add_dense(other_checkpoint, tmp_path / "dense-checkpoint")
+    expected = SentenceTransformer(str(checkpoint), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    bundle = export(checkpoint, tmp_path / "dense-bundle", "tiny-dense")
+    deploy({"bundles": [str(bundle)], "num_cpus": 0.5}, "dense", "/dense", default_bundle)
+    url = ray_serve.url + "/dense"
+    try:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            data = c.post("/v1/embeddings", json={"input": TEXTS, "model": "tiny-dense"}).json()["data"]
+            assert [len(d["embedding"]) for d in data] == [16] * len(TEXTS)
+            assert min_cosine([d["embedding"] for d in data], expected) >= 0.9999
+            info = c.get("/info").json()
+            assert info["embedding_dim"] == 16 and info["hidden_size"] != 16
+            shapes = {o["name"]: o["shape"] for o in c.get("/v2/models/tiny-dense").json()["outputs"]}
+            assert shapes["sentence_embedding"] == [-1, 16]
+            raw = c.post("/v1/encode", json={"inputs": TEXTS, "normalize": False})
+            assert raw.status_code == 422 and "Dense projection" in raw.json()["error"]["message"]
+            pairs = {"pairs": [[TEXTS[0], TEXTS[1]]]}
+            explained = c.post("/v1/similarity", json={**pairs, "explain": True})
+            assert explained.status_code == 422 and "Dense layer" in explained.json()["error"]["message"]
+            score = c.post("/v1/similarity", json=pairs).json()["data"][0]["score"]
+            assert abs(score - float(expected[0] @ expected[1])) <= 1e-4
+    finally:
+        serve.delete("dense")

@@ -209,3 +209,24 @@ def test_openapi_docs_are_served(client):
     for path in ("/v1/encode", "/v1/embeddings", "/v1/tokenize", "/v2/models/{name}/infer", "/info", "/health"):
         assert path in spec["paths"]
     assert client.get("/docs").status_code == 200
+
+
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+def test_the_response_size_estimate_is_what_encode_will_write(client, default_bundle, encoding_format):
+    """The 413 check counts what will be written: never less than the real body, and for base64 not
+    the three times over it that a JSON float per value would be (which refused base64 token
+    embeddings at a third of the limit)."""
+    from bundle.manifest import load_bundle
+    from service.routes_native import encode_size
+    from service.schemas import EncodeRequest
+    from service.tokenization import TextTokenizer
+
+    payload = {"inputs": TEXTS, "token_embeddings": True, "encoding_format": encoding_format}
+    r = client.post("/v1/encode", json=payload)
+    assert r.status_code == 200
+    bundle = load_bundle(default_bundle)
+    tokenized = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens).encode(TEXTS, True)
+    estimate = encode_size(EncodeRequest.model_validate(payload), tokenized, None, bundle.manifest.model.hidden_size)
+    assert len(r.content) <= estimate, (len(r.content), estimate)
+    if encoding_format == "base64":
+        assert estimate <= 1.1 * len(r.content), (len(r.content), estimate)
