@@ -24,14 +24,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bundle refused: {exc}", file=sys.stderr)
         return 1
     m = bundle.manifest
+    shown = args[0]  # as given: the link a user names, not the version directory it points to now
     if brief:
         worst = max(o.max_abs_diff for o in m.parity.outputs)
-        print(f"bundle {bundle.root}: {m.model.name}, {len(m.files)} files verified; parity "
+        print(f"bundle {shown}: {m.model.name}, {len(m.files)} files verified; parity "
               f"{'passed' if m.parity.passed else 'FAILED'} on {len(m.parity.probe_shapes)} probes "
               f"(max abs diff {worst:.1e}); encodings graphs {', '.join(m.variants)}")
         return 0
     print(
-        f"bundle {bundle.root}: model {m.model.name}, {m.model.num_layers} layers, {m.model.num_heads} heads, "
+        f"bundle {shown}: model {m.model.name}, {m.model.num_layers} layers, {m.model.num_heads} heads, "
         f"hidden {m.model.hidden_size}, max {m.model.max_tokens} tokens, opset {m.graph.opset}, "
         f"{len(m.files)} files verified"
     )

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from service.batching import EncodeJob
+from service.errors import InvalidRequest
 from service.http_app import ERROR_RESPONSES, app
 from service.responses import JSONResponse, KindCounter, encode_array, value_bytes
 from service.schemas import EncodeRequest, EncodeResponse, TokenizeRequest, TokenizeResponse
