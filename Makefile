@@ -25,7 +25,7 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install run test export bundle bench profile report reliability loadtest loadtest-overload soak prometheus gpu-check clean
+.PHONY: help install run test export bundle bench profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
@@ -38,6 +38,7 @@ help:
 	@echo "make loadtest           locust, headless, about a minute; summary and SLO check (LOADTEST_ARGS=...)"
 	@echo "make loadtest-overload  above capacity: load shedding with 503 + Retry-After, bounded p99"
 	@echo "make soak               the traffic mix for 10 minutes with Prometheus scraping: throughput, p99, errors, memory (SOAK_ARGS=...)"
+	@echo "make loop-stall         p50/p95/p99 of short requests alone and beside large attention responses"
 	@echo "make gpu-check          the CUDA path where a GPU is: each CUDA step, parity on CUDA vs CPU, throughput, the service"
 	@echo "make image              build the CPU image (podman or docker), report its size, smoke-test it (IMAGE_ARGS=...; minutes, GBs)"
 
@@ -138,6 +139,12 @@ image:
 
 image-smoke:
 	$(PYTHON) deploy/image/build.py --smoke-only $(IMAGE_ARGS)
+
+# What building large responses does to the replica's other requests: short requests' latency alone
+# and while other clients fetch ~60 MB attention responses (LOOP_STALL_ARGS='--seconds 30').
+LOOP_STALL_ARGS ?=
+loop-stall: bundle
+	$(BIN)/python -m benchmarks.loop_stall --bundle $(BUNDLE) $(LOOP_STALL_ARGS)
 
 # The CUDA path, for a machine with a GPU (docs/gpu.md): installs the `cuda` extra into the venv when
 # its libraries do not load, then one line per CUDA step (build, libraries, driver, device), parity of

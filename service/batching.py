@@ -40,6 +40,20 @@ class EncodeJob:
     def n_tokens(self) -> int:
         return sum(int(a.shape[0]) for a in self.ids)
 
+    @property
+    def attention_values(self) -> int:
+        """Attention probabilities this job keeps until its batch returns (layers x heads x tokens^2)."""
+        if self.attention is None:
+            return 0
+        return len(self.attention[0]) * len(self.attention[1]) * sum(int(a.shape[0]) ** 2 for a in self.ids)
+
+    def cost(self, batching: BatchingSettings) -> int:
+        """Its share of a batch's budget: its tokens, plus its attention weights at the rate that makes
+        max_batch_tokens worth max_batch_attention_values of them. A batch holds every text's
+        attention until it returns, so many large requests in one batch must not add up past that."""
+        values = self.attention_values
+        return self.n_tokens + (-(-values * batching.max_batch_tokens // batching.max_batch_attention_values))
+
 
 @dataclass
 class EncodeResult:
@@ -69,9 +83,9 @@ def intra_op_threads(settings: ServiceSettings) -> int:
     return max(1, replica_cpus(settings) // running)
 
 
-def job_tokens(jobs: list[EncodeJob]) -> int:
-    """batch_size_fn: a batch's size is its number of real tokens."""
-    return sum(job.n_tokens for job in jobs)
+def batch_cost(jobs: list[EncodeJob], batching: BatchingSettings) -> int:
+    """batch_size_fn: a batch's size is its jobs' real tokens, attention weights counted in (EncodeJob.cost)."""
+    return sum(job.cost(batching) for job in jobs)
 
 
 def plan_sub_batches(lengths: list[int], token_budget: int, max_size: int, max_padding: float = 1.0) -> list[list[int]]:

@@ -57,6 +57,12 @@ class BatchingSettings(BaseModel):
         4096, ge=1, description="padded tokens per onnxruntime run; texts are length-sorted into sub-batches"
     )
     max_sub_batch_size: int = Field(64, ge=1, description="texts per onnxruntime run")
+    max_batch_attention_values: int = Field(
+        64 * 1024 * 1024, ge=1024,
+        description="attention weights one batch may hold until it returns (4 bytes each; two batches run at "
+        "once): requests asking for them count against max_batch_tokens at this rate, so a batch of many large "
+        "ones is split (256 MB per batch by default)",
+    )
     max_padding: float = Field(
         0.1, ge=0, le=1,
         description="padding share (1 - real/padded tokens) at which a length-sorted sub-batch is cut; 1: never",
@@ -143,7 +149,8 @@ class ServiceSettings(BaseModel):
         "it Serve itself answers 503 + Retry-After (plain text). Bounded: no unbounded queue anywhere",
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After on 429/503")
-    request_timeout_s: float = Field(30.0, gt=0, description="end-to-end limit of one request (408 after)")
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="end-to-end limit of one request (then 503 + Retry-After, error type timeout)")
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="drain time for in-flight requests")
     health_check_period_s: float = Field(10.0, gt=0, description="how often Serve runs a replica's tiny inference")
 

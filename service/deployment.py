@@ -45,6 +45,7 @@ logger = logging.getLogger("ray.serve")
 INLINE_TOKENIZE_CHARS = 2048
 # A client's own deadline, in seconds (the header Ray Serve's proxy also reads).
 TIMEOUT_HEADER = "x-request-timeout-seconds"
+HEADER_DEADLINE_MARGIN_S = 0.05
 
 
 @serve.deployment(name="Encoder")
@@ -166,11 +167,9 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
         service_metrics().duration.observe(time.perf_counter() - started,
                                            tags={"route": route, "stage": "tokenization", "model": served.name})
         total = sum(t.n_tokens for t in tokenized)
-        if limit_tokens and total > self.settings.batching.max_batch_tokens:
-            raise TooLarge(
-                f"request has {total} tokens; at most {self.settings.batching.max_batch_tokens} per request "
-                "(split it into smaller requests)"
-            )
+        limit = self.batching.max_batch_tokens  # the live knob (reconfigure), the one the batch queue uses
+        if limit_tokens and total > limit:
+            raise TooLarge(f"request has {total} tokens; at most {limit} per request (split it into smaller requests)")
         return tokenized
 
     def _check_attention_size(self, served: ServedModel, tokenized: list[TokenizedText]) -> None:
@@ -214,6 +213,14 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
         replica only for some of them, so the disconnect is also watched for here.
         """
         timeout = self._deadline(request)
+        cost = job.cost(self.batching)
+        if cost > self.batching.max_batch_tokens:  # Serve would refuse it from its queue with a 500
+            raise TooLarge(
+                f"this request's {job.n_tokens} tokens and {job.attention_values} attention values count as "
+                f"{cost} of one batch's {self.batching.max_batch_tokens} (attention at "
+                f"{self.batching.max_batch_attention_values} values per batch): send fewer or shorter texts, or "
+                "fewer layers or heads"
+            )
         job.enqueued = time.perf_counter()
         result = asyncio.ensure_future(served.batched(job) if self.batching.enabled else self._run_one(served, job))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -226,7 +233,8 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
         if result not in done:
             if gone in done:
                 raise ClientGone("the client closed the connection before the result was ready")
-            raise Timeout(f"inference did not finish within {timeout:g}s")
+            raise Timeout(f"inference did not finish within {timeout:g}s",
+                          headers={"Retry-After": str(self.settings.retry_after_s)})
         try:
             return result.result()
         except ServiceError:
@@ -246,7 +254,9 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
             asked = float("nan")
         if not asked > 0 or asked == float("inf"):
             raise InvalidRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}")
-        return min(asked, self.settings.request_timeout_s)
+        # Ray Serve reads this header too and, when it passes, answers 408 in plain text; its clock
+        # starts a little before ours, so ours ends a little earlier and the error stays ours (JSON)
+        return min(max(asked - HEADER_DEADLINE_MARGIN_S, 0.001), self.settings.request_timeout_s)
 
     async def _run_one(self, served: ServedModel, job: EncodeJob) -> EncodeResult:
         return (await self._run_batch(served, [job]))[0]

@@ -39,7 +39,10 @@ class Unauthorized(ServiceError):
 
 
 class Timeout(ServiceError):
-    status, type = 408, "timeout"
+    """Past the request's deadline: 503 with Retry-After, as Triton answers a request whose queue
+    timeout expired (UNAVAILABLE); 408 would say the client was too slow to send its request."""
+
+    status, type = 503, "timeout"
 
 
 class ClientGone(ServiceError):

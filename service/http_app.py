@@ -23,7 +23,7 @@ logger = logging.getLogger("ray.serve")
 
 SERVER_NAME = "mha-encoder-serving"
 SERVER_VERSION = "0.1.0"
-ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (401, 404, 408, 413, 422, 429, 503)}
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (401, 404, 413, 422, 429, 503)}
 
 
 def _set_route_template(scope: dict) -> None:

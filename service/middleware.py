@@ -8,6 +8,7 @@ these classes are imported by reference, so every reader in the replica sees the
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 import time
@@ -17,8 +18,10 @@ from service.config import ServiceSettings
 from service.errors import error_response
 from service.metrics import service_metrics, status_class
 
-_REASON_BY_STATUS = {401: "unauthorized", 404: "not_found", 408: "timeout", 413: "too_large", 422: "validation",
-                     429: "overloaded", 503: "overloaded"}
+_REASON_BY_STATUS = {401: "unauthorized", 404: "not_found", 413: "too_large", 422: "validation",
+                     429: "overloaded", 499: "cancelled", 503: "overloaded"}
+# A request whose client left before it was answered: nginx's and Envoy's 499, never a 500.
+CLIENT_GONE = 499
 
 
 def is_inference(method: str, path: str) -> bool:
@@ -47,22 +50,29 @@ class MetricsMiddleware:
             return await self.app(scope, receive, send)
         metrics = service_metrics()
         started = time.perf_counter()
-        status = 500
+        status = 500  # what an exception that escapes the app without a response amounts to
+        responded = False
         sent = 0
         MetricsMiddleware.in_flight += 1
         metrics.in_flight.set(MetricsMiddleware.in_flight)
 
         async def counting_send(message: dict) -> None:
-            nonlocal status, sent
+            nonlocal status, sent, responded
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, responded = message["status"], True
             elif message["type"] == "http.response.body":
                 sent += len(message.get("body", b""))
             await send(message)
 
         try:
             await self.app(scope, receive, counting_send)
+        except asyncio.CancelledError:
+            scope["client_gone"] = True  # Serve cancels the handler of a client that went away
+            raise
         finally:
+            if not responded and scope.get("client_gone"):
+                status = CLIENT_GONE  # left mid-upload or mid-wait: the client's doing, not an error of ours
+                scope.setdefault("failure_reason", "cancelled")
             MetricsMiddleware.in_flight -= 1
             metrics.in_flight.set(MetricsMiddleware.in_flight)
             # set by the app's route dependency (or an error handler): the template, so label values stay few
@@ -169,6 +179,7 @@ class BodyLimitMiddleware:
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
+                scope["client_gone"] = True  # it left while uploading: nothing to answer
                 return
             chunk = message.get("body", b"")
             size += len(chunk)

@@ -15,7 +15,7 @@ from pathlib import Path
 from ray import serve
 
 from bundle.manifest import BundleManifest, ModelInfo, load_bundle
-from service.batching import BatchRunner, EncodeJob, EncodeResult, intra_op_threads, job_tokens
+from service.batching import BatchRunner, EncodeJob, EncodeResult, batch_cost, intra_op_threads
 from service.config import BatchingSettings, BundleRef, ServiceSettings
 from service.errors import InvalidRequest, NotFound
 from service.cuda import GpuAssignment
@@ -74,7 +74,7 @@ def load_model(ref: BundleRef, settings: ServiceSettings, run_batch: RunBatch,
         max_batch_size=batching.max_batch_tokens,
         batch_wait_timeout_s=batching.batch_wait_timeout_s,
         max_concurrent_batches=batching.max_concurrent_batches,
-        batch_size_fn=job_tokens,
+        batch_size_fn=lambda jobs: batch_cost(jobs, runner.batching),  # the live knobs (reconfigure)
     )(batch)
     served = ServedModel(
         name=name,

@@ -17,7 +17,7 @@ from service.analysis import NoExactSplit, Units, check_explainable, contributio
 from service.batching import EncodeJob
 from service.errors import InvalidRequest, TooLarge
 from service.http_app import ERROR_RESPONSES, app
-from service.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, encode_array, value_bytes
+from service.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, respond, value_bytes
 from service.schemas import AttentionRequest, AttentionResponse, SimilarityRequest, SimilarityResponse
 from service.tokenization import TokenizedText
 
@@ -80,7 +80,8 @@ class AttentionRoutes:
         heads = tuple(sorted(self._indexes(body.heads, served.model.num_heads, "head")))
         tokenized = await self._tokenize(served, texts, body.truncate, "/v1/attention")
         self._check_attention_size(served, tokenized)
-        self._check_response_size(attention_response_size(body, tokenized, len(layers), len(heads)))
+        estimate = attention_response_size(body, tokenized, len(layers), len(heads))
+        self._check_response_size(estimate)
         job = EncodeJob(route="/v1/attention", ids=[t.ids for t in tokenized], normalize=served.model.normalize,
                         attention=(layers, heads))
         result = await self._infer(served, job, request)
@@ -92,28 +93,31 @@ class AttentionRoutes:
         values = sum(a.size for a in result.attentions)
         analyses = analyse_all() if values <= INLINE_ANALYSIS_VALUES else await asyncio.to_thread(analyse_all)
         kinds = KindCounter()
-        data = []
-        for i, (tok, unit, found) in enumerate(zip(tokenized, units, analyses, strict=True)):
-            item: dict[str, Any] = {"index": i, "n_tokens": tok.n_tokens, "n_units": len(unit),
-                                    "units": kinds.fragment("units", unit.units)}
-            for key in ("rollout", "entropy", "top_k", "tokens"):
-                if key in found:
-                    item[key] = kinds.fragment(key, found[key])
-            if "attention" in found:  # bertviz
-                item["attention"] = kinds.fragment("attention", found["attention"])
-            elif "weights" in found:
-                w = found["weights"]
-                item["attention"] = {
-                    "layers": list(layers), "heads": list(heads), "shape": list(w.shape), "dtype": body.dtype,
-                    "format": body.format,
-                    "data": kinds.fragment("attention", encode_array(w, body.format, body.dtype)),
-                }
-            data.append(item)
+
+        def build() -> dict:  # on the event loop when small, else in a worker thread (responses.respond)
+            data = []
+            for i, (tok, unit, found) in enumerate(zip(tokenized, units, analyses, strict=True)):
+                item: dict[str, Any] = {"index": i, "n_tokens": tok.n_tokens, "n_units": len(unit),
+                                        "units": kinds.fragment("units", unit.units)}
+                for key in ("rollout", "entropy", "top_k", "tokens"):
+                    if key in found:
+                        item[key] = kinds.fragment(key, found[key])
+                if "attention" in found:  # bertviz: one [1, heads, n, n] list per layer
+                    item["attention"] = [kinds.array("attention", layer, "float", "float32")
+                                         for layer in found["attention"]]
+                elif "weights" in found:
+                    w = found["weights"]
+                    item["attention"] = {
+                        "layers": list(layers), "heads": list(heads), "shape": list(w.shape), "dtype": body.dtype,
+                        "format": body.format, "data": kinds.array("attention", w, body.format, body.dtype),
+                    }
+                data.append(item)
+            return {"model": served.name, "level": body.level, "layers": list(layers), "heads": list(heads),
+                    "data": data, "usage": {"tokens": sum(t.n_tokens for t in tokenized)}}
+
+        response = await respond(build, estimate)
         kinds.report(request)
-        return JSONResponse({
-            "model": served.name, "level": body.level, "layers": list(layers), "heads": list(heads), "data": data,
-            "usage": {"tokens": sum(t.n_tokens for t in tokenized)},
-        })
+        return response
 
     @app.post("/v1/similarity", response_model=SimilarityResponse, responses=ERROR_RESPONSES)
     async def similarity(self, body: SimilarityRequest, request: Request) -> JSONResponse:

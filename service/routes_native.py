@@ -12,7 +12,7 @@ from fastapi import Request
 from service.batching import EncodeJob
 from service.errors import InvalidRequest
 from service.http_app import ERROR_RESPONSES, app
-from service.responses import JSONResponse, KindCounter, encode_array, value_bytes
+from service.responses import JSONResponse, KindCounter, respond, value_bytes
 from service.schemas import EncodeRequest, EncodeResponse, TokenizeRequest, TokenizeResponse
 from service.tokenization import TokenizedText, token_list
 
@@ -51,8 +51,8 @@ class NativeRoutes:
         tokenized = await self._tokenize(served, texts, body.truncate, "/v1/encode")
         if attention is not None:
             self._check_attention_size(served, tokenized)
-        self._check_response_size(encode_size(body, tokenized, attention, served.model.hidden_size,
-                                              served.model.sentence_dim))
+        estimate = encode_size(body, tokenized, attention, served.model.hidden_size, served.model.sentence_dim)
+        self._check_response_size(estimate)
         normalize = served.model.normalize if body.normalize is None else body.normalize
         if served.model.normalize and not normalize and served.model.dense_layers:
             # the raw embedding is re-pooled from the token encodings, which would skip the Dense projection
@@ -68,33 +68,34 @@ class NativeRoutes:
         )
         result = await self._infer(served, job, request)
         kinds = KindCounter()
-        data = []
-        for i, tok in enumerate(tokenized):
-            item: dict[str, Any] = {"index": i, "n_tokens": tok.n_tokens}
-            if body.embedding:
-                item["embedding"] = kinds.fragment(
-                    "embedding", encode_array(result.embeddings[i], body.encoding_format, "float32")
-                )
-            if body.token_embeddings:
-                item["token_embeddings"] = kinds.fragment(
-                    "token_embeddings", encode_array(result.hidden[i], body.encoding_format, "float32")
-                )
-            if body.tokens:
-                item["tokens"] = kinds.fragment("tokens", token_list(tok.encoding))
-            if attention is not None:
-                spec = body.attention
-                item["attention"] = {
-                    "layers": list(attention[0]),
-                    "heads": list(attention[1]),
-                    "shape": list(result.attentions[i].shape),
-                    "dtype": spec.dtype,
-                    "format": spec.format,
-                    "data": kinds.fragment("attention", encode_array(result.attentions[i], spec.format, spec.dtype)),
-                }
-            data.append(item)
-        usage = {"tokens": sum(t.n_tokens for t in tokenized)}
+
+        def build() -> dict:  # on the event loop when small, else in a worker thread (responses.respond)
+            data = []
+            for i, tok in enumerate(tokenized):
+                item: dict[str, Any] = {"index": i, "n_tokens": tok.n_tokens}
+                if body.embedding:
+                    item["embedding"] = kinds.array("embedding", result.embeddings[i], body.encoding_format, "float32")
+                if body.token_embeddings:
+                    item["token_embeddings"] = kinds.array("token_embeddings", result.hidden[i], body.encoding_format,
+                                                           "float32")
+                if body.tokens:
+                    item["tokens"] = kinds.fragment("tokens", token_list(tok.encoding))
+                if attention is not None:
+                    spec = body.attention
+                    item["attention"] = {
+                        "layers": list(attention[0]),
+                        "heads": list(attention[1]),
+                        "shape": list(result.attentions[i].shape),
+                        "dtype": spec.dtype,
+                        "format": spec.format,
+                        "data": kinds.array("attention", result.attentions[i], spec.format, spec.dtype),
+                    }
+                data.append(item)
+            return {"model": served.name, "data": data, "usage": {"tokens": sum(t.n_tokens for t in tokenized)}}
+
+        response = await respond(build, estimate)
         kinds.report(request)
-        return JSONResponse({"model": served.name, "data": data, "usage": usage})
+        return response
 
     @app.post("/v1/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize(self, body: TokenizeRequest, request: Request) -> JSONResponse:

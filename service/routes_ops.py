@@ -40,7 +40,7 @@ class OpsRoutes:
                     "max_body_bytes": s.max_body_bytes,
                     "max_response_bytes": s.max_response_bytes,
                     "max_attention_values": s.max_attention_values,
-                    "max_request_tokens": s.batching.max_batch_tokens,
+                    "max_request_tokens": replica["batching"]["max_batch_tokens"],  # live (user_config)
                     "request_timeout_s": s.request_timeout_s,
                     "max_ongoing_requests": s.max_ongoing_requests,
                     "max_queued_requests": s.max_queued_requests,

@@ -4,6 +4,7 @@ inference with JSON or binary tensors (the binary tensor data extension `tritonc
 No `from __future__ import annotations` (see routes_native.py).
 """
 
+import asyncio
 import struct
 from typing import Any
 
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 from service.batching import EncodeJob, EncodeResult
 from service.errors import InvalidRequest
 from service.http_app import ERROR_RESPONSES, SERVER_NAME, SERVER_VERSION, app, describe
-from service.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter
+from service.responses import JSON_FLOAT_BYTES, OFF_LOOP_BYTES, JSONResponse, KindCounter
 from service.schemas import V2InferRequest, V2ModelMetadata
 from service.tokenization import TokenizedText
 
@@ -129,7 +130,8 @@ def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[st
             kinds.bytes[kind] = kinds.bytes.get(kind, 0) + len(data)
             tail.append(data)
         else:
-            entry["data"] = kinds.fragment(kind, array.reshape(-1))
+            entry["data"] = kinds.array(kind, array.reshape(-1), "float", "float32") if array.dtype == np.float32 \
+                else kinds.fragment(kind, array.reshape(-1))
         outputs.append(entry)
     kinds.report(request)
     header = orjson.dumps({**head, "outputs": outputs}, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -226,7 +228,8 @@ class V2Routes:
         if "attentions" in requested:
             self._check_attention_size(served, tokenized)
         sizes = {"sentence_embedding": n * served.model.sentence_dim, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
-        self._check_response_size(sum(sizes[k] * (4 if binary_out[k] else JSON_FLOAT_BYTES) for k in requested))
+        estimate = sum(sizes[k] * (4 if binary_out[k] else JSON_FLOAT_BYTES) for k in requested)
+        self._check_response_size(estimate)
         job = EncodeJob(
             route="/v2/models/{name}/infer",
             ids=[t.ids for t in tokenized],
@@ -235,7 +238,10 @@ class V2Routes:
             attention=(tuple(range(L)), tuple(range(H))) if "attentions" in requested else None,
         )
         result = await self._infer(served, job, request)
-        tensors = _v2_tensors(result, tokenized, requested, T)
-        return _v2_response(
-            {"model_name": served.name, "model_version": "1", "id": req.id or ""}, tensors, binary_out, request
-        )
+        head = {"model_name": served.name, "model_version": "1", "id": req.id or ""}
+
+        def build() -> Response:
+            return _v2_response(head, _v2_tensors(result, tokenized, requested, T), binary_out, request)
+
+        # a large response is built in a worker thread, not on the event loop other requests wait on
+        return build() if estimate <= OFF_LOOP_BYTES else await asyncio.to_thread(build)

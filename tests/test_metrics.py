@@ -273,3 +273,44 @@ def test_dashboard_has_the_panels_an_operator_opens_first():
 def test_promql_name_extraction():
     expr = 'histogram_quantile(0.99, sum by (le, stage) (rate(ray_encoder_request_duration_seconds_bucket{application="encoder"}[5m])))'
     assert promql_metric_names(expr) == {"ray_encoder_request_duration_seconds_bucket"}
+
+
+def test_a_client_that_leaves_mid_upload_is_counted_as_499_not_as_an_error(service_url, metrics_url):
+    """Headers and half a body, then the client goes: nginx's 499 (reason cancelled), not a 5xx, so
+    the error-ratio alert never pages for clients that gave up."""
+    import socket
+    from urllib.parse import urlparse
+
+    def counts(f):
+        return (
+            total(f, "ray_encoder_requests_total", **APP, status_class="5xx"),
+            total(f, "ray_encoder_requests_total", **APP, status_class="4xx"),
+            total(f, "ray_encoder_request_failures_total", **APP, reason="cancelled"),
+        )
+
+    before = counts(settled(metrics_url, counts))
+    url = urlparse(service_url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000\r\n\r\n" + b'{"inputs": "' + b"a" * 20000)
+    after = counts(poll(metrics_url, lambda f: counts(f)[2] > before[2],
+                        "the request whose client left to be counted as cancelled"))
+    assert after[2] - before[2] == 1 and after[1] - before[1] == 1, (before, after)  # one 499, a 4xx
+    assert after[0] == before[0], "a client that left was counted as a server error"
+
+
+def test_a_request_past_its_deadline_is_503_timeout_with_retry_after_and_counted(service_url, metrics_url):
+    def counts(f):
+        return (total(f, "ray_encoder_requests_total", **APP, route=ROUTE, status_class="5xx"),
+                total(f, "ray_encoder_request_failures_total", **APP, route=ROUTE, reason="timeout"))
+
+    before = counts(settled(metrics_url, counts))
+    # 64 texts of about 250 tokens take seconds here; the client gives them 0.3 s
+    long_text = " ".join(["a deadline much shorter than this inference"] * 40)
+    r = httpx.post(f"{service_url}{ROUTE}", json={"inputs": [f"{i} {long_text}" for i in range(64)]},
+                   headers={"X-Request-Timeout-Seconds": "0.3"}, timeout=60)
+    assert r.status_code == 503 and r.headers.get("retry-after") == "1", r.text
+    assert r.json()["error"]["type"] == "timeout" and "did not finish within" in r.json()["error"]["message"]
+    after = counts(poll(metrics_url, lambda f: counts(f)[1] > before[1] and counts(f)[0] > before[0],
+                        "the timeout to be counted as a 5xx with reason timeout"))
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)

@@ -111,3 +111,39 @@ def test_mixed_client_batches_keep_order(service_url, checkpoint):
     with ThreadPoolExecutor(max_workers=4) as pool:
         got = np.array([e for chunk in pool.map(one, chunks) for e in chunk])
     assert np.diag(got @ reference.T).min() >= 0.9999
+
+
+def test_a_batch_of_large_attention_requests_is_split_by_its_attention_bound(ray_serve, default_bundle):
+    """Four requests for attention weights queue behind a held batch. By tokens they fit one batch;
+    each holds 60 % of the per-batch attention bound, so they run one per batch, and no batch holds
+    more attention weights than the bound."""
+    from ray import serve
+
+    text = "a sentence long enough that its attention weights count " * 3
+    layers, heads = 6, 12
+    one = {"inputs": [text], "embedding": False, "attention": {"format": "base64", "dtype": "float16"}}
+    with httpx.Client(timeout=60) as c:
+        n = len(c.post(f"{ray_serve.url}/v1/tokenize", json={"inputs": [text]}).json()["data"][0]["tokens"])
+    values = layers * heads * n * n
+    bound = int(values / 0.6)
+    handle = deploy_holding("attn-bound", "/attn-bound", default_bundle, num_cpus=0.5,
+                            batching={"max_concurrent_batches": 1, "max_batch_attention_values": bound})
+    url = f"{ray_serve.url}/attn-bound"
+    try:
+        before = handle.info.remote().result()
+        admitted = lambda: handle.info.remote().result()["load"]["inference_requests_admitted"]  # noqa: E731
+        with ThreadPoolExecutor(max_workers=5) as pool:
+            first = pool.submit(lambda: httpx.post(f"{url}/v1/encode", json={"inputs": ["held"]}, timeout=60))
+            wait_until(lambda: handle.held.remote().result() == 1, "the first request's batch to be held")
+            large = [pool.submit(lambda: httpx.post(f"{url}/v1/encode", json=one, timeout=60)) for _ in range(4)]
+            wait_until(lambda: admitted() - before["load"]["inference_requests_admitted"] == 5,
+                       "the four attention requests to be inside the replica")
+            handle.release.remote().result()
+            assert first.result().status_code == 200
+            assert [f.result().status_code for f in large] == [200] * 4
+        after = handle.info.remote().result()
+    finally:
+        serve.delete("attn-bound")
+    batches = after["counters"]["batches"] - before["counters"]["batches"]
+    requests = after["counters"]["requests"] - before["counters"]["requests"]
+    assert (requests, batches) == (5, 5), (requests, batches)  # the held one, then one per large request
