@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from bundle.manifest import BundleError
 from service import processes
-from service.config import DEFAULT_INGRESS, INGRESS_ENV, ServiceSettings
+from service.config import DEFAULT_INGRESS, INGRESS_ENV, ServiceSettings, serve_app_values
 
 APP_NAME = "encoder"
 DEFAULT_CONFIG = Path("deploy/serve_config.yaml")
@@ -81,7 +81,7 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
         config = yaml.safe_load(args.config.read_text()) or {}
         http.update(config.get("http_options") or {})
         apps = config.get("applications") or [{}]
-        settings.update(apps[0].get("args") or {})
+        settings.update(serve_app_values(apps[0]))  # args, and what its deployments entry sets live
     batching = dict(settings.get("batching") or {})
     for key in ("max_batch_tokens", "batch_wait_timeout_s", "sub_batch_tokens"):
         if getattr(args, key) is not None:

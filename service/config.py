@@ -26,7 +26,8 @@ INGRESS_ENV: dict[str, dict[str, str]] = {
         "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response junk-response",
     },
 }
-DEFAULT_INGRESS = "haproxy"  # measured fastest with one deployment (README, Performance)
+DEFAULT_INGRESS = "haproxy"
+DEPLOYMENT_NAME = "Encoder"  # the one deployment, as a Serve config's `deployments` entry names it  # measured fastest with one deployment (README, Performance)
 Precision = Literal["auto", "fp32", "int8", "fp16"]
 # Ray GPUs per replica when CUDA is wanted and num_gpus is left out: four replicas per GPU, as many
 # as a GPU pod of the RayService has CPUs for (4 CPUs, 1 per replica); each gets a quarter of the
@@ -243,8 +244,31 @@ class ServiceSettings(BaseModel):
             raise ValueError(f"bundles: two bundles are served under one name ({names})")
         return self
 
+    @classmethod
+    def from_serve_app(cls, app: dict) -> ServiceSettings:
+        """The settings of one application of a Serve config (see serve_app_values)."""
+        return cls.model_validate(serve_app_values(app))
+
     def resolved(self) -> ServiceSettings:
         """A copy with the bundle paths made absolute, so replicas in other directories find them; not
         resolved, so that a replica (re)started after a new export loads the bundle published then."""
         bundles = [b.model_copy(update={"path": b.path.expanduser().absolute()}) for b in self.bundles]
         return self.model_copy(update={"bundles": bundles, "bundle": bundles[0].path})
+
+
+def serve_app_values(app: dict) -> dict:
+    """One application of a Serve config as ServiceSettings values: its `args`, plus what its
+    `deployments` entry for the Encoder sets, which Serve changes on a running application without
+    restarting a replica (Ray hashes `args` into the code version: any change there restarts them
+    all): `num_replicas` or `autoscaling_config`, and `user_config`, the batching knobs."""
+    values = dict(app.get("args") or {})
+    for deployment in app.get("deployments") or []:
+        if deployment.get("name") != DEPLOYMENT_NAME:
+            continue
+        if deployment.get("num_replicas") not in (None, "auto"):
+            values |= {"replicas": deployment["num_replicas"], "autoscaling": None}
+        if deployment.get("autoscaling_config"):
+            values["autoscaling"] = deployment["autoscaling_config"]
+        if "user_config" in deployment:
+            values["batching"] = deployment["user_config"]
+    return values

@@ -35,14 +35,19 @@ class ServedModel:
     runtime: OrtEncoder
     runner: BatchRunner
     batched: Callable[[EncodeJob], Awaitable[EncodeResult]]  # the model's @serve.batch queue
+    run_batch: Callable[[list[EncodeJob]], Awaitable[list[EncodeResult]]]  # where its batches go
 
     @property
     def model(self) -> ModelInfo:
         return self.manifest.model
 
     def reconfigure(self, batching: BatchingSettings) -> None:
-        """New batching knobs, live (Serve's user_config)."""
+        """New batching knobs, live (Serve's user_config). A new max_concurrent_batches needs a new
+        queue (Serve fixes it when the queue is made): requests already in the old one finish there."""
+        concurrency_changed = batching.max_concurrent_batches != self.runner.batching.max_concurrent_batches
         self.runner.batching = batching
+        if concurrency_changed:
+            self.batched = batch_queue(self.run_batch, self.runner)
         self.batched.set_max_batch_size(batching.max_batch_tokens)
         self.batched.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
 
@@ -67,15 +72,6 @@ def load_model(ref: BundleRef, settings: ServiceSettings, run_batch: RunBatch,
     async def batch(jobs: list[EncodeJob]) -> list[EncodeResult]:
         return await run_batch(served, jobs)
 
-    batching = settings.batching
-    # Wrapped here rather than decorated, so that every knob, max_concurrent_batches included,
-    # comes from the settings object.
-    batched = serve.batch(
-        max_batch_size=batching.max_batch_tokens,
-        batch_wait_timeout_s=batching.batch_wait_timeout_s,
-        max_concurrent_batches=batching.max_concurrent_batches,
-        batch_size_fn=lambda jobs: batch_cost(jobs, runner.batching),  # the live knobs (reconfigure)
-    )(batch)
     served = ServedModel(
         name=name,
         path=ref.path,
@@ -84,9 +80,22 @@ def load_model(ref: BundleRef, settings: ServiceSettings, run_batch: RunBatch,
         tokenizer=TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens),
         runtime=runtime,
         runner=runner,
-        batched=batched,
+        batched=batch_queue(batch, runner),
+        run_batch=batch,
     )
     return served
+
+
+def batch_queue(run: Callable[[list[EncodeJob]], Awaitable[list[EncodeResult]]], runner: BatchRunner):
+    """A @serve.batch queue in front of `run`, every knob from the runner's (live) batching settings.
+    Wrapped here rather than decorated, so that max_concurrent_batches comes from the settings too."""
+    batching = runner.batching
+    return serve.batch(
+        max_batch_size=batching.max_batch_tokens,
+        batch_wait_timeout_s=batching.batch_wait_timeout_s,
+        max_concurrent_batches=batching.max_concurrent_batches,
+        batch_size_fn=lambda jobs: batch_cost(jobs, runner.batching),  # the live knobs (reconfigure)
+    )(run)
 
 
 async def compute(served: ServedModel, jobs: list[EncodeJob]) -> list[EncodeResult]:

@@ -233,7 +233,7 @@ def serve_config() -> dict:
 
 
 def settings_of(config: dict) -> ServiceSettings:
-    return ServiceSettings.model_validate(config["applications"][0]["args"])
+    return ServiceSettings.from_serve_app(config["applications"][0])
 
 
 @pytest.mark.parametrize("name", RAYSERVICES)
@@ -390,3 +390,21 @@ def test_dockerfile_rules(dockerfile):
     assert "COPY --from=export" in body, "the bundle comes from the export stage"
     export_body = "\n".join(all_stages[0][1])
     assert "python -m export" in export_body and ".[export]" in export_body
+
+
+def test_what_serve_changes_live_is_in_the_deployments_entry_not_in_args():
+    """Ray hashes `args` into the code version, so a knob there restarts every replica when it
+    changes: the replica count, autoscaling and the batching knobs live in the `deployments` entry
+    (num_replicas / autoscaling_config / user_config), which Serve applies to running replicas."""
+    from service.config import BatchingSettings
+
+    for name in ("serve_config.yaml", "serve_config.gpu.yaml"):
+        app = yaml.safe_load((ROOT / "deploy" / name).read_text())["applications"][0]
+        assert not {"replicas", "autoscaling", "batching"} & set(app["args"]), name
+        (encoder,) = app["deployments"]
+        assert encoder["name"] == "Encoder"
+        assert set(encoder) <= {"name", "num_replicas", "autoscaling_config", "user_config"}, encoder
+        BatchingSettings.model_validate(encoder["user_config"])  # every knob known, none misspelt
+        settings = ServiceSettings.from_serve_app(app)
+        assert settings.batching == BatchingSettings.model_validate(encoder["user_config"])
+        assert settings.autoscaling.model_dump() == encoder["autoscaling_config"]

@@ -35,11 +35,15 @@ def cluster(default_bundle, tmp_path_factory):
         port = free_port()
         config["proxy_location"] = "HeadOnly"  # one ingress: all nodes share 127.0.0.1 here
         config["http_options"].update(host="127.0.0.1", port=port)
-        args = config["applications"][0]["args"]
-        args.update(bundles=[str(default_bundle)], replicas=2, autoscaling=None, num_cpus=1, max_replicas_per_node=1)
+        app = config["applications"][0]
+        app["args"].update(bundles=[str(default_bundle)], num_cpus=1, max_replicas_per_node=1)
+        encoder = app["deployments"][0]
+        encoder.pop("autoscaling_config")
+        encoder["num_replicas"] = 2
         path = tmp_path_factory.mktemp("multinode") / "serve_config.yaml"
         path.write_text(yaml.safe_dump(config))
         c.serve_deploy(path)
+        c.config = config
         c.url = f"http://127.0.0.1:{port}"
         wait_until(lambda: _status(f"{c.url}/v2/health/ready") == 200, "the application to be ready", timeout=180)
         wait_until(lambda: len(replica_nodes(c.url)) == 2, "a replica answering on each worker node", timeout=120)
@@ -151,3 +155,80 @@ def test_a_worker_node_killed_under_traffic(cluster):
                 "after the loss; "
                 f"{answering - killed_at:.0f} s later the node was restarted and Serve had a replica on it again "
                 f"{whole_at - restarted_at:.1f} s after its `ray start` returned (whole again)")
+
+
+def replicas_info(url: str, count: int) -> dict[str, dict]:
+    """/info of `count` distinct replicas, by replica id."""
+    seen: dict[str, dict] = {}
+
+    def all_seen() -> bool:
+        for _ in range(8):
+            try:
+                info = httpx.get(f"{url}/info", timeout=10).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            seen[info["replica"]["replica_id"]] = info
+        return len(seen) >= count
+
+    wait_until(all_seen, f"/info from {count} replicas", timeout=60)
+    return seen
+
+
+def test_live_knobs_change_under_traffic_without_a_restart_or_a_failed_request(cluster, tmp_path):
+    """The config's `deployments` entry changes on the running application as Serve applies it, with
+    no replica restarted and no request failed under four closed-loop clients: every batching knob
+    (max_concurrent_batches included), then the replica count."""
+    import copy
+
+    before = replicas_info(cluster.url, 2)
+    outcomes: list[int | str] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                try:
+                    outcomes.append(c.post(f"{cluster.url}{ROUTE}", json={"input": "live change"}).status_code)
+                except httpx.HTTPError as exc:
+                    outcomes.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(outcomes) >= 20, "20 answers before the change")
+        config = copy.deepcopy(cluster.config)
+        knobs = {"max_batch_tokens": 8192, "batch_wait_timeout_s": 0.002, "max_concurrent_batches": 1,
+                 "sub_batch_tokens": 2048, "max_sub_batch_size": 32, "max_padding": 0.2,
+                 "max_batch_attention_values": 33554432}
+        config["applications"][0]["deployments"][0]["user_config"] = knobs
+        path = tmp_path / "knobs.yaml"
+        path.write_text(yaml.safe_dump(config))
+        cluster.serve_deploy(path)
+
+        def applied() -> bool:
+            infos = replicas_info(cluster.url, 2)
+            return all(all(i["batching"][k] == v for k, v in knobs.items()) for i in infos.values())
+
+        wait_until(applied, "both replicas to report the new batching knobs", timeout=60)
+        after = replicas_info(cluster.url, 2)
+        assert set(after) == set(before), "a replica was restarted for a batching change"
+        assert all(i["limits"]["max_request_tokens"] == 8192 for i in after.values())
+        big = [" ".join(["words"] * 200)] * 48  # about 9,700 tokens: over the new limit, under the old one
+        r = httpx.post(f"{cluster.url}/v1/encode", json={"inputs": big}, timeout=60)
+        assert r.status_code == 413 and "at most 8192" in r.json()["error"]["message"], r.text
+
+        config["applications"][0]["deployments"][0]["num_replicas"] = 1
+        path.write_text(yaml.safe_dump(config))
+        cluster.serve_deploy(path)
+        wait_until(lambda: len(replica_nodes(cluster.url, calls=24)) == 1, "one replica left", timeout=90)
+        marker = len(outcomes)
+        wait_until(lambda: len(outcomes) >= marker + 20, "20 answers after scaling down")
+        remaining = replicas_info(cluster.url, 1)
+        assert set(remaining) <= set(before), "the replica that stayed was restarted"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    failed = [o for o in outcomes if o != 200]
+    assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {failed[:5]}"

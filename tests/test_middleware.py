@@ -1,0 +1,63 @@
+"""The metrics middleware's status for requests that end without a response: a handler cancelled
+because its client went away is a 499 (nginx's and Envoy's convention), an exception is a 500. The
+service's own end-to-end check of the mid-upload case is in test_metrics.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from service import middleware
+
+
+async def _receive() -> dict:
+    return {"type": "http.request", "body": b"{}", "more_body": False}
+
+
+async def _send(message: dict) -> None:
+    pass
+
+
+def run_through(monkeypatch, app) -> list[int]:
+    """The statuses the middleware counts for one request through `app`."""
+    counted: list[int] = []
+    real = middleware.status_class
+    monkeypatch.setattr(middleware, "status_class", lambda status: counted.append(status) or real(status))
+    scope = {"type": "http", "method": "POST", "path": "/v1/encode", "headers": []}
+    try:
+        asyncio.run(middleware.MetricsMiddleware(app)(scope, _receive, _send))
+    except (asyncio.CancelledError, RuntimeError):
+        pass
+    return counted
+
+
+def test_a_cancelled_handler_counts_as_499_not_500(monkeypatch):
+    async def cancelled(scope, receive, send):
+        raise asyncio.CancelledError  # what Serve does to the handler of a client that left
+
+    assert run_through(monkeypatch, cancelled) == [499]
+
+
+def test_an_exception_without_a_response_still_counts_as_500(monkeypatch):
+    async def broken(scope, receive, send):
+        raise RuntimeError("a bug")
+
+    assert run_through(monkeypatch, broken) == [500]
+
+
+def test_a_response_sent_before_a_cancellation_keeps_its_status(monkeypatch):
+    async def answered_then_cancelled(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise asyncio.CancelledError
+
+    assert run_through(monkeypatch, answered_then_cancelled) == [200]
+
+
+@pytest.mark.parametrize("status", [200, 422, 503])
+def test_answered_requests_count_with_their_own_status(monkeypatch, status):
+    async def answers(scope, receive, send):
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    assert run_through(monkeypatch, answers) == [status]
