@@ -27,7 +27,10 @@ INGRESS_ENV: dict[str, dict[str, str]] = {
     },
 }
 DEFAULT_INGRESS = "haproxy"
-DEPLOYMENT_NAME = "Encoder"  # the one deployment, as a Serve config's `deployments` entry names it  # measured fastest with one deployment (README, Performance)
+DEPLOYMENT_NAME = "Encoder"  # the one deployment, as a Serve config's `deployments` entry names it
+# Serve's own max_ongoing_requests per replica is this many times what the replica admits itself, so
+# that Serve hands the excess to the replica, which refuses it with the JSON 503 every route gives.
+SERVE_LIMIT_FACTOR = 2  # measured fastest with one deployment (README, Performance)
 Precision = Literal["auto", "fp32", "int8", "fp16"]
 # Ray GPUs per replica when CUDA is wanted and num_gpus is left out: four replicas per GPU, as many
 # as a GPU pod of the RayService has CPUs for (4 CPUs, 1 per replica); each gets a quarter of the
@@ -208,7 +211,7 @@ class ServiceSettings(BaseModel):
     def serve_max_ongoing_requests(self) -> int:
         """Ray Serve's own limit per replica: above ours, so that a replica sees the requests past
         max_ongoing_requests and refuses them itself, with the JSON error every other route gives."""
-        return 2 * self.max_ongoing_requests
+        return SERVE_LIMIT_FACTOR * self.max_ongoing_requests
 
     @model_validator(mode="after")
     def _whole_or_fraction_of_gpu(self) -> ServiceSettings:
@@ -260,7 +263,8 @@ def serve_app_values(app: dict) -> dict:
     """One application of a Serve config as ServiceSettings values: its `args`, plus what its
     `deployments` entry for the Encoder sets, which Serve changes on a running application without
     restarting a replica (Ray hashes `args` into the code version: any change there restarts them
-    all): `num_replicas` or `autoscaling_config`, and `user_config`, the batching knobs."""
+    all): `num_replicas` or `autoscaling_config`, `max_ongoing_requests` (Serve's, SERVE_LIMIT_FACTOR
+    times what a replica admits), `max_queued_requests`, and `user_config`, the batching knobs."""
     values = dict(app.get("args") or {})
     for deployment in app.get("deployments") or []:
         if deployment.get("name") != DEPLOYMENT_NAME:
@@ -271,4 +275,8 @@ def serve_app_values(app: dict) -> dict:
             values["autoscaling"] = deployment["autoscaling_config"]
         if "user_config" in deployment:
             values["batching"] = deployment["user_config"]
+        if "max_ongoing_requests" in deployment:
+            values["max_ongoing_requests"] = max(1, deployment["max_ongoing_requests"] // SERVE_LIMIT_FACTOR)
+        if "max_queued_requests" in deployment:
+            values["max_queued_requests"] = deployment["max_queued_requests"]
     return values

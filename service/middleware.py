@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any
 
-from service.config import ServiceSettings
+from service.config import SERVE_LIMIT_FACTOR, ServiceSettings
 from service.errors import error_response
 from service.metrics import service_metrics, status_class
 
@@ -135,14 +135,27 @@ class AdmissionMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
 
+    @staticmethod
+    def current_limit() -> int:
+        """The limit now: half of Serve's max_ongoing_requests for this replica as Serve last applied
+        it (a config change reaches a running replica there, without a restart), else `limit`."""
+        try:
+            from ray import serve
+
+            serve_limit = serve.get_replica_context()._deployment_config.max_ongoing_requests
+        except Exception:  # noqa: BLE001 - outside a replica (unit tests), or a Ray without it
+            return AdmissionMiddleware.limit
+        return max(1, serve_limit // SERVE_LIMIT_FACTOR)
+
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not is_inference(scope.get("method", ""), app_path(scope)):
             return await self.app(scope, receive, send)
-        if AdmissionMiddleware.pending >= AdmissionMiddleware.limit:
+        limit = AdmissionMiddleware.current_limit()
+        if AdmissionMiddleware.pending >= limit:
             scope["failure_reason"] = "overloaded"
             response = error_response(
                 503, "overloaded",
-                f"this replica holds {AdmissionMiddleware.limit} requests already; retry later",
+                f"this replica holds {limit} requests already; retry later",
                 {"Retry-After": str(AdmissionMiddleware.retry_after_s)},
             )
             return await response(scope, receive, send)

@@ -4,7 +4,19 @@ No `from __future__ import annotations` (see routes_native.py).
 """
 
 from service.http_app import ERROR_RESPONSES, app
+from service.middleware import AdmissionMiddleware
 from service.responses import JSONResponse
+
+
+def serve_config_now():
+    """This replica's deployment config as Serve last applied it (replicas, autoscaling, queue limit
+    change on a running replica there), or None outside a replica."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context()._deployment_config
+    except Exception:  # noqa: BLE001 - outside a replica (unit tests)
+        return None
 
 
 class OpsRoutes:
@@ -22,6 +34,7 @@ class OpsRoutes:
         are batched and limited, where the metrics are, and what the replica that answered has done.
         The default model's description is also at the top level (the first listed)."""
         s = self.settings
+        live = serve_config_now()
         replica = self.info()
         models = [describe_model(m, replica["models"][m.name]) for m in self.models]
         return JSONResponse(
@@ -31,9 +44,7 @@ class OpsRoutes:
                 "batching": replica["batching"],
                 "metrics": replica["metrics"],
                 "replica": {k: replica[k] for k in ("replica_id", "node_id", "pid", "gpu", "load")},
-                "replicas": (
-                    {"autoscaling": s.autoscaling.model_dump()} if s.autoscaling else {"replicas": s.replicas}
-                ),
+                "replicas": replicas_now(live, s),
                 "limits": {
                     "max_inputs": s.max_inputs,
                     "max_text_chars": s.max_text_chars,
@@ -42,8 +53,8 @@ class OpsRoutes:
                     "max_attention_values": s.max_attention_values,
                     "max_request_tokens": replica["batching"]["max_batch_tokens"],  # live (user_config)
                     "request_timeout_s": s.request_timeout_s,
-                    "max_ongoing_requests": s.max_ongoing_requests,
-                    "max_queued_requests": s.max_queued_requests,
+                    "max_ongoing_requests": AdmissionMiddleware.current_limit(),  # live (Serve's config)
+                    "max_queued_requests": live.max_queued_requests if live else s.max_queued_requests,
                 },
             }
         )
@@ -80,3 +91,15 @@ def describe_model(m, state: dict) -> dict:
         },
         "versions": manifest.versions,
     }
+
+
+def replicas_now(live, settings) -> dict:
+    """How many replicas, as Serve runs them now (else as the settings say)."""
+    if live is None:
+        return {"autoscaling": settings.autoscaling.model_dump()} if settings.autoscaling else {"replicas": settings.replicas}
+    if live.autoscaling_config is not None:
+        a = live.autoscaling_config
+        return {"autoscaling": {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+                                "target_ongoing_requests": a.target_ongoing_requests,
+                                "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s}}
+    return {"replicas": live.num_replicas}

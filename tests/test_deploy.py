@@ -400,11 +400,16 @@ def test_what_serve_changes_live_is_in_the_deployments_entry_not_in_args():
 
     for name in ("serve_config.yaml", "serve_config.gpu.yaml"):
         app = yaml.safe_load((ROOT / "deploy" / name).read_text())["applications"][0]
-        assert not {"replicas", "autoscaling", "batching"} & set(app["args"]), name
+        assert not {"replicas", "autoscaling", "batching", "max_ongoing_requests", "max_queued_requests"} \
+            & set(app["args"]), name
         (encoder,) = app["deployments"]
         assert encoder["name"] == "Encoder"
-        assert set(encoder) <= {"name", "num_replicas", "autoscaling_config", "user_config"}, encoder
+        assert set(encoder) <= {"name", "num_replicas", "autoscaling_config", "user_config", "max_ongoing_requests",
+                                "max_queued_requests"}, encoder
         BatchingSettings.model_validate(encoder["user_config"])  # every knob known, none misspelt
         settings = ServiceSettings.from_serve_app(app)
         assert settings.batching == BatchingSettings.model_validate(encoder["user_config"])
         assert settings.autoscaling.model_dump() == encoder["autoscaling_config"]
+        # Serve's limit per replica is twice what a replica admits: Serve hands it the excess to refuse
+        assert settings.serve_max_ongoing_requests == encoder["max_ongoing_requests"]
+        assert settings.max_queued_requests == encoder["max_queued_requests"]

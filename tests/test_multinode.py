@@ -177,7 +177,7 @@ def replicas_info(url: str, count: int) -> dict[str, dict]:
 def test_live_knobs_change_under_traffic_without_a_restart_or_a_failed_request(cluster, tmp_path):
     """The config's `deployments` entry changes on the running application as Serve applies it, with
     no replica restarted and no request failed under four closed-loop clients: every batching knob
-    (max_concurrent_batches included), then the replica count."""
+    (max_concurrent_batches included) and the request limits, then the replica count."""
     import copy
 
     before = replicas_info(cluster.url, 2)
@@ -201,19 +201,23 @@ def test_live_knobs_change_under_traffic_without_a_restart_or_a_failed_request(c
         knobs = {"max_batch_tokens": 8192, "batch_wait_timeout_s": 0.002, "max_concurrent_batches": 1,
                  "sub_batch_tokens": 2048, "max_sub_batch_size": 32, "max_padding": 0.2,
                  "max_batch_attention_values": 33554432}
-        config["applications"][0]["deployments"][0]["user_config"] = knobs
+        encoder = config["applications"][0]["deployments"][0]
+        encoder.update(user_config=knobs, max_ongoing_requests=64, max_queued_requests=16)
         path = tmp_path / "knobs.yaml"
         path.write_text(yaml.safe_dump(config))
         cluster.serve_deploy(path)
 
         def applied() -> bool:
             infos = replicas_info(cluster.url, 2)
-            return all(all(i["batching"][k] == v for k, v in knobs.items()) for i in infos.values())
+            return all(all(i["batching"][k] == v for k, v in knobs.items()) and i["limits"]["max_ongoing_requests"] == 32
+                       for i in infos.values())
 
         wait_until(applied, "both replicas to report the new batching knobs", timeout=60)
         after = replicas_info(cluster.url, 2)
         assert set(after) == set(before), "a replica was restarted for a batching change"
-        assert all(i["limits"]["max_request_tokens"] == 8192 for i in after.values())
+        limits = [(i["limits"]["max_request_tokens"], i["limits"]["max_ongoing_requests"],
+                   i["limits"]["max_queued_requests"]) for i in after.values()]
+        assert limits == [(8192, 32, 16)] * 2, limits  # the replica admits half of Serve's 64
         big = [" ".join(["words"] * 200)] * 48  # about 9,700 tokens: over the new limit, under the old one
         r = httpx.post(f"{cluster.url}/v1/encode", json={"inputs": big}, timeout=60)
         assert r.status_code == 413 and "at most 8192" in r.json()["error"]["message"], r.text
