@@ -2,5 +2,6 @@
 
 Request path, a module per step: middleware.py -> routes_*.py (one per protocol: native, OpenAI,
 v2, ops) -> tokenization.py -> deployment.py (the replica and its batch queue) -> batching.py
--> runtime.py (onnxruntime) -> responses.py. Never imports torch.
+-> runtime.py (onnxruntime; cuda.py says whether CUDA can be used and which GPU Ray gave the
+replica) -> responses.py. Never imports torch.
 """
