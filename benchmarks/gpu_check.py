@@ -18,10 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -29,11 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.corpus import sentences
+from benchmarks.local_service import LocalService
 from bundle.contract import ENCODINGS_OUTPUT_NAMES, OUTPUT_NAMES
 from bundle.manifest import Bundle, load_bundle
 from service.batching import pad
 from service.cuda import CUDA, CudaOptions, check_cuda
-from service.processes import free_port
 from service.runtime import CPU, OrtGraph, _session_options, with_options
 from service.tokenization import TextTokenizer
 
@@ -55,14 +52,18 @@ def graphs(bundle: Bundle) -> list[tuple[str, Path, tuple[str, ...]]]:
     return found
 
 
+def padded(bundle: Bundle, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The texts as the service feeds them to a graph: tokenized, truncated, right-padded (ids, mask)."""
+    tokenizer = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens)
+    return pad([t.ids for t in tokenizer.encode(texts, truncate=True)], bundle.manifest.model.pad_token_id)
+
+
 def batches(bundle: Bundle, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
     """The texts tokenized and padded in batches of mixed length (1, 3 and 8 texts)."""
-    tokenizer = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens)
-    ids = [t.ids for t in tokenizer.encode(texts, truncate=True)]
     out, start = [], 0
     for size in (1, 3, 8, 8):
-        if start < len(ids):
-            out.append(pad(ids[start:start + size], bundle.manifest.model.pad_token_id))
+        if start < len(texts):
+            out.append(padded(bundle, texts[start:start + size]))
             start += size
     return out
 
@@ -129,7 +130,7 @@ def throughput(bundle: Bundle, device: str, providers: list, repeats: int) -> No
         graph = OrtGraph(path, outputs, label, providers, options)
         row = []
         for size in BATCH_SIZES:
-            ids, mask = batches_of(bundle, size)
+            ids, mask = padded(bundle, sentences(size, seed=size))
             graph.run(ids, mask, ["sentence_embedding"])  # warm-up: kernels chosen, arena grown
             started = time.perf_counter()
             for _ in range(repeats):
@@ -139,52 +140,32 @@ def throughput(bundle: Bundle, device: str, providers: list, repeats: int) -> No
         say(f"throughput {label} on {device}: " + ", ".join(row))
 
 
-def batches_of(bundle: Bundle, size: int) -> tuple[np.ndarray, np.ndarray]:
-    tokenizer = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens)
-    return pad([t.ids for t in tokenizer.encode(sentences(size, seed=size), truncate=True)],
-               bundle.manifest.model.pad_token_id)
 
 
 def service_end_to_end(bundle_dir: Path, bundle: Bundle, provider: str, timeout_s: float) -> bool:
     """`python -m service --provider PROVIDER` as a user starts it: ready, embeddings equal to CPU fp32
     in-process (to the fp16 floor when it serves fp16), /info names the provider, SIGTERM exits 0."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "--bundle", str(bundle_dir), "--port", str(port), "--replicas", "1",
-         "--provider", provider, "--metrics-port", str(free_port())],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    service = LocalService(bundle_dir, "--provider", provider)
     try:
-        passed = _check_service(f"http://127.0.0.1:{port}", proc, lines, bundle, provider, timeout_s)
+        passed = _check_service(service, bundle, provider, timeout_s)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code: int | str = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = "none: killed after 120 s"
+        code = service.stop()
         say(f"service    {'ok' if code == 0 else 'FAILED':<11} SIGTERM: exit {code}")
     return passed and code == 0
 
 
-def _check_service(url: str, proc: subprocess.Popen, lines: list[str], bundle: Bundle, provider: str,
-                   timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not any(line.startswith("serving ") for line in lines):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            say(f"service    FAILED      python -m service --provider {provider} did not start: "
-                + " | ".join(line.strip() for line in lines[-5:]))
-            return False
-        time.sleep(0.5)
+def _check_service(service: LocalService, bundle: Bundle, provider: str, timeout_s: float) -> bool:
+    if not service.ready(timeout_s):
+        say(f"service    FAILED      python -m service --provider {provider} did not start: "
+            + " | ".join(line.strip() for line in service.lines[-5:]))
+        return False
+    url = service.url
     texts = sentences(5, seed=11)
     got = np.array([d["embedding"] for d in post(f"{url}/v1/embeddings", {"input": texts})["data"]])
     info = json.loads(urllib.request.urlopen(f"{url}/info", timeout=30).read())
     cpu = OrtGraph(bundle.variant_path("fp32"), ENCODINGS_OUTPUT_NAMES, "encodings-fp32", [CPU],
                    _session_options(1, 1, False))
-    tokenizer = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens)
-    ids, mask = pad([t.ids for t in tokenizer.encode(texts, truncate=True)], bundle.manifest.model.pad_token_id)
+    ids, mask = padded(bundle, texts)
     want = cpu.run(ids, mask, ["sentence_embedding"])["sentence_embedding"]
     worst = float(cosine(got, want).min())
     gate = bundle.manifest.variants["fp16"].quality if info["precision"] == "fp16" else None

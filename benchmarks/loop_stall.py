@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -24,7 +21,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from service.processes import free_port, local_cluster_ports
+from benchmarks.local_service import LocalService
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = {"input": "A short text to embed."}
@@ -68,23 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     a = p.parse_args(argv)
 
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "--bundle", str(a.bundle), "--port", str(port), "--replicas", "1",
-         "--metrics-port", str(free_port())],
-        cwd=ROOT, env={**os.environ, **local_cluster_ports()}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
+    service = LocalService(a.bundle)
+    url = service.url
     try:
-        deadline = time.monotonic() + 300
-        while not any(line.startswith("serving ") for line in lines):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                print("".join(lines[-20:]), file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        if not service.ready(300):
+            print("".join(service.lines[-20:]), file=sys.stderr)
+            return 1
         short_requests(url, 2)  # warm-up
         alone = percentiles(short_requests(url, a.seconds))
         stop, sizes = threading.Event(), []
@@ -100,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         for w in workers:
             w.join()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        service.stop()
     result = {"alone": alone, "beside_large": beside, "large_responses_per_s": large_rate,
               "large_response_mb": float(np.mean(sizes)) / 1e6}
     for phase in ("alone", "beside_large"):

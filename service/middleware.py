@@ -24,6 +24,17 @@ _REASON_BY_STATUS = {401: "unauthorized", 404: "not_found", 413: "too_large", 42
 CLIENT_GONE = 499
 
 
+def serve_config_now():
+    """This replica's deployment config as Serve last applied it (replicas, autoscaling and request
+    limits change on a running replica there), or None outside a replica (unit tests)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context()._deployment_config
+    except Exception:  # noqa: BLE001 - not in a replica, or a Ray without it
+        return None
+
+
 def is_inference(method: str, path: str) -> bool:
     """The routes that run the model (and so need a token, and count against admission)."""
     return method == "POST" and (path.startswith("/v1/") or (path.startswith("/v2/models/") and path.endswith("/infer")))
@@ -139,13 +150,10 @@ class AdmissionMiddleware:
     def current_limit() -> int:
         """The limit now: half of Serve's max_ongoing_requests for this replica as Serve last applied
         it (a config change reaches a running replica there, without a restart), else `limit`."""
-        try:
-            from ray import serve
-
-            serve_limit = serve.get_replica_context()._deployment_config.max_ongoing_requests
-        except Exception:  # noqa: BLE001 - outside a replica (unit tests), or a Ray without it
+        live = serve_config_now()
+        if live is None:
             return AdmissionMiddleware.limit
-        return max(1, serve_limit // SERVE_LIMIT_FACTOR)
+        return max(1, live.max_ongoing_requests // SERVE_LIMIT_FACTOR)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not is_inference(scope.get("method", ""), app_path(scope)):

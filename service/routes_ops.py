@@ -4,19 +4,8 @@ No `from __future__ import annotations` (see routes_native.py).
 """
 
 from service.http_app import ERROR_RESPONSES, app
-from service.middleware import AdmissionMiddleware
+from service.middleware import AdmissionMiddleware, serve_config_now
 from service.responses import JSONResponse
-
-
-def serve_config_now():
-    """This replica's deployment config as Serve last applied it (replicas, autoscaling, queue limit
-    change on a running replica there), or None outside a replica."""
-    try:
-        from ray import serve
-
-        return serve.get_replica_context()._deployment_config
-    except Exception:  # noqa: BLE001 - outside a replica (unit tests)
-        return None
 
 
 class OpsRoutes:

@@ -9,28 +9,13 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
-import httpx
 import pytest
 
 from service.config import DEFAULT_GPU_SHARE
 from service.processes import free_port
-from tests.conftest import wait_until
 from tests.metrics_scrape import poll
+from tests.test_multinode import replicas_info
 from tests.test_service_cli import start_service, stop_with_sigterm, wait_for_health
-
-
-def replicas_seen(url: str, count: int) -> dict[str, dict]:
-    """/info of `count` distinct replicas, by replica id (the proxy spreads calls over them)."""
-    seen: dict[str, dict] = {}
-
-    def all_seen() -> bool:
-        for _ in range(8):
-            info = httpx.get(f"{url}/info", timeout=10).json()
-            seen[info["replica"]["replica_id"]] = info
-        return len(seen) >= count
-
-    wait_until(all_seen, f"/info answered by {count} distinct replicas", timeout=120)
-    return seen
 
 
 def run_service(default_bundle: Path, replicas: int, *flags: str):
@@ -66,7 +51,7 @@ def test_two_replicas_with_a_whole_gpu_each_get_one_device_each(default_bundle):
     proc, lines, url, metrics = run_service(default_bundle, 2, "--replica-num-gpus", "1")
     try:
         wait_for_health(url, proc, lines, timeout=180)
-        infos = replicas_seen(url, 2)
+        infos = replicas_info(url, 2, timeout=120)
         assert sorted(check_replica(info, 1.0) for info in infos.values()) == ["0", "1"]  # one GPU each
         families = poll(metrics, lambda f: sum(gpu_ids_in_metrics(f).values()) == 2,
                         what="model_info of both replicas")
@@ -85,7 +70,7 @@ def test_four_replicas_share_the_two_gpus_by_the_default_share(default_bundle):
     proc, lines, url, metrics = run_service(default_bundle, 4)
     try:
         wait_for_health(url, proc, lines, timeout=240)
-        infos = replicas_seen(url, 4)
+        infos = replicas_info(url, 4, timeout=120)
         per_gpu = collections.Counter(check_replica(info, DEFAULT_GPU_SHARE) for info in infos.values())
         assert sum(per_gpu.values()) == 4
         assert all(n * DEFAULT_GPU_SHARE <= 1 for n in per_gpu.values()), per_gpu  # Ray's own bookkeeping

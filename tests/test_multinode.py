@@ -157,8 +157,8 @@ def test_a_worker_node_killed_under_traffic(cluster):
                 f"{whole_at - restarted_at:.1f} s after its `ray start` returned (whole again)")
 
 
-def replicas_info(url: str, count: int) -> dict[str, dict]:
-    """/info of `count` distinct replicas, by replica id."""
+def replicas_info(url: str, count: int, timeout: float = 60) -> dict[str, dict]:
+    """/info of `count` distinct replicas, by replica id (the ingress spreads calls over them)."""
     seen: dict[str, dict] = {}
 
     def all_seen() -> bool:
@@ -170,7 +170,7 @@ def replicas_info(url: str, count: int) -> dict[str, dict]:
             seen[info["replica"]["replica_id"]] = info
         return len(seen) >= count
 
-    wait_until(all_seen, f"/info from {count} replicas", timeout=60)
+    wait_until(all_seen, f"/info from {count} replicas", timeout=timeout)
     return seen
 
 

@@ -174,18 +174,17 @@ def test_health_check_detects_a_broken_session_and_serve_restarts_the_replica(ra
                 "graphs); Serve replaced the replica; no request hung; all 200 after recovery")
 
 
-class FailsHealthChecksOnDemand(Encoder.func_or_class):  # type: ignore[misc]
-    """The real encoder; `fail_next_check()` swaps its full graph's onnxruntime session for the
-    encodings graph's, so the next health check's inference fails in onnxruntime itself (the full
-    graph's outputs do not exist there), then puts the right session back."""
+class FailsHealthChecksOnDemand(BreaksOnDemand):
+    """BreaksOnDemand for one health check only: `fail_next_check()` breaks the session, and the
+    check that fails on it puts the right session back."""
 
     async def __init__(self, settings) -> None:  # the ingress wrapper's __init__ is async
         await super().__init__(settings)
         self._good = None
 
     async def fail_next_check(self) -> None:
-        full = self.models.default.runtime.full
-        self._good, full.session = full.session, self.models.default.runtime.fast.session
+        self._good = self.models.default.runtime.full.session
+        await self.break_session()
 
     def check_health(self) -> None:
         try:
