@@ -33,9 +33,10 @@ def compose(settings: ServiceSettings, deployment=Encoder) -> Application:
         replicas = {"num_replicas": settings.replicas}
     return deployment.options(
         **replicas,
-        # Serve's own limit sits above the replica's admission limit, so overload is refused by
-        # the replica with a JSON body; Serve's queue behind it is bounded and refuses with 503 too.
-        max_ongoing_requests=settings.serve_max_ongoing_requests,
+        # Serve's limit is the replica's: Serve routes only to replicas with room, queues what none
+        # has room for (bounded), and refuses the rest with 503 + Retry-After, which
+        # service/ingress.py writes as our JSON error.
+        max_ongoing_requests=settings.max_ongoing_requests,
         max_queued_requests=settings.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=settings.retry_after_s),
         ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": settings.num_gpus},

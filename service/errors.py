@@ -51,10 +51,6 @@ class ClientGone(ServiceError):
     status, type = 499, "cancelled"
 
 
-class Overloaded(ServiceError):
-    status, type = 503, "overloaded"
-
-
 class NotReady(ServiceError):
     status, type = 503, "not_ready"
 

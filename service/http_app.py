@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __doc__ as service_doc
 from service.errors import ServiceError, error_response
-from service.middleware import AdmissionMiddleware, BearerAuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from service.middleware import InFlightMiddleware, BearerAuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from service.responses import JSONResponse
 from service.schemas import ErrorResponse
 
@@ -49,7 +49,7 @@ app = FastAPI(
 )
 
 app.add_middleware(BodyLimitMiddleware)
-app.add_middleware(AdmissionMiddleware)
+app.add_middleware(InFlightMiddleware)
 app.add_middleware(BearerAuthMiddleware)
 app.add_middleware(MetricsMiddleware)  # added last: outermost, so it sees every refusal too
 

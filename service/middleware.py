@@ -1,5 +1,5 @@
-"""Pure-ASGI middlewares around every route, outermost first: metrics, bearer auth, admission
-(overload shedding), body limit.
+"""Pure-ASGI middlewares around every route, outermost first: metrics, bearer auth, in-flight
+count, body limit (overload is refused by Serve itself: service/ingress.py).
 
 Their settings are class attributes, set by the deployment when a replica starts: Ray Serve
 pickles the ingress's FastAPI app by value, module variables its functions read included, while
@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any
 
-from service.config import SERVE_LIMIT_FACTOR, ServiceSettings
+from service.config import ServiceSettings
 from service.errors import error_response
 from service.metrics import service_metrics, status_class
 
@@ -36,7 +36,7 @@ def serve_config_now():
 
 
 def is_inference(method: str, path: str) -> bool:
-    """The routes that run the model (and so need a token, and count against admission)."""
+    """The routes that run the model (and so need a token, and count as in flight)."""
     return method == "POST" and (path.startswith("/v1/") or (path.startswith("/v2/models/") and path.endswith("/infer")))
 
 
@@ -131,48 +131,26 @@ class BearerAuthMiddleware:
         await response(scope, receive, send)
 
 
-class AdmissionMiddleware:
-    """Overload shedding: at most `limit` inference requests inside this replica (waiting for a
-    batch or in one); the next is refused at once with 503 + Retry-After, before its body is read.
+class InFlightMiddleware:
+    """Counts the inference requests inside this replica (waiting for a batch or in one) for /info
+    and the tests. Serve itself holds a replica to max_ongoing_requests (routing elsewhere, queueing,
+    then refusing with 503: service/ingress.py), so nothing past the limit reaches this far."""
 
-    Health, readiness and /info are never refused, so probes tell the truth under load.
-    """
-
-    limit = 128
-    retry_after_s = 1
     pending = 0  # inference requests admitted and not yet answered
     admitted = 0  # inference requests admitted since the replica started
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    @staticmethod
-    def current_limit() -> int:
-        """The limit now: half of Serve's max_ongoing_requests for this replica as Serve last applied
-        it (a config change reaches a running replica there, without a restart), else `limit`."""
-        live = serve_config_now()
-        if live is None:
-            return AdmissionMiddleware.limit
-        return max(1, live.max_ongoing_requests // SERVE_LIMIT_FACTOR)
-
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not is_inference(scope.get("method", ""), app_path(scope)):
             return await self.app(scope, receive, send)
-        limit = AdmissionMiddleware.current_limit()
-        if AdmissionMiddleware.pending >= limit:
-            scope["failure_reason"] = "overloaded"
-            response = error_response(
-                503, "overloaded",
-                f"this replica holds {limit} requests already; retry later",
-                {"Retry-After": str(AdmissionMiddleware.retry_after_s)},
-            )
-            return await response(scope, receive, send)
-        AdmissionMiddleware.pending += 1
-        AdmissionMiddleware.admitted += 1
+        InFlightMiddleware.pending += 1
+        InFlightMiddleware.admitted += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            AdmissionMiddleware.pending -= 1
+            InFlightMiddleware.pending -= 1
 
 
 class BodyLimitMiddleware:
@@ -242,5 +220,3 @@ def configure(settings: ServiceSettings) -> None:
     """Apply the settings to the middlewares of this replica."""
     BodyLimitMiddleware.limit = settings.max_body_bytes
     BearerAuthMiddleware.token = load_token(settings)
-    AdmissionMiddleware.limit = settings.max_ongoing_requests
-    AdmissionMiddleware.retry_after_s = settings.retry_after_s

@@ -46,10 +46,14 @@ def local_cluster_ports() -> dict[str, str]:
     Prometheus endpoint (9101), the fallback proxy (8500, 9500), and replicas' own HTTP and gRPC
     ports from 30000 and 40000 (bound with SO_REUSEPORT). Two clusters on one machine, two
     `make run`s or a test suite beside a running service, would share them, and traffic sent to
-    one would reach the other's replicas.
+    one would reach the other's replicas. Its stats and metrics ports also listen on every
+    interface: service/listeners.py puts them on the HTTP host.
     """
+    from service.listeners import haproxy_on_http_host_env
+
     http, grpc = free_port_range(64), free_port_range(64)
     return {
+        **haproxy_on_http_host_env(),  # HAProxy's stats and metrics ports on the HTTP host too
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
@@ -158,3 +162,39 @@ def stop(pids: set[int], timeout: float = 5.0) -> set[int]:
         if not any(alive(p) for p in running):
             break
     return running
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[str, str, int]]:
+    """(process name, address, port) of every TCP socket in LISTEN state owned by pids."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_ip, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_ip)
+            if len(raw) == 4:
+                address = ".".join(str(b) for b in raw[::-1])
+            else:  # IPv6 in 4-byte little-endian words
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                address = ":".join(words[i : i + 2].hex() for i in range(0, 16, 2))
+            found.append((Path(cmdline(inodes[inode])[0] if cmdline(inodes[inode]) else "?").name,
+                          address, int(hex_port, 16)))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("0000:0000:0000:0000:0000:0000:0000:0001",) or (
+        address.startswith("0000:0000:0000:0000:0000:ffff:7f")
+    )

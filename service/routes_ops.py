@@ -4,7 +4,7 @@ No `from __future__ import annotations` (see routes_native.py).
 """
 
 from service.http_app import ERROR_RESPONSES, app
-from service.middleware import AdmissionMiddleware, serve_config_now
+from service.middleware import serve_config_now
 from service.responses import JSONResponse
 
 
@@ -42,8 +42,8 @@ class OpsRoutes:
                     "max_attention_values": s.max_attention_values,
                     "max_request_tokens": replica["batching"]["max_batch_tokens"],  # live (user_config)
                     "request_timeout_s": s.request_timeout_s,
-                    "max_ongoing_requests": AdmissionMiddleware.current_limit(),  # live (Serve's config)
-                    "max_queued_requests": live.max_queued_requests if live else s.max_queued_requests,
+                    "max_ongoing_requests": live.max_ongoing_requests if live else s.max_ongoing_requests,  # live
+                    "max_queued_requests": live.max_queued_requests if live else s.max_queued_requests,  # live
                 },
             }
         )

@@ -18,7 +18,15 @@ from pathlib import Path
 
 from service import processes
 
-RAY = str(Path(sys.executable).with_name("ray"))
+# `ray start` for a cluster of nodes on one machine's loopback. Ray 2.60 lets worker nodes join only
+# with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1, and with it rewrites a node address of 127.0.0.1 into the
+# machine's network address (services.resolve_ip_for_localhost), where its daemons then listen, as do
+# processes that look their address up again (the dashboard's). So the switch is on only inside
+# `ray start` itself, and the address is kept: every process of the cluster sees it off and binds
+# 127.0.0.1, as each pod binds its own IP on Kubernetes.
+RAY = [sys.executable, "-c", "import sys; import ray._private.ray_constants as c; c.ENABLE_RAY_CLUSTER = True; "
+       "import ray._private.services as s; s.resolve_ip_for_localhost = lambda host: host; "
+       "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"]
 SERVE = str(Path(sys.executable).with_name("serve"))
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +96,7 @@ class LoopbackCluster:
             "RAY_AUTH_TOKEN": secrets.token_hex(16),
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_ADDRESS": "",
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # the test session sets 0 (one-node Ray); nodes join here
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # on inside `ray start` alone (RAY, above)
         }
 
     @property
@@ -101,7 +109,7 @@ class LoopbackCluster:
         node = Node(index, temp_dir, processes.free_port(), head)
         low = processes.free_port_range(64)
         args = [
-            RAY, "start", "--node-ip-address", "127.0.0.1", "--temp-dir", str(temp_dir), "--disable-usage-stats",
+            *RAY, "start", "--node-ip-address", "127.0.0.1", "--temp-dir", str(temp_dir), "--disable-usage-stats",
             "--metrics-export-port", str(node.metrics_port),
             "--dashboard-agent-listen-port", str(processes.free_port()),
             "--dashboard-agent-grpc-port", str(processes.free_port()),
@@ -114,7 +122,7 @@ class LoopbackCluster:
             self.gcs_port, self.dashboard_port = processes.free_port(), processes.free_port()
             args += ["--head", "--port", str(self.gcs_port), "--num-cpus", "0", "--include-dashboard", "true",
                      "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
-                     "--ray-client-server-port", str(processes.free_port()),
+                     "--ray-client-server-port", str(processes.free_port()),  # Ray always starts it
                      "--system-config", json.dumps({"metrics_report_interval_ms": 1000})]
         else:
             args += ["--address", f"127.0.0.1:{self.gcs_port}", "--num-cpus", str(num_cpus)]
@@ -138,9 +146,14 @@ class LoopbackCluster:
         if result.returncode != 0:
             raise RuntimeError(f"serve deploy failed: {result.stderr[-2000:]}")
 
+    def processes_of_cluster(self) -> set[int]:
+        """Every process of the cluster: the node daemons name their temp dir, the Ray client server,
+        started apart from them, only the GCS address; and all they started."""
+        return tree_of(str(self.root) + "/") | tree_of(f"127.0.0.1:{self.gcs_port}")
+
     def shutdown(self) -> set[int]:
         """Kill every process of the cluster; returns those still alive afterwards (none, or a bug)."""
-        doomed = tree_of(str(self.root) + "/")
+        doomed = self.processes_of_cluster()  # the client server outlived it otherwise, parent 1
         kill_all(doomed)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(processes.alive(p) for p in doomed):

@@ -43,3 +43,48 @@ def deploy_holding(name: str, route_prefix: str, bundle: Path, **settings):
     serve.run(compose(parsed, serve.deployment(HoldsTheFirstBatch, name="Encoder")), name=name,
               route_prefix=route_prefix, logging_config={"enable_access_log": False})
     return serve.get_deployment_handle("Encoder", name)
+
+
+class Gate:
+    """A plain Ray actor (not a Serve deployment, so it answers while every replica is full) that
+    replicas of GatedEncoder wait on before each batch, until the test opens it."""
+
+    def __init__(self) -> None:
+        self.opened = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self.opened.wait()
+
+    async def open(self) -> None:
+        self.opened.set()
+
+
+GATE_NAMESPACE = "tests"
+
+
+class GatedEncoder(Encoder.func_or_class):  # type: ignore[misc]
+    """Every batch waits for the named Gate: the replicas fill up and stay full until it opens."""
+
+    gate_name = ""
+
+    async def _run_batch(self, served, jobs):
+        import ray
+
+        await ray.get_actor(self.gate_name, namespace=GATE_NAMESPACE).wait.remote()
+        return await super()._run_batch(served, jobs)
+
+
+def deploy_gated(name: str, route_prefix: str, bundle: Path, **settings):
+    """Deploy `name` with GatedEncoder replicas behind a new closed Gate; returns the gate's handle."""
+    import ray
+
+    from service.app import compose
+    from service.config import ServiceSettings
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    gate = ray.remote(Gate).options(name=f"gate-{name}", namespace=GATE_NAMESPACE).remote()
+    gated = type("Gated", (GatedEncoder,), {"gate_name": f"gate-{name}"})
+    parsed = ServiceSettings.model_validate({"bundle": str(bundle), **settings})
+    serve.run(compose(parsed, serve.deployment(gated, name="Encoder")), name=name,
+              route_prefix=route_prefix, logging_config={"enable_access_log": False})
+    return gate

@@ -243,9 +243,7 @@ def test_serve_limits_are_sane(name):
     # a batch can only fill with as many requests in flight as a replica holds
     assert s.max_ongoing_requests >= s.batching.max_sub_batch_size
     assert s.max_ongoing_requests >= s.batching.max_concurrent_batches
-    # Serve lets past the replica's own limit, so overload is refused by the replica (JSON), and
-    # its queue is bounded
-    assert s.serve_max_ongoing_requests > s.max_ongoing_requests
+    # Serve's queue in front of full replicas is bounded
     assert 0 < s.max_queued_requests < 100_000
     for _, template in pod_templates(load(name)):
         assert s.graceful_shutdown_timeout_s < template["spec"]["terminationGracePeriodSeconds"]
@@ -410,6 +408,6 @@ def test_what_serve_changes_live_is_in_the_deployments_entry_not_in_args():
         settings = ServiceSettings.from_serve_app(app)
         assert settings.batching == BatchingSettings.model_validate(encoder["user_config"])
         assert settings.autoscaling.model_dump() == encoder["autoscaling_config"]
-        # Serve's limit per replica is twice what a replica admits: Serve hands it the excess to refuse
-        assert settings.serve_max_ongoing_requests == encoder["max_ongoing_requests"]
+        # Serve's limit per replica is the replica's: Serve routes only to replicas with room
+        assert settings.max_ongoing_requests == encoder["max_ongoing_requests"]
         assert settings.max_queued_requests == encoder["max_queued_requests"]

@@ -5,6 +5,7 @@ service's own end-to-end check of the mid-upload case is in test_metrics.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -61,3 +62,43 @@ def test_answered_requests_count_with_their_own_status(monkeypatch, status):
         await send({"type": "http.response.body", "body": b"{}"})
 
     assert run_through(monkeypatch, answers) == [status]
+
+
+def test_ray_answers_become_our_json_error_and_ours_pass_untouched():
+    """service/ingress.py: Serve's plain-text answers (its queue-full 503 with Retry-After, its 408)
+    become `{"error": {"type", "message"}}` with status and headers kept; JSON answers are not touched."""
+    import asyncio
+
+    from service.ingress import RayAnswersAsJson
+
+    def app_answering(status: int, body: bytes, content_type: bytes, extra=()):
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", content_type), *extra]})
+            await send({"type": "http.response.body", "body": body[:5], "more_body": True})
+            await send({"type": "http.response.body", "body": body[5:]})
+        return app
+
+    def run(app) -> tuple[dict, bytes]:
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(RayAnswersAsJson(app)({"type": "http", "path": "/v1/embeddings"}, None, send))
+        start = sent[0]
+        return start, b"".join(m.get("body", b"") for m in sent[1:])
+
+    refused = b"Request dropped due to backpressure (num_queued_requests=1, max_queued_requests=1)."
+    start, body = run(app_answering(503, refused, b"text/plain; charset=utf-8", [(b"retry-after", b"2")]))
+    headers = dict(start["headers"])
+    assert start["status"] == 503 and headers[b"retry-after"] == b"2"
+    assert headers[b"content-type"] == b"application/json" and int(headers[b"content-length"]) == len(body)
+    assert json.loads(body) == {"error": {"type": "overloaded", "message": refused.decode()}}
+    start, body = run(app_answering(408, b"Request abc timed out after 1.0s.", b"text/plain"))
+    assert start["status"] == 408 and json.loads(body)["error"]["type"] == "timeout"
+    ours = json.dumps({"error": {"type": "validation", "message": "x"}}).encode()
+    start, body = run(app_answering(422, ours, b"application/json"))
+    assert body == ours and dict(start["headers"])[b"content-type"] == b"application/json"
+    start, body = run(app_answering(200, b"success", b"text/plain"))
+    assert start["status"] == 200 and body == b"success"  # Serve's /-/healthz: not an error, not touched

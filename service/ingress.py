@@ -1,0 +1,89 @@
+"""Ray Serve's own answers in our JSON error shape.
+
+Some answers never reach our FastAPI app: Serve's 503 when a replica's slots and its queue are
+full (backpressure), its 408 when X-Request-Timeout-Seconds passes, its 404 for a path no
+application serves, its 500 when a replica dies. Serve writes them as plain text. Serve calls
+the function named by RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH (service/config.py, INGRESS_ENV)
+in its HTTP proxy and in each replica's own HTTP server (the one HAProxy sends to), and wraps
+their ASGI apps in the middlewares it returns: this one rewrites those answers into
+`{"error": {"type", "message"}}`, keeps their status and headers (Retry-After), and counts
+Serve's refusals in ray_encoder_request_failures_total{reason="overloaded"}, where the
+overload alert looks. Our own answers are JSON already and pass through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.middleware import Middleware
+
+# Serve's status -> our error type (service/errors.py names the same ones)
+RAY_ANSWER_TYPES = {404: "not_found", 408: "timeout", 413: "too_large", 500: "backend", 503: "unavailable"}
+BACKPRESSURE = "backpressure"  # in Serve's text for a refusal by max_queued_requests (both ingresses)
+ROUTE_REFUSED_BY_SERVE = "serve_queue"  # route label of those refusals: no app route matched them yet
+
+
+def error_type(status: int, text: str) -> str:
+    if status == 503 and BACKPRESSURE in text.lower():
+        return "overloaded"
+    return RAY_ANSWER_TYPES.get(status, "backend" if status >= 500 else "bad_request")
+
+
+class RayAnswersAsJson:
+    """ASGI middleware: an error answer that is not JSON becomes our JSON error body."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start: dict | None = None
+        body: list[bytes] = []
+
+        async def rewriting_send(message: dict) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers") or [])
+                content_type = headers.get(b"content-type", b"")
+                if message["status"] >= 400 and not content_type.startswith(b"application/json"):
+                    start = message  # hold it until the body is complete
+                    return
+                return await send(message)
+            if start is None or message["type"] != "http.response.body":
+                return await send(message)
+            body.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            await send_json(start, b"".join(body).decode("utf-8", "replace"))
+
+        async def send_json(held: dict, text: str) -> None:
+            status = held["status"]
+            type_ = error_type(status, text)
+            payload = json.dumps({"error": {"type": type_, "message": text.strip() or f"HTTP {status}"}}).encode()
+            kept = [(k, v) for k, v in held.get("headers") or [] if k.lower() not in (b"content-type", b"content-length")]
+            await send({"type": "http.response.start", "status": status,
+                        "headers": kept + [(b"content-type", b"application/json"),
+                                           (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "http.response.body", "body": payload})
+            if type_ == "overloaded":
+                count_refusal()
+
+        await self.app(scope, receive, rewriting_send)
+
+
+def count_refusal() -> None:
+    """Serve refused a request for want of room: a request, and the failure the overload alert counts
+    (its ratio divides by ray_encoder_requests_total, which these never reach otherwise)."""
+    from service.metrics import service_metrics
+
+    metrics = service_metrics()
+    tags = {"route": ROUTE_REFUSED_BY_SERVE, "model": ""}
+    metrics.requests.inc(tags={**tags, "status_class": "5xx"})
+    metrics.failures.inc(tags={**tags, "reason": "overloaded"})
+
+
+def ray_answers_as_json() -> list[Middleware]:
+    """The callback Serve imports (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH)."""
+    return [Middleware(RayAnswersAsJson)]
