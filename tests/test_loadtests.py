@@ -23,7 +23,8 @@ def test_short_headless_run_has_no_failures(service_url, tmp_path):
 def test_overload_sheds_with_retry_after_and_bounds_waiting(ray_serve, default_bundle, tmp_path):
     timeout_s = 10
     deploy(
-        {"max_ongoing_requests": 1, "max_queued_requests": 16, "request_timeout_s": timeout_s,
+        # a replica holds 1 request and Serve queues 4 more: 16 users are bound to be refused
+        {"max_ongoing_requests": 1, "max_queued_requests": 4, "request_timeout_s": timeout_s,
          "num_cpus": 1, "retry_after_s": 1, "batching": {"max_concurrent_batches": 1}},
         "overload", "/overload", default_bundle,
     )
