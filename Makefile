@@ -154,7 +154,7 @@ loop-stall: bundle
 # --dry-run-on-cpu). GPU_CHECK_ARGS, e.g. '--repeats 50 --no-service'.
 GPU_CHECK_ARGS ?=
 gpu-check: bundle
-	@$(BIN)/python -m service.cuda --libraries >/dev/null 2>&1 || { \
+	@$(BIN)/python -m service.runtimes.cuda --libraries >/dev/null 2>&1 || { \
 	  echo "installing the cuda extra into $(VENV) (onnxruntime-gpu's CUDA 13 and cuDNN 9 wheels, about 2.5 GB)"; \
 	  $(BIN)/python -m pip install --disable-pip-version-check -q -e ".[$(EXTRAS),cuda]" 2>&1 | $(PIP_QUIET); }
 	$(BIN)/python -m benchmarks.gpu_check --bundle $(BUNDLE) $(GPU_CHECK_ARGS)

@@ -1,6 +1,6 @@
 """make gpu-check: what the day a GPU is there must prove, in one command.
 
-1. One line per CUDA step (build, libraries, driver, device; service/cuda.py). Without a usable GPU
+1. One line per CUDA step (build, libraries, driver, device; service/runtimes/cuda.py). Without a usable GPU
    it stops there, non-zero, naming what is missing.
 2. Parity of every CUDA graph of the bundle against the same graph on CPU: the full graph and the
    fp32 encodings graph within 1e-4 (TF32 off, as the service runs them), the fp16 encodings graph
@@ -29,10 +29,10 @@ from benchmarks.corpus import sentences
 from benchmarks.local_service import LocalService
 from bundle.contract import ENCODINGS_OUTPUT_NAMES, OUTPUT_NAMES
 from bundle.manifest import Bundle, load_bundle
-from service.batching import pad
-from service.cuda import CUDA, CudaOptions, check_cuda
-from service.runtime import CPU, OrtGraph, _session_options, with_options
-from service.tokenization import TextTokenizer
+from service.engine.runner import pad
+from service.runtimes.cuda import CUDA, CudaOptions, check_cuda
+from service.runtimes.onnxruntime import CPU, OrtGraph, _session_options, with_options
+from service.engine.tokenization import TextTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 FP32_ATOL = 1e-4

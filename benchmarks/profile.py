@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import os
 import shutil
 import subprocess
@@ -56,6 +57,38 @@ def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:
     return [(100 * c / max(total, 1), frame) for frame, c in counts.most_common(n)]
 
 
+# Where a sample of the replica's stack is, by the innermost frame that says (checked in this order)
+STAGES = [
+    ("model", ("onnxruntime_inference_collection", "runtimes/onnxruntime.py")),
+    ("tokenize", ("engine/tokenization.py", "tokenizers")),
+    ("serialise", ("http/responses.py", "orjson", "responses.py")),
+    ("batch and pool", ("engine/batcher.py", "engine/runner.py", "batching.py", "numpy")),
+    ("parse and validate", ("fastapi/", "pydantic", "starlette/", "http/schemas.py", "json/", "schemas.py")),
+    ("routes and engine steps", ("service/",)),
+    ("Ray Serve, uvicorn, event loop", ("ray/", "uvicorn", "h11", "asyncio", "anyio", "concurrent/")),
+]
+SAMPLE_MS = 10  # py-spy at 100 samples per second
+
+
+def stage_of(stack: str) -> str:
+    frames = stack.split(";")
+    for frame in reversed(frames):
+        for stage, marks in STAGES:
+            if any(mark in frame for mark in marks):
+                return stage
+    return "other"
+
+
+def stage_ms(raw: Path, requests: int) -> dict[str, float]:
+    """CPU milliseconds per request by stage: py-spy samples of non-idle threads, 10 ms each."""
+    counts: collections.Counter = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if count.isdigit():
+            counts[stage_of(stack)] += int(count)
+    return {stage: n * SAMPLE_MS / max(requests, 1) for stage, n in counts.most_common()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__)
     p.add_argument("--bundle", type=Path, default=Path("bundles/all-MiniLM-L6-v2"))
@@ -84,12 +117,14 @@ def main() -> int:
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-        settings = ServiceSettings.model_validate({"bundle": str(args.bundle.resolve()), "precision": args.precision})
+        settings = ServiceSettings.model_validate({"bundle": str(args.bundle.resolve()), "precision": args.precision,
+                                                   "replicas": 1})
         serve.run(build_app(settings), name="bench", route_prefix="/", logging_config={"enable_access_log": False})
         url = f"http://127.0.0.1:{port}"
         texts = sentences(4096)
         asyncio.run(load(url, [{"inputs": t} for t in texts[:64]], 8))  # warm-up
         pids = serve_pids()
+        handled_before = replica_requests(url)
         print(f"profiling {', '.join(f'{n} (pid {pid})' for n, pid in pids.items())} for {args.seconds}s "
               f"under single-text load at concurrency 32", flush=True)
         recorders = {
@@ -110,6 +145,7 @@ def main() -> int:
             asyncio.run(drive())
         except asyncio.CancelledError:
             pass
+        handled = replica_requests(url) - handled_before
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -119,7 +155,22 @@ def main() -> int:
             print(f"\n{name}: most samples (flame graph: {args.out / (name + '.svg')})")
             for share, frame in top_frames(raw):
                 print(f"  {share:5.1f}%  {frame[:120]}")
+    raw = args.out / "replica.txt"
+    if raw.exists():
+        stages = stage_ms(raw, handled)
+        outside = sum(v for k, v in stages.items() if k != "model")
+        print(f"\nreplica CPU per single-text request ({handled} requests): " +
+              ", ".join(f"{k} {v:.2f} ms" for k, v in stages.items()) + f"; outside the model {outside:.2f} ms")
+        (args.out / "stages.json").write_text(json.dumps({"requests": handled, "ms_per_request": stages,
+                                                           "outside_model_ms": outside}))
     return 0
+
+
+def replica_requests(url: str) -> int:
+    """Requests the (one) replica has put through its runner, from /info."""
+    import httpx
+
+    return int(httpx.get(f"{url}/info", timeout=30).json()["encoder_counters"]["requests"])
 
 
 if __name__ == "__main__":

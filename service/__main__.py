@@ -140,7 +140,7 @@ def quiet_std_streams(log_path: Path) -> tuple[TextIO, TextIO]:
 def summary(settings: ServiceSettings, http: dict, info: dict, args: argparse.Namespace, log_path: Path,
             seconds: float) -> list[str]:
     """The start-up lines: what a user needs to call, watch and stop the service."""
-    from service.middleware import load_token
+    from service.http.middleware import load_token
 
     url = f"http://{http['host']}:{http['port']}"
     scaling = settings.autoscaling
@@ -212,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     # (set before anything below imports ray)
     try:
         settings, http = load_settings(args)
-        from service.middleware import load_token
-        from service.cuda import check_cuda
-        from service.runtime import check_bundles
+        from service.http.middleware import load_token
+        from service.runtimes.cuda import check_cuda
+        from service.runtimes.onnxruntime import check_bundles
 
         load_token(settings)  # an empty or unreadable token file refuses here
         check_bundles(settings)

@@ -10,7 +10,7 @@ from ray.serve.config import BackpressureConfig
 
 from service.config import ServiceSettings
 from service.deployment import Encoder
-from service.runtime import check_bundles
+from service.runtimes.onnxruntime import check_bundles
 
 
 def build_app(args: ServiceSettings) -> Application:
@@ -35,7 +35,7 @@ def compose(settings: ServiceSettings, deployment=Encoder) -> Application:
         **replicas,
         # Serve's limit is the replica's: Serve routes only to replicas with room, queues what none
         # has room for (bounded), and refuses the rest with 503 + Retry-After, which
-        # service/ingress.py writes as our JSON error.
+        # service/http/ingress.py writes as our JSON error.
         max_ongoing_requests=settings.max_ongoing_requests,
         max_queued_requests=settings.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=settings.retry_after_s),

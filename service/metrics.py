@@ -10,6 +10,7 @@ Families (exported names; one question each):
   ray_encoder_request_failures_total{route,reason}      how many failed, and why
   ray_encoder_request_duration_seconds{route,stage}     time per stage: tokenization, queue, inference, total
   ray_encoder_in_flight_requests                        requests being handled right now (per ingress replica)
+  ray_encoder_batch_queue_requests                      requests waiting for a batch (per replica and model)
   ray_encoder_response_bytes_total{route,kind}          bytes sent, by output kind
   ray_encoder_batch_size_requests                       requests per batch (batch fill)
   ray_encoder_batch_size_tokens                         real tokens per batch
@@ -67,6 +68,8 @@ class ServiceMetrics:
             boundaries=LATENCY_BUCKETS, tag_keys=("route", "stage", "model"),
         )
         self.in_flight = Gauge(PREFIX + "in_flight_requests", "Requests being handled by this ingress replica.")
+        self.batch_queue = Gauge(PREFIX + "batch_queue_requests",
+                                 "Requests waiting in this replica's batch queue for a runner slot.", tag_keys=MODEL)
         self.response_bytes = Counter(
             PREFIX + "response_bytes_total",
             "Response body bytes by output kind (embedding, token_embeddings, tokens, attention, other).",

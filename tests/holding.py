@@ -13,11 +13,23 @@ from ray import cloudpickle, serve
 from service.deployment import Encoder
 
 
+def hold_batches(encoder, wait) -> None:
+    """Every engine's batches wait for `wait(jobs)` first: the batch queue's runner, replaced."""
+    for engine in encoder.engines:
+        def holding(run):
+            async def held(jobs):
+                await wait(jobs)
+                return await run(jobs)
+            return held
+        engine.batcher.run = holding(engine.batcher.run)
+
+
 class HoldsTheFirstBatch(Encoder.func_or_class):  # type: ignore[misc]
     async def __init__(self, settings) -> None:  # the ingress wrapper's __init__ is async
         await super().__init__(settings)
         self._gate = asyncio.Event()
         self._held = 0
+        hold_batches(self, self._hold)
 
     async def release(self) -> None:
         self._gate.set()
@@ -26,11 +38,10 @@ class HoldsTheFirstBatch(Encoder.func_or_class):  # type: ignore[misc]
         """Requests in the batch that waits for release()."""
         return self._held
 
-    async def _run_batch(self, served, jobs):
+    async def _hold(self, jobs) -> None:
         if not self._gate.is_set():
             self._held += len(jobs)
             await self._gate.wait()
-        return await super()._run_batch(served, jobs)
 
 
 def deploy_holding(name: str, route_prefix: str, bundle: Path, **settings):
@@ -67,11 +78,14 @@ class GatedEncoder(Encoder.func_or_class):  # type: ignore[misc]
 
     gate_name = ""
 
-    async def _run_batch(self, served, jobs):
+    async def __init__(self, settings) -> None:
+        await super().__init__(settings)
+        hold_batches(self, self._wait_for_gate)
+
+    async def _wait_for_gate(self, jobs) -> None:
         import ray
 
         await ray.get_actor(self.gate_name, namespace=GATE_NAMESPACE).wait.remote()
-        return await super()._run_batch(served, jobs)
 
 
 def deploy_gated(name: str, route_prefix: str, bundle: Path, **settings):

@@ -16,7 +16,7 @@ import pytest
 
 from bundle.manifest import load_bundle
 from service.config import DEFAULT_GPU_SHARE, ServiceSettings
-from service.cuda import (
+from service.runtimes.cuda import (
     DRIVER,
     CudaOptions,
     assign_gpu,
@@ -27,7 +27,7 @@ from service.cuda import (
     provider_library,
     session_memory_limit,
 )
-from service.runtime import CPU, CUDA, CudaSettings, OrtEncoder, cuda_options, resolve_precision, with_options
+from service.runtimes.onnxruntime import CPU, CUDA, CudaSettings, OrtEncoder, cuda_options, resolve_precision, with_options
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB, MiB = 2**30, 2**20
@@ -88,11 +88,11 @@ def test_the_needed_libraries_are_what_the_provider_links_against():
 
 
 def test_python_m_service_cuda_proves_the_libraries_and_names_the_driver():
-    libraries = subprocess.run([sys.executable, "-m", "service.cuda", "--libraries"], capture_output=True,
+    libraries = subprocess.run([sys.executable, "-m", "service.runtimes.cuda", "--libraries"], capture_output=True,
                                text=True, cwd=ROOT, timeout=120)
     assert libraries.stdout.splitlines()[0].startswith("build      ok")
     assert libraries.returncode == (0 if cuda_wheels_installed() else 1), libraries.stdout
-    full = subprocess.run([sys.executable, "-m", "service.cuda"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    full = subprocess.run([sys.executable, "-m", "service.runtimes.cuda"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     if not loadable(DRIVER):
         assert full.returncode == 1
         assert full.stdout.splitlines()[-1].startswith("CUDA cannot be used: ") and f"{DRIVER} is not installed" in full.stdout
@@ -148,7 +148,7 @@ def _printable_words(data: bytes) -> list[str]:
 
 
 def test_the_options_follow_the_settings_the_device_and_the_share():
-    from service.cuda import CudaCheck, Device, GpuAssignment
+    from service.runtimes.cuda import CudaCheck, Device, GpuAssignment
 
     gpu = GpuAssignment(0.5, ("1",), "1", 0)
     h100 = CudaCheck(True, device=Device(0, "NVIDIA H100", 80 * GiB, (9, 0)))

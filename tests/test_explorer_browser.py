@@ -183,7 +183,7 @@ def test_explorer_assets_ship_with_the_service(service_url):
         assert r.headers["content-type"] == expected[Path(url).suffix], (url, r.headers["content-type"])
         outside = set(re.findall(r"https?://[^\s'\"`)]+", r.text)) - NAMESPACES
         assert not outside, f"{url} names URLs outside the service: {outside}"
-    for name in ("index.html", "nope.js", "..%2Froutes_explorer.py", "explorer.js.map"):
+    for name in ("index.html", "nope.js", "..%2Fhttp/routes/explorer.py", "explorer.js.map"):
         r = httpx.get(f"{service_url}/explorer/assets/{name}", timeout=30)
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found", (name, r.text)
 

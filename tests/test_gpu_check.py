@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from service.cuda import check_cuda
+from service.runtimes.cuda import check_cuda
 from tests.test_service_cli import service_env
 
 ROOT = Path(__file__).resolve().parents[1]

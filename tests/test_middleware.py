@@ -65,11 +65,11 @@ def test_answered_requests_count_with_their_own_status(monkeypatch, status):
 
 
 def test_ray_answers_become_our_json_error_and_ours_pass_untouched():
-    """service/ingress.py: Serve's plain-text answers (its queue-full 503 with Retry-After, its 408)
+    """service/http/ingress.py: Serve's plain-text answers (its queue-full 503 with Retry-After, its 408)
     become `{"error": {"type", "message"}}` with status and headers kept; JSON answers are not touched."""
     import asyncio
 
-    from service.ingress import RayAnswersAsJson
+    from service.http.ingress import RayAnswersAsJson
 
     def app_answering(status: int, body: bytes, content_type: bytes, extra=()):
         async def app(scope, receive, send):

@@ -108,7 +108,7 @@ class BreaksOnDemand(Encoder.func_or_class):  # type: ignore[misc]
     (the full graph's outputs do not exist there), as a session on a lost device would."""
 
     async def break_session(self) -> None:
-        runtime = self.models.default.runtime
+        runtime = self.engines.default.runtime
         runtime.full.session = runtime.fast.session
 
 
@@ -183,7 +183,7 @@ class FailsHealthChecksOnDemand(BreaksOnDemand):
         self._good = None
 
     async def fail_next_check(self) -> None:
-        self._good = self.models.default.runtime.full.session
+        self._good = self.engines.default.runtime.full.session
         await self.break_session()
 
     def check_health(self) -> None:
@@ -191,7 +191,7 @@ class FailsHealthChecksOnDemand(BreaksOnDemand):
             super().check_health()
         finally:
             if self._good is not None:  # one check failed: the session is whole again
-                self.models.default.runtime.full.session, self._good = self._good, None
+                self.engines.default.runtime.full.session, self._good = self._good, None
 
 
 def test_readiness_follows_the_last_health_check(ray_serve, default_bundle):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bundle.manifest import BundleError, file_entry, load_bundle
-from service.runtime import CPU, CUDA, CudaCheck, OrtEncoder, check_cuda, choose_providers
+from service.runtimes.onnxruntime import CPU, CUDA, CudaCheck, OrtEncoder, check_cuda, choose_providers
 
 
 def test_choose_providers_asks_for_cuda_only_where_it_can_work():
@@ -28,7 +28,7 @@ def cuda_really_works() -> bool:
 
 
 def test_without_a_usable_gpu_auto_runs_on_cpu_quietly_and_says_why(default_bundle, caplog, capfd):
-    caplog.set_level(logging.INFO, logger="service.runtime")
+    caplog.set_level(logging.INFO, logger="service.runtimes.onnxruntime")
     encoder = OrtEncoder(load_bundle(default_bundle), preference="auto")
     if cuda_really_works():
         assert encoder.provider == CUDA and encoder.provider_note == ""

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
-from service.batching import pad, plan_sub_batches
+from service.engine.runner import pad, plan_sub_batches
 from tests.conftest import wait_until
 from tests.holding import deploy_holding
 

@@ -134,7 +134,7 @@ def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(
 
 
 def test_python_m_service_refuses_cuda_it_cannot_use_with_the_real_reason(default_bundle):
-    from service.runtime import check_cuda
+    from service.runtimes.onnxruntime import check_cuda
 
     if check_cuda().usable:
         return  # a machine with a usable GPU: test_runtime proves the CUDA session there

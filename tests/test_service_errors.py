@@ -72,7 +72,7 @@ def test_service_still_answers_after_bad_requests(client):
 
 def test_overload_is_refused_at_once_with_retry_after(ray_serve, default_bundle):
     """Tight limits (a replica holds 1 request, Serve queues 1 more): a burst gets 503 + Retry-After
-    at once, from Serve, with the JSON error body (service/ingress.py); accepted requests finish."""
+    at once, from Serve, with the JSON error body (service/http/ingress.py); accepted requests finish."""
     deploy(
         {"max_ongoing_requests": 1, "max_queued_requests": 1, "num_cpus": 1, "retry_after_s": 2,
          "batching": {"max_concurrent_batches": 1}},

@@ -11,8 +11,8 @@ import onnx
 from bundle.contract import DEFAULT_ATOL, DEFAULT_COSINE_FLOOR, DEFAULT_MEAN_COSINE, DEFAULT_RTOL, ENCODINGS_OUTPUT_NAMES
 from bundle.manifest import load_bundle
 from export import optimize, parity, quality
-from service.batching import plan_sub_batches
-from service.runtime import CPU, OrtEncoder
+from service.engine.runner import plan_sub_batches
+from service.runtimes.onnxruntime import CPU, OrtEncoder
 from tests.conftest import deploy
 from tests.metrics_scrape import poll, settled, total
 

@@ -1,4 +1,4 @@
-"""Smoke test of a built image: for the CUDA image, the CUDA library step (python -m service.cuda
+"""Smoke test of a built image: for the CUDA image, the CUDA library step (python -m service.runtimes.cuda
 --libraries) from the image's filesystem; then start the service from the image's own filesystem, call
 /v2/health/ready and /v1/embeddings, stop it with SIGTERM and check that nothing is left running;
 then start Ray the way KubeRay does (`/bin/bash -lc -- "ray start ..."`, as uid 1000) and ask it
@@ -250,7 +250,7 @@ def serve_check(runner: Runner, log, say: Callable[[str], None]) -> dict:
 def cuda_library_check(runner: Runner, log, say: Callable[[str], None]) -> dict:
     """The CUDA image: the CUDA steps run from the image's own filesystem, as uid 1000; the build and
     the libraries must pass (they are in the image), the driver and the device come with a GPU node."""
-    argv = ["python", "-m", "service.cuda", "--libraries"]
+    argv = ["python", "-m", "service.runtimes.cuda", "--libraries"]
     result = subprocess.run(runner.command(argv), capture_output=True, text=True, timeout=300)
     log.write(result.stdout + result.stderr)
     lines = result.stdout.splitlines()

@@ -1,7 +1,7 @@
 """The FastAPI app every route module adds to, its middlewares, and the one mapping from failures
 to JSON error bodies.
 
-Routes raise `service.errors` exceptions; the handlers here turn every failure (ours, FastAPI's
+Routes raise `service.engine.errors` exceptions; the handlers here turn every failure (ours, FastAPI's
 validation, unknown routes, anything unexpected) into `{"error": {"type", "message"}}`.
 """
 
@@ -14,10 +14,11 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __doc__ as service_doc
-from service.errors import ServiceError, error_response
-from service.middleware import InFlightMiddleware, BearerAuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from service.responses import JSONResponse
-from service.schemas import ErrorResponse
+from service.engine.errors import ServiceError
+from service.http.errors import error_response, service_error_response
+from service.http.middleware import InFlightMiddleware, BearerAuthMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from service.http.responses import JSONResponse
+from service.http.schemas import ErrorResponse
 
 logger = logging.getLogger("ray.serve")
 
@@ -63,7 +64,7 @@ def _failed(request: Request, reason: str) -> None:
 @app.exception_handler(ServiceError)
 async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
     _failed(request, exc.type)
-    return error_response(exc.status, exc.type, exc.message, exc.headers)
+    return service_error_response(exc)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}

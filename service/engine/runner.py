@@ -1,17 +1,16 @@
-"""Batches of requests onto the onnxruntime sessions: the work of the deployment's batch queue.
+"""One batch of requests on a model's runtime: the work the batch queue (batcher.py) hands over.
 
-Each request (one client call, one or more texts) is one item of Ray Serve's batch queue (see
-deployment.py); `batch_size_fn` counts its tokens, so a batch is bounded by a token budget, not
-a request count. Inside a batch, all texts are sorted by length and cut into sub-batches whose padded
-size stays under `sub_batch_tokens`: on a CPU, padding is the first cost. Texts whose request
-wants attention weights run on the bundle's full graph; all others on its fused encodings-only
-graph of the configured precision (the `graph` label of the inference-runs metric says which).
+Each request (one client call, one or more texts) is one item of the queue, counted by its tokens
+(EncodeJob.cost), so a batch is bounded by a token budget, not a request count. Inside a batch, all
+texts are sorted by length and cut into sub-batches whose padded size stays under
+`sub_batch_tokens`: on a CPU, padding is the first cost. Texts whose request wants attention
+weights run on the bundle's full graph; all others on its fused encodings-only graph of the
+configured precision (the `graph` label of the inference-runs metric says which).
 """
 
 from __future__ import annotations
 
 import math
-
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,7 +20,8 @@ import numpy as np
 from bundle.manifest import BundleManifest
 from service.config import BatchingSettings, ServiceSettings
 from service.metrics import service_metrics
-from service.runtime import OrtEncoder, available_cpus
+from service.runtimes import Runtime
+from service.runtimes.onnxruntime import available_cpus
 
 
 @dataclass
@@ -83,11 +83,6 @@ def intra_op_threads(settings: ServiceSettings) -> int:
     return max(1, replica_cpus(settings) // running)
 
 
-def batch_cost(jobs: list[EncodeJob], batching: BatchingSettings) -> int:
-    """batch_size_fn: a batch's size is its jobs' real tokens, attention weights counted in (EncodeJob.cost)."""
-    return sum(job.cost(batching) for job in jobs)
-
-
 def plan_sub_batches(lengths: list[int], token_budget: int, max_size: int, max_padding: float = 1.0) -> list[list[int]]:
     """Group text indexes, shortest first, so that len(group) * longest <= token_budget and the
     group's padding (1 - real / padded tokens) stays at most max_padding.
@@ -147,7 +142,7 @@ class BatchRunner:
     once, so the counters are kept under a lock.
     """
 
-    def __init__(self, runtime: OrtEncoder, manifest: BundleManifest, batching: BatchingSettings,
+    def __init__(self, runtime: Runtime, manifest: BundleManifest, batching: BatchingSettings,
                  model_name: str | None = None) -> None:
         self.runtime = runtime
         self.model_name = model_name or manifest.model.name  # the served name: the metrics' model label

@@ -1,6 +1,6 @@
 """onnxruntime sessions: provider choice, session and CUDA provider options, one padded run.
 
-Whether CUDA can be used at all is service/cuda.py's question; this module acts on its answer.
+Whether CUDA can be used at all is service/runtimes/cuda.py's question; this module acts on its answer.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import onnxruntime as ort
 from bundle.contract import ENCODINGS_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES
 from bundle.manifest import Bundle, BundleError, load_bundle
 from service.config import ServiceSettings
-from service.cuda import CUDA, CudaCheck, CudaOptions, GpuAssignment, check_cuda, session_memory_limit
+from service.runtimes.cuda import CUDA, CudaCheck, CudaOptions, GpuAssignment, check_cuda, session_memory_limit
 
-logger = logging.getLogger("service.runtime")
+logger = logging.getLogger("service.runtimes.onnxruntime")
 
 CPU = "CPUExecutionProvider"
 

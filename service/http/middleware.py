@@ -1,5 +1,5 @@
 """Pure-ASGI middlewares around every route, outermost first: metrics, bearer auth, in-flight
-count, body limit (overload is refused by Serve itself: service/ingress.py).
+count, body limit (overload is refused by Serve itself: service/http/ingress.py).
 
 Their settings are class attributes, set by the deployment when a replica starts: Ray Serve
 pickles the ingress's FastAPI app by value, module variables its functions read included, while
@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from service.config import ServiceSettings
-from service.errors import error_response
+from service.http.errors import error_response
 from service.metrics import service_metrics, status_class
 
 _REASON_BY_STATUS = {401: "unauthorized", 404: "not_found", 413: "too_large", 422: "validation",
@@ -134,7 +134,7 @@ class BearerAuthMiddleware:
 class InFlightMiddleware:
     """Counts the inference requests inside this replica (waiting for a batch or in one) for /info
     and the tests. Serve itself holds a replica to max_ongoing_requests (routing elsewhere, queueing,
-    then refusing with 503: service/ingress.py), so nothing past the limit reaches this far."""
+    then refusing with 503: service/http/ingress.py), so nothing past the limit reaches this far."""
 
     pending = 0  # inference requests admitted and not yet answered
     admitted = 0  # inference requests admitted since the replica started

@@ -1,7 +1,7 @@
 """The Open Inference Protocol v2 (KServe / Triton): server and model metadata, health, and
 inference with JSON or binary tensors (the binary tensor data extension `tritonclient` uses).
 
-No `from __future__ import annotations` (see routes_native.py).
+No `from __future__ import annotations` (see http/routes/native.py).
 """
 
 import asyncio
@@ -10,16 +10,18 @@ from typing import Any
 
 import numpy as np
 import orjson
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from service.batching import EncodeJob, EncodeResult
-from service.errors import InvalidRequest
-from service.http_app import ERROR_RESPONSES, SERVER_NAME, SERVER_VERSION, app, describe
-from service.responses import JSON_FLOAT_BYTES, OFF_LOOP_BYTES, JSONResponse, KindCounter
-from service.schemas import V2InferRequest, V2ModelMetadata
-from service.tokenization import TokenizedText
+from service.engine.errors import InvalidRequest
+from service.engine.runner import EncodeJob, EncodeResult
+from service.engine.service import EncoderService
+from service.engine.tokenization import TokenizedText
+from service.http.app import ERROR_RESPONSES, SERVER_NAME, SERVER_VERSION, app, describe
+from service.http.context import infer, model_for, service
+from service.http.responses import JSON_FLOAT_BYTES, OFF_LOOP_BYTES, JSONResponse, KindCounter
+from service.http.schemas import V2InferRequest, V2ModelMetadata
 
 V2_INPUT = "text"
 V2_OUTPUTS = ("sentence_embedding", "last_hidden_state", "attention_mask", "attentions")
@@ -144,104 +146,108 @@ def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[st
     )
 
 
-class V2Routes:
+@app.get("/v2")
+async def v2_server() -> JSONResponse:
+    return JSONResponse({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": ["binary_tensor_data"]})
 
-    @app.get("/v2")
-    async def v2_server(self) -> JSONResponse:
-        return JSONResponse({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": ["binary_tensor_data"]})
 
-    @app.get("/v2/health/live")
-    async def v2_live(self) -> JSONResponse:
-        """Liveness: a replica answers. (While none is up, Serve's own /-/healthz tells whether the
-        ingress is alive; see README, Reliability.)"""
-        return JSONResponse({"live": True})
+@app.get("/v2/health/live")
+async def v2_live() -> JSONResponse:
+    """Liveness: a replica answers. (While none is up, Serve's own /-/healthz tells whether the
+    ingress is alive; see README, Reliability.)"""
+    return JSONResponse({"live": True})
 
-    @app.get("/v2/health/ready", responses=ERROR_RESPONSES)
-    async def v2_ready(self) -> JSONResponse:
-        """Ready: a replica whose sessions passed their last health check answers."""
-        self._check_ready()
-        return JSONResponse({"ready": True})
 
-    @app.get("/v2/models/{name}", response_model=V2ModelMetadata, responses=ERROR_RESPONSES)
-    @app.get("/v2/models/{name}/versions/{version}", include_in_schema=False)
-    async def v2_metadata(self, name: str, request: Request, version: str = "1") -> JSONResponse:
-        served = self._model(name, request)
-        d, L, H = served.model.hidden_size, served.model.num_layers, served.model.num_heads
-        e = served.model.sentence_dim
-        return JSONResponse(
-            {
-                "name": served.name,
-                "versions": ["1"],
-                "platform": "onnxruntime_onnx",
-                "inputs": [{"name": V2_INPUT, "datatype": "BYTES", "shape": [-1]}],
-                "outputs": [
-                    {"name": "sentence_embedding", "datatype": "FP32", "shape": [-1, e]},
-                    {"name": "last_hidden_state", "datatype": "FP32", "shape": [-1, -1, d]},
-                    {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1]},
-                    {"name": "attentions", "datatype": "FP32", "shape": [L, -1, H, -1, -1]},
-                ],
-            }
-        )
+@app.get("/v2/health/ready", responses=ERROR_RESPONSES)
+async def v2_ready(svc: EncoderService = Depends(service)) -> JSONResponse:
+    """Ready: a replica whose sessions passed their last health check answers."""
+    svc.check_ready()
+    return JSONResponse({"ready": True})
 
-    @app.get("/v2/models/{name}/ready", responses=ERROR_RESPONSES)
-    @app.get("/v2/models/{name}/versions/{version}/ready", include_in_schema=False)
-    async def v2_model_ready(self, name: str, request: Request, version: str = "1") -> JSONResponse:
-        served = self._model(name, request)
-        self._check_ready()
-        return JSONResponse({"name": served.name, "ready": True})
 
-    @app.post("/v2/repository/index")
-    async def v2_repository_index(self) -> JSONResponse:
-        """The model repository extension's index: every served model, all loaded and ready."""
-        return JSONResponse([{"name": m.name, "version": "1", "state": "READY", "reason": ""} for m in self.models])
-
-    @app.post("/v2/models/{name}/infer", responses=ERROR_RESPONSES)
-    @app.post("/v2/models/{name}/versions/{version}/infer", include_in_schema=False)
-    async def v2_infer(self, name: str, request: Request, version: str = "1") -> Response:
-        """KServe/Triton inference: a BYTES tensor of texts in, the requested tensors out.
-
-        Supports the binary tensor data extension that tritonclient uses by default.
-        """
-        served = self._model(name, request)
-        raw = await request.body()
-        header_len = request.headers.get("inference-header-content-length")
-        req, binary = _parse_v2_body(raw, header_len)
-        texts = _v2_texts(req, binary)
-        texts = self._texts(texts)
-        params = req.parameters or {}
-        truncate = params.get("truncate", True)
-        if not isinstance(truncate, bool):
-            raise InvalidRequest("parameters.truncate must be a boolean")
-        requested = [o.name for o in req.outputs] if req.outputs else list(V2_DEFAULT_OUTPUTS)
-        unknown = [n for n in requested if n not in V2_OUTPUTS]
-        if unknown:
-            raise InvalidRequest(f"unknown output {unknown[0]!r}; available: {', '.join(V2_OUTPUTS)}")
-        binary_out = {
-            o.name: bool((o.parameters or {}).get("binary_data", params.get("binary_data_output", False)))
-            for o in (req.outputs or [])
+@app.get("/v2/models/{name}", response_model=V2ModelMetadata, responses=ERROR_RESPONSES)
+@app.get("/v2/models/{name}/versions/{version}", include_in_schema=False)
+async def v2_metadata(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
+    served = model_for(svc, name, request)
+    d, L, H = served.model.hidden_size, served.model.num_layers, served.model.num_heads
+    e = served.model.sentence_dim
+    return JSONResponse(
+        {
+            "name": served.name,
+            "versions": ["1"],
+            "platform": "onnxruntime_onnx",
+            "inputs": [{"name": V2_INPUT, "datatype": "BYTES", "shape": [-1]}],
+            "outputs": [
+                {"name": "sentence_embedding", "datatype": "FP32", "shape": [-1, e]},
+                {"name": "last_hidden_state", "datatype": "FP32", "shape": [-1, -1, d]},
+                {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1]},
+                {"name": "attentions", "datatype": "FP32", "shape": [L, -1, H, -1, -1]},
+            ],
         }
-        for n in requested:
-            binary_out.setdefault(n, bool(params.get("binary_data_output", False)))
-        tokenized = await self._tokenize(served, texts, truncate, "/v2/models/{name}/infer")
-        n, T = len(tokenized), max(t.n_tokens for t in tokenized)
-        d, L, H = served.model.hidden_size, served.model.num_layers, served.model.num_heads
-        if "attentions" in requested:
-            self._check_attention_size(served, tokenized)
-        sizes = {"sentence_embedding": n * served.model.sentence_dim, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
-        estimate = sum(sizes[k] * (4 if binary_out[k] else JSON_FLOAT_BYTES) for k in requested)
-        self._check_response_size(estimate)
-        job = EncodeJob(
-            route="/v2/models/{name}/infer",
-            ids=[t.ids for t in tokenized],
-            normalize=served.model.normalize,
-            want_hidden="last_hidden_state" in requested,
-            attention=(tuple(range(L)), tuple(range(H))) if "attentions" in requested else None,
-        )
-        result = await self._infer(served, job, request)
-        head = {"model_name": served.name, "model_version": "1", "id": req.id or ""}
+    )
 
-        def build() -> Response:
-            return _v2_response(head, _v2_tensors(result, tokenized, requested, T), binary_out, request)
 
-        # a large response is built in a worker thread, not on the event loop other requests wait on
-        return build() if estimate <= OFF_LOOP_BYTES else await asyncio.to_thread(build)
+@app.get("/v2/models/{name}/ready", responses=ERROR_RESPONSES)
+@app.get("/v2/models/{name}/versions/{version}/ready", include_in_schema=False)
+async def v2_model_ready(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
+    served = model_for(svc, name, request)
+    svc.check_ready()
+    return JSONResponse({"name": served.name, "ready": True})
+
+
+@app.post("/v2/repository/index")
+async def v2_repository_index(svc: EncoderService = Depends(service)) -> JSONResponse:
+    """The model repository extension's index: every served model, all loaded and ready."""
+    return JSONResponse([{"name": m.name, "version": "1", "state": "READY", "reason": ""} for m in svc.engines])
+
+
+@app.post("/v2/models/{name}/infer", responses=ERROR_RESPONSES)
+@app.post("/v2/models/{name}/versions/{version}/infer", include_in_schema=False)
+async def v2_infer(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> Response:
+    """KServe/Triton inference: a BYTES tensor of texts in, the requested tensors out.
+
+    Supports the binary tensor data extension that tritonclient uses by default.
+    """
+    served = model_for(svc, name, request)
+    raw = await request.body()
+    header_len = request.headers.get("inference-header-content-length")
+    req, binary = _parse_v2_body(raw, header_len)
+    texts = _v2_texts(req, binary)
+    texts = svc.texts(texts)
+    params = req.parameters or {}
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise InvalidRequest("parameters.truncate must be a boolean")
+    requested = [o.name for o in req.outputs] if req.outputs else list(V2_DEFAULT_OUTPUTS)
+    unknown = [n for n in requested if n not in V2_OUTPUTS]
+    if unknown:
+        raise InvalidRequest(f"unknown output {unknown[0]!r}; available: {', '.join(V2_OUTPUTS)}")
+    binary_out = {
+        o.name: bool((o.parameters or {}).get("binary_data", params.get("binary_data_output", False)))
+        for o in (req.outputs or [])
+    }
+    for n in requested:
+        binary_out.setdefault(n, bool(params.get("binary_data_output", False)))
+    tokenized = await svc.tokenize(served, texts, truncate, "/v2/models/{name}/infer")
+    n, T = len(tokenized), max(t.n_tokens for t in tokenized)
+    d, L, H = served.model.hidden_size, served.model.num_layers, served.model.num_heads
+    if "attentions" in requested:
+        svc.check_attention_size(served, tokenized)
+    sizes = {"sentence_embedding": n * served.model.sentence_dim, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
+    estimate = sum(sizes[k] * (4 if binary_out[k] else JSON_FLOAT_BYTES) for k in requested)
+    svc.check_response_size(estimate)
+    job = EncodeJob(
+        route="/v2/models/{name}/infer",
+        ids=[t.ids for t in tokenized],
+        normalize=served.model.normalize,
+        want_hidden="last_hidden_state" in requested,
+        attention=(tuple(range(L)), tuple(range(H))) if "attentions" in requested else None,
+    )
+    result = await infer(svc, served, job, request)
+    head = {"model_name": served.name, "model_version": "1", "id": req.id or ""}
+
+    def build() -> Response:
+        return _v2_response(head, _v2_tensors(result, tokenized, requested, T), binary_out, request)
+
+    # a large response is built in a worker thread, not on the event loop other requests wait on
+    return build() if estimate <= OFF_LOOP_BYTES else await asyncio.to_thread(build)

@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.middleware import Middleware
 
-# Serve's status -> our error type (service/errors.py names the same ones)
+# Serve's status -> our error type (service/engine/errors.py names the same ones)
 RAY_ANSWER_TYPES = {404: "not_found", 408: "timeout", 413: "too_large", 500: "backend", 503: "unavailable"}
 BACKPRESSURE = "backpressure"  # in Serve's text for a refusal by max_queued_requests (both ingresses)
 ROUTE_REFUSED_BY_SERVE = "serve_queue"  # route label of those refusals: no app route matched them yet

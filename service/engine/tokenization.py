@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from service.errors import TooLarge
+from service.engine.errors import TooLarge
 
 
 @dataclass(frozen=True)

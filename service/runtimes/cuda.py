@@ -341,11 +341,11 @@ def session_memory_limit(total_bytes: int, share: float, sessions: int, reserve:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m service.cuda`: one line per step; exit 0 when CUDA is usable (or, with
+    """`python -m service.runtimes.cuda`: one line per step; exit 0 when CUDA is usable (or, with
     --libraries, when the build and the libraries are: what a machine without a GPU can prove)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m service.cuda", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m service.runtimes.cuda", description=main.__doc__)
     p.add_argument("--libraries", action="store_true", help="pass when the build and libraries steps pass")
     p.add_argument("--device", type=int, default=0, help="CUDA ordinal to describe (default 0)")
     a = p.parse_args(argv)

@@ -3,21 +3,23 @@ the explorer's script and stylesheet. Everything ships with the service: no CDN,
 
 The page calls the service's own JSON API (/info, /v1/attention, /v1/similarity). Links are
 written with the request's root path, so the pages work under a Serve route prefix too.
-No `from __future__ import annotations` (see routes_native.py).
+No `from __future__ import annotations` (see http/routes/native.py).
 """
 
 import html
 from pathlib import Path
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse, Response
 
-from service.errors import NotFound
-from service.http_app import app
-from service.middleware import BearerAuthMiddleware
-from service.responses import JSONResponse
+from service.engine.errors import NotFound
+from service.engine.service import EncoderService
+from service.http.app import app
+from service.http.context import service
+from service.http.middleware import BearerAuthMiddleware
+from service.http.responses import JSONResponse
 
-EXPLORER_DIR = Path(__file__).parent / "explorer"
+EXPLORER_DIR = Path(__file__).resolve().parents[2] / "explorer"  # service/explorer/
 # The only files GET /explorer/assets/{name} serves, with their content types.
 ASSETS = {
     "explorer.js": "text/javascript; charset=utf-8",
@@ -66,39 +68,40 @@ def landing_page(root: str, model: str) -> str:
 """
 
 
-class ExplorerRoutes:
-    @app.get("/", include_in_schema=False)
-    async def landing(self, request: Request) -> Response:
-        """A browser gets a page with links to the explorer, the API docs and /info; any other client
-        the same links as JSON."""
-        root = root_path(request)
-        vary = {"Vary": "Accept"}
-        if wants_html(request):
-            return HTMLResponse(landing_page(root, self.models.default.name), headers=vary)
-        return JSONResponse(
-            {
-                "service": "mha-encoder-serving",
-                "model": self.models.default.name,
-                "links": {"explorer": f"{root}/explorer", "docs": f"{root}/docs", "info": f"{root}/info"},
-            },
-            headers=vary,
-        )
+@app.get("/", include_in_schema=False)
+async def landing(request: Request, svc: EncoderService = Depends(service)) -> Response:
+    """A browser gets a page with links to the explorer, the API docs and /info; any other client
+    the same links as JSON."""
+    root = root_path(request)
+    vary = {"Vary": "Accept"}
+    if wants_html(request):
+        return HTMLResponse(landing_page(root, svc.engines.default.name), headers=vary)
+    return JSONResponse(
+        {
+            "service": "mha-encoder-serving",
+            "model": svc.engines.default.name,
+            "links": {"explorer": f"{root}/explorer", "docs": f"{root}/docs", "info": f"{root}/info"},
+        },
+        headers=vary,
+    )
 
-    @app.get("/explorer", include_in_schema=False)
-    async def explorer(self, request: Request) -> HTMLResponse:
-        """The attention explorer; `?text=...&text=...` opens with those texts analysed."""
-        page = (
-            read_explorer_file("index.html")
-            .replace("{{root}}", html.escape(root_path(request), quote=True))
-            .replace("{{auth}}", "required" if BearerAuthMiddleware.token is not None else "off")
-            .replace("{{model}}", html.escape(self.models.default.name))
-        )
-        return HTMLResponse(page, headers={"Content-Security-Policy": EXPLORER_CSP, **NO_CACHE})
 
-    @app.get("/explorer/assets/{name}", include_in_schema=False)
-    async def explorer_asset(self, name: str) -> Response:
-        """The explorer's script and stylesheet; nothing else is served from here."""
-        media_type = ASSETS.get(name)
-        if media_type is None:
-            raise NotFound(f"no explorer asset named {name!r}")
-        return Response(read_explorer_file(name), media_type=media_type, headers=NO_CACHE)
+@app.get("/explorer", include_in_schema=False)
+async def explorer(request: Request, svc: EncoderService = Depends(service)) -> HTMLResponse:
+    """The attention explorer; `?text=...&text=...` opens with those texts analysed."""
+    page = (
+        read_explorer_file("index.html")
+        .replace("{{root}}", html.escape(root_path(request), quote=True))
+        .replace("{{auth}}", "required" if BearerAuthMiddleware.token is not None else "off")
+        .replace("{{model}}", html.escape(svc.engines.default.name))
+    )
+    return HTMLResponse(page, headers={"Content-Security-Policy": EXPLORER_CSP, **NO_CACHE})
+
+
+@app.get("/explorer/assets/{name}", include_in_schema=False)
+async def explorer_asset(name: str) -> Response:
+    """The explorer's script and stylesheet; nothing else is served from here."""
+    media_type = ASSETS.get(name)
+    if media_type is None:
+        raise NotFound(f"no explorer asset named {name!r}")
+    return Response(read_explorer_file(name), media_type=media_type, headers=NO_CACHE)

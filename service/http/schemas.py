@@ -19,10 +19,6 @@ SCHEMA_MAX_INDEXES = 1024
 Texts = str | list[str]
 
 
-def as_list(inputs: Texts) -> list[str]:
-    return [inputs] if isinstance(inputs, str) else list(inputs)
-
-
 def check_text_list(value: Any, field: str) -> Any:
     """A list of texts must be non-empty and within the schema cap (the configured cap is a 413 later)."""
     if isinstance(value, list) and not value:

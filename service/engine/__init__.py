@@ -1,0 +1,13 @@
+"""The engine: everything between a parsed request and a runtime, and no HTTP.
+
+  service.py       EncoderService: one replica's engines and the steps of a request (check the
+                   inputs, tokenize within the limits, queue the job, wait within the deadline)
+  engine.py        Engine: one served model's tokenizer, runtime, runner and batch queue
+  tokenization.py  the model's tokenizer, in one batch call per request, with offsets
+  batcher.py       the batch queue: a batch forms when a runner slot is free, and takes
+                   everything queued up to the token budget
+  runner.py        one batch: texts length-sorted into padded sub-batches, run on the runtime,
+                   pooled and scattered back to their requests
+  analysis.py      attention summaries (rollout, entropy) and word-level similarity
+  errors.py        why a request cannot be served (service/http/errors.py maps them to statuses)
+"""

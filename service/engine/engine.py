@@ -1,0 +1,111 @@
+"""One engine per served model: its tokenizer, its runtime (service/runtimes/), the runner that
+computes a batch on it and the batch queue in front of that (texts of different models never share
+a runtime run). The engine knows no HTTP and nothing of Ray Serve.
+
+Every replica holds every listed bundle: encoders are small (all-MiniLM-L6-v2's two graphs take
+about 200 MB), so one pool of replicas serves all of them, and a request names its model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from bundle.manifest import BundleManifest, ModelInfo, load_bundle
+from service.engine.batcher import Batcher
+from service.engine.runner import BatchRunner, EncodeJob, EncodeResult, intra_op_threads
+from service.config import BatchingSettings, BundleRef, ServiceSettings
+from service.engine.errors import InvalidRequest, NotFound
+from service.runtimes.cuda import GpuAssignment
+from service.runtimes import Runtime, load_runtime
+from service.engine.tokenization import TextTokenizer
+
+
+@dataclass
+class Engine:
+    """One bundle as a replica serves it."""
+
+    name: str
+    path: Path
+    manifest: BundleManifest
+    sha256: str
+    tokenizer: TextTokenizer
+    runtime: Runtime
+    runner: BatchRunner
+    batcher: Batcher[EncodeJob, EncodeResult]  # the model's batch queue
+
+    @property
+    def model(self) -> ModelInfo:
+        return self.manifest.model
+
+    def reconfigure(self, batching: BatchingSettings) -> None:
+        """New batching knobs, live (Serve's user_config): the batcher reads them for its next batch."""
+        self.runner.batching = batching
+
+
+    async def compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
+        """One batch computed off the event loop (the runtime releases the GIL): where the batch
+        queue sends its batches, and where a request goes alone when batching is off."""
+        return await asyncio.to_thread(self.runner.compute, jobs)
+
+
+def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | None = None) -> Engine:
+    """Verify and load one bundle, create its runtime (on the GPU Ray gave the replica, where CUDA
+    is used), its runner and its batch queue."""
+    bundle = load_bundle(ref.path)
+    name = ref.name or bundle.manifest.model.name
+    runtime = load_runtime(bundle, settings, intra_op_threads(settings), gpu or GpuAssignment())
+    runner = BatchRunner(runtime, bundle.manifest, settings.batching, name)
+    engine: Engine
+
+    async def compute(jobs: list[EncodeJob]) -> list[EncodeResult]:
+        return await engine.compute(jobs)
+
+    engine = Engine(
+        name=name,
+        path=ref.path,
+        manifest=bundle.manifest,
+        sha256=bundle.sha256,
+        tokenizer=TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens),
+        runtime=runtime,
+        runner=runner,
+        batcher=Batcher(compute, lambda: runner.batching, lambda job: job.cost(runner.batching)),
+    )
+    return engine
+
+
+class EngineTable:
+    """The served models by name; the first listed is the default of routes that allow leaving it out."""
+
+    def __init__(self, models: list[Engine]) -> None:
+        self.by_name = {m.name: m for m in models}
+        if len(self.by_name) != len(models):
+            names = [m.name for m in models]
+            raise ValueError(f"two bundles are served under one name ({', '.join(names)}); name them: NAME=PATH")
+        self.default = models[0]
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.by_name)
+
+    def get(self, name: str | None, required: bool = False) -> Engine:
+        """The model a request names; 404 naming the served ones if unknown. Leaving it out picks
+        the default, unless several are served and the route requires a name (422)."""
+        if name is None:
+            if required and len(self.by_name) > 1:
+                raise InvalidRequest(f"model: required when several models are served ({self.described()})")
+            return self.default
+        found = self.by_name.get(name)
+        if found is None:
+            raise NotFound(f"model {name!r} is not served here; served: {self.described()}")
+        return found
+
+    def described(self) -> str:
+        return ", ".join(repr(n) for n in self.by_name)

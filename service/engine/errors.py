@@ -1,0 +1,54 @@
+"""Why a request cannot be served, as the engine says it: a type (which doubles as the failure
+reason operators see in metrics) and a message. No HTTP here: service/http/errors.py maps each
+type to its status and renders `{"error": {"type", "message"}}`.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    type: str = "backend"
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s  # worth retrying after this long (overload, deadline, not ready)
+
+    def body(self) -> dict:
+        return {"error": {"type": self.type, "message": self.message}}
+
+
+class InvalidRequest(ServiceError):
+    type = "validation"
+
+
+class TooLarge(ServiceError):
+    type = "too_large"
+
+
+class NotFound(ServiceError):
+    type = "not_found"
+
+
+class Unauthorized(ServiceError):
+    type = "unauthorized"
+
+
+class Timeout(ServiceError):
+    """Past the request's deadline; its work leaves the queue (never computed for nobody)."""
+
+    type = "timeout"
+
+
+class ClientGone(ServiceError):
+    """The caller went away before the answer was ready."""
+
+    type = "cancelled"
+
+
+class NotReady(ServiceError):
+    type = "not_ready"
+
+
+class BackendError(ServiceError):
+    type = "backend"

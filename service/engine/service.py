@@ -1,0 +1,187 @@
+"""What one replica offers its routes: the engines of the models it serves, and the steps every
+request takes through them: check the inputs, tokenize within the limits, queue the job for a
+batch and wait for it within its deadline. No HTTP here (service/http/ maps requests onto these
+steps and errors onto statuses), and nothing of Ray Serve (service/deployment.py builds this).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from service.config import BatchingSettings, ServiceSettings
+from service.engine.engine import Engine, EngineTable
+from service.engine.errors import BackendError, ClientGone, InvalidRequest, NotReady, ServiceError, Timeout, TooLarge
+from service.engine.runner import EncodeJob, EncodeResult
+from service.engine.tokenization import TokenizedText
+from service.metrics import service_metrics
+
+logger = logging.getLogger("ray.serve")
+
+# Requests up to this many characters are tokenized on the event loop: a hop to a worker thread
+# costs more than tokenizing a few sentences does (one sentence: 28 us inline, 196 us of CPU with
+# asyncio.to_thread, measured).
+INLINE_TOKENIZE_CHARS = 2048
+
+
+def as_list(inputs: str | list[str]) -> list[str]:
+    return [inputs] if isinstance(inputs, str) else list(inputs)
+
+
+class EncoderService:
+    """One replica's engines and request limits; the batching knobs change live (reconfigure)."""
+
+    def __init__(self, settings: ServiceSettings, engines: EngineTable) -> None:
+        self.settings = settings
+        self.engines = engines
+        self.batching = settings.batching
+        self.healthy = True
+        self.replica: dict = {}  # what the deployment knows of its replica (id, node, GPU), for /info
+
+    # ---- lifecycle ----
+
+    def warm_up(self) -> None:
+        for engine in self.engines:
+            engine.runner.warm_up()
+
+    def reconfigure(self, batching: BatchingSettings) -> None:
+        self.batching = batching
+        for engine in self.engines:
+            engine.reconfigure(batching)
+
+    def check_health(self) -> None:
+        """A tiny real inference per model; readiness follows the last check (a replica that
+        recovered must not stay unready while it serves, its pod would flap)."""
+        try:
+            for engine in self.engines:
+                engine.runtime.smoke_test()
+        except Exception:
+            self.healthy = False
+            raise
+        self.healthy = True
+
+    def check_ready(self) -> None:
+        if not self.healthy:
+            raise NotReady("this replica's onnxruntime session failed its health check; it is being replaced",
+                           retry_after_s=self.settings.retry_after_s)
+
+    # ---- the steps of a request ----
+
+    def texts(self, inputs: str | list[str]) -> list[str]:
+        texts = as_list(inputs)
+        if len(texts) > self.settings.max_inputs:
+            raise TooLarge(f"{len(texts)} inputs; at most {self.settings.max_inputs} per request")
+        for i, text in enumerate(texts):
+            if len(text) > self.settings.max_text_chars:
+                raise TooLarge(f"input {i} has {len(text)} characters; the limit is {self.settings.max_text_chars}")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # JSON allows "\ud800"; the tokenizer does not
+                raise InvalidRequest(f"input {i} is not valid Unicode: {exc.reason} at character {exc.start}") from None
+        return texts
+
+    async def tokenize(self, engine: Engine, texts: list[str], truncate: bool, route: str,
+                       limit_tokens: bool = True) -> list[TokenizedText]:
+        """The whole request in one batch call of the tokenizer; off the event loop when it is large."""
+        started = time.perf_counter()
+        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
+            tokenized = engine.tokenizer.encode(texts, truncate)
+        else:
+            tokenized = await asyncio.to_thread(engine.tokenizer.encode, texts, truncate)
+        service_metrics().duration.observe(time.perf_counter() - started,
+                                           tags={"route": route, "stage": "tokenization", "model": engine.name})
+        total = sum(t.n_tokens for t in tokenized)
+        limit = self.batching.max_batch_tokens  # the live knob (reconfigure), the one the batch queue uses
+        if limit_tokens and total > limit:
+            raise TooLarge(f"request has {total} tokens; at most {limit} per request (split it into smaller requests)")
+        return tokenized
+
+    def check_attention_size(self, engine: Engine, tokenized: list[TokenizedText]) -> None:
+        """Attention grows with n^2: refuse before inference what would fill the replica's memory."""
+        model = engine.model
+        values = sum(model.num_layers * model.num_heads * t.n_tokens**2 for t in tokenized)
+        if values > self.settings.max_attention_values:
+            raise TooLarge(
+                f"the attention of this request is {values} values ({model.num_layers} layers x "
+                f"{model.num_heads} heads x tokens^2, summed over {len(tokenized)} texts); the limit is "
+                f"{self.settings.max_attention_values} (send fewer or shorter texts)"
+            )
+
+    def check_response_size(self, n_bytes: int) -> None:
+        if n_bytes > self.settings.max_response_bytes:
+            raise TooLarge(
+                f"the response would be about {n_bytes} bytes; the limit is {self.settings.max_response_bytes} "
+                "(ask for fewer texts, layers or heads, or encoding_format/format base64, float16 for attention)"
+            )
+
+    @staticmethod
+    def indexes(requested: list[int] | None, count: int, what: str) -> tuple[int, ...]:
+        if requested is None:
+            return tuple(range(count))
+        bad = [i for i in requested if not 0 <= i < count]
+        if bad:
+            raise InvalidRequest(f"{what}s: unknown {what} index {bad[0]}: the model has {count} {what}s (0..{count - 1})")
+        if len(set(requested)) != len(requested):
+            raise InvalidRequest(f"{what}s: duplicate {what} indexes in {requested}")
+        if not requested:
+            raise InvalidRequest(f"{what}s: an empty list selects nothing; leave it out (or null) for all {count}")
+        return tuple(requested)
+
+    async def infer(self, engine: Engine, job: EncodeJob, timeout: float,
+                    gone: asyncio.Future | None = None) -> EncodeResult:
+        """One request's job through its engine's batch queue, within `timeout` seconds.
+
+        `gone` completes when the caller has left. A job past its deadline, or whose caller left,
+        is cancelled: it leaves the batch queue before a batch forms, so nothing is computed for
+        nobody.
+        """
+        cost = job.cost(self.batching)
+        if cost > self.batching.max_batch_tokens:  # it could never join a batch
+            raise TooLarge(
+                f"this request's {job.n_tokens} tokens and {job.attention_values} attention values count as "
+                f"{cost} of one batch's {self.batching.max_batch_tokens} (attention at "
+                f"{self.batching.max_batch_attention_values} values per batch): send fewer or shorter texts, or "
+                "fewer layers or heads"
+            )
+        job.enqueued = time.perf_counter()
+        if self.batching.enabled:
+            result = asyncio.ensure_future(engine.batcher.submit(job))
+        else:  # every request alone: for comparison
+            result = asyncio.ensure_future(engine.batcher.run([job]))
+        watched = {result} | ({gone} if gone is not None else set())
+        try:
+            done, _ = await asyncio.wait(watched, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not result.done():
+                result.cancel()  # timed out, caller gone, or this handler cancelled
+        if result not in done:
+            if done:
+                raise ClientGone("the client closed the connection before the result was ready")
+            raise Timeout(f"inference did not finish within {timeout:g}s", retry_after_s=self.settings.retry_after_s)
+        try:
+            outcome = result.result()
+        except ServiceError:
+            raise
+        except Exception as exc:  # the batch failed (a broken session): one error for its requests
+            logger.warning("batch failed: %s: %s", type(exc).__name__, exc)
+            raise BackendError(f"inference failed ({type(exc).__name__}); the request can be retried") from None
+        return outcome[0] if not self.batching.enabled else outcome
+
+    # ---- what it runs, for /info ----
+
+    def describe(self, engine: Engine) -> dict:
+        """One model's execution state in this replica: provider, precision, graphs, counters."""
+        runtime = engine.runtime
+        return {
+            "provider": runtime.provider,
+            "provider_note": runtime.provider_note,
+            "intra_op_threads": runtime.threads,
+            "precision": runtime.precision,
+            "precision_requested": runtime.precision_requested,
+            "precision_note": runtime.precision_note,
+            "cuda": runtime.describe_cuda(),
+            "graphs": {"attentions": runtime.full.label, "encodings": runtime.fast.label},
+            "ort_runs_by_graph": dict(engine.runner.runs_by_graph),
+            "counters": dict(engine.runner.counters),
+        }

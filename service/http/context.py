@@ -1,0 +1,79 @@
+"""What a route gets, and the HTTP side of a request's steps.
+
+Routes take the replica's EncoderService (service/engine/service.py) as a FastAPI dependency,
+`svc: EncoderService = Depends(service)`: the deployment sets it when the replica starts
+(`serve_with`). The helpers here add what only HTTP knows: the model named in the request
+(noted for the metrics' model label), the client's own deadline header, and a client that
+closes its connection while its job waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+
+from service.engine.engine import Engine
+from service.engine.errors import InvalidRequest
+from service.engine.runner import EncodeJob, EncodeResult
+from service.engine.service import EncoderService
+
+# A client's own deadline, in seconds (the header Ray Serve's proxy also reads).
+TIMEOUT_HEADER = "x-request-timeout-seconds"
+HEADER_DEADLINE_MARGIN_S = 0.05
+
+_current: list[EncoderService] = []  # this replica's, once it has started
+
+
+def serve_with(svc: EncoderService) -> None:
+    """The deployment's part: the service every route of this replica uses from now on."""
+    _current[:] = [svc]
+
+
+def service() -> EncoderService:
+    """The FastAPI dependency of every route that runs a model or describes one."""
+    if not _current:
+        raise RuntimeError("no EncoderService: the deployment sets one when the replica starts (serve_with)")
+    return _current[0]
+
+
+def model_for(svc: EncoderService, name: str | None, request: Request, required: bool = False) -> Engine:
+    """The model a request names (404 naming the served ones), noted for the metrics' model label."""
+    engine = svc.engines.get(name, required)
+    request.scope["model"] = engine.name
+    return engine
+
+
+def deadline(request: Request, svc: EncoderService) -> float:
+    """Seconds this request may take: the service's limit, or the client's when it is shorter."""
+    limit = svc.settings.request_timeout_s
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return limit
+    try:
+        asked = float(raw)
+    except ValueError:
+        asked = float("nan")
+    if not asked > 0 or asked == float("inf"):
+        raise InvalidRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}")
+    # Ray Serve reads this header too and, when it passes, answers 408 itself; its clock starts a
+    # little before ours, so ours ends a little earlier and the error stays ours
+    return min(max(asked - HEADER_DEADLINE_MARGIN_S, 0.001), limit)
+
+
+async def infer(svc: EncoderService, engine: Engine, job: EncodeJob, request: Request) -> EncodeResult:
+    """The job through the engine within the request's deadline. Ray's proxy actor cancels the
+    handler of a client that left; HAProxy closes the connection to the replica only for some of
+    them, so the disconnect is also watched for here."""
+    timeout = deadline(request, svc)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        return await svc.infer(engine, job, timeout, gone)
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the request's body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,112 @@
+"""The native routes: /v1/encode (embeddings, token encodings, tokens, attention weights) and
+/v1/tokenize.
+
+No `from __future__ import annotations` in route modules: FastAPI must see real annotation
+objects in the route functions' signatures.
+"""
+
+from typing import Any
+
+from fastapi import Depends, Request
+
+from service.engine.errors import InvalidRequest
+from service.engine.runner import EncodeJob
+from service.engine.service import EncoderService
+from service.engine.tokenization import TokenizedText, token_list
+from service.http.app import ERROR_RESPONSES, app
+from service.http.context import infer, model_for, service
+from service.http.responses import JSONResponse, KindCounter, respond, value_bytes
+from service.http.schemas import EncodeRequest, EncodeResponse, TokenizeRequest, TokenizeResponse
+
+
+def encode_size(body: EncodeRequest, tokenized: list[TokenizedText], attention, hidden_size: int,
+                sentence_dim: int | None = None) -> int:
+    """An upper bound of a /v1/encode response's size, computed before any inference is spent."""
+    floats = 0
+    for t in tokenized:
+        floats += (sentence_dim or hidden_size) if body.embedding else 0
+        floats += t.n_tokens * hidden_size if body.token_embeddings else 0
+    # what will be written: a JSON float, or a float32's share of base64 (a third of the bytes)
+    size = int(floats * value_bytes(body.encoding_format, "float32")) + 100 * len(tokenized)
+    if body.tokens:
+        size += sum(t.n_tokens for t in tokenized) * 80
+    if attention is not None:
+        per_value = value_bytes(body.attention.format, body.attention.dtype)
+        size += int(sum(len(attention[0]) * len(attention[1]) * t.n_tokens**2 for t in tokenized) * per_value)
+    return size
+
+
+@app.post("/v1/encode", response_model=EncodeResponse, responses=ERROR_RESPONSES)
+async def encode(body: EncodeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """Embeddings, token encodings, tokens with offsets, attention weights."""
+    served = model_for(svc, body.model, request)
+    texts = svc.texts(body.inputs)
+    attention = None
+    if body.attention is not None:
+        attention = (
+            svc.indexes(body.attention.layers, served.model.num_layers, "layer"),
+            svc.indexes(body.attention.heads, served.model.num_heads, "head"),
+        )
+    tokenized = await svc.tokenize(served, texts, body.truncate, "/v1/encode")
+    if attention is not None:
+        svc.check_attention_size(served, tokenized)
+    estimate = encode_size(body, tokenized, attention, served.model.hidden_size, served.model.sentence_dim)
+    svc.check_response_size(estimate)
+    normalize = served.model.normalize if body.normalize is None else body.normalize
+    if served.model.normalize and not normalize and served.model.dense_layers:
+        # the raw embedding is re-pooled from the token encodings, which would skip the Dense projection
+        raise InvalidRequest("normalize: false is not available for this model: it normalises after a Dense "
+                             "projection inside its graph, so only the normalised embedding exists")
+    job = EncodeJob(
+        route="/v1/encode",
+        ids=[t.ids for t in tokenized],
+        normalize=normalize,
+        want_embedding=body.embedding,
+        want_hidden=body.token_embeddings,
+        attention=attention,
+    )
+    result = await infer(svc, served, job, request)
+    kinds = KindCounter()
+
+    def build() -> dict:  # on the event loop when small, else in a worker thread (responses.respond)
+        data = []
+        for i, tok in enumerate(tokenized):
+            item: dict[str, Any] = {"index": i, "n_tokens": tok.n_tokens}
+            if body.embedding:
+                item["embedding"] = kinds.array("embedding", result.embeddings[i], body.encoding_format, "float32")
+            if body.token_embeddings:
+                item["token_embeddings"] = kinds.array("token_embeddings", result.hidden[i], body.encoding_format,
+                                                       "float32")
+            if body.tokens:
+                item["tokens"] = kinds.fragment("tokens", token_list(tok.encoding))
+            if attention is not None:
+                spec = body.attention
+                item["attention"] = {
+                    "layers": list(attention[0]),
+                    "heads": list(attention[1]),
+                    "shape": list(result.attentions[i].shape),
+                    "dtype": spec.dtype,
+                    "format": spec.format,
+                    "data": kinds.array("attention", result.attentions[i], spec.format, spec.dtype),
+                }
+            data.append(item)
+        return {"model": served.name, "data": data, "usage": {"tokens": sum(t.n_tokens for t in tokenized)}}
+
+    response = await respond(build, estimate)
+    kinds.report(request)
+    return response
+
+
+@app.post("/v1/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """Tokens, ids and character offsets, exactly as /v1/encode sees them."""
+    served = model_for(svc, body.model, request)
+    texts = svc.texts(body.inputs)
+    tokenized = await svc.tokenize(served, texts, body.truncate, "/v1/tokenize", limit_tokens=False)
+    kinds = KindCounter()
+    data = [
+        {"index": i, "tokens": kinds.fragment("tokens", token_list(t.encoding)), "truncated": t.truncated}
+        for i, t in enumerate(tokenized)
+    ]
+    kinds.report(request)
+    return JSONResponse({"model": served.name, "data": data})

@@ -1,0 +1,71 @@
+"""OpenAI's embeddings API, POST /v1/embeddings: works with the official `openai` client.
+
+No `from __future__ import annotations` (see http/routes/native.py).
+"""
+
+from datetime import datetime
+
+import numpy as np
+from fastapi import Depends, Request
+
+from service.engine.errors import InvalidRequest
+from service.engine.runner import EncodeJob, l2_normalize
+from service.engine.service import EncoderService
+from service.http.app import ERROR_RESPONSES, SERVER_NAME, app
+from service.http.context import infer, model_for, service
+from service.http.responses import JSONResponse, KindCounter, encode_array
+from service.http.schemas import OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
+
+
+@app.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=ERROR_RESPONSES)
+async def embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """OpenAI's embeddings API: works with the official `openai` client."""
+    served = model_for(svc, body.model, request, required=True)
+    if body.dimensions is not None and body.dimensions > served.model.sentence_dim:
+        raise InvalidRequest(f"dimensions {body.dimensions} exceeds the model's {served.model.sentence_dim}")
+    texts = svc.texts(body.input)
+    tokenized = await svc.tokenize(served, texts, True, "/v1/embeddings")
+    job = EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized], normalize=served.model.normalize)
+    result = await infer(svc, served, job, request)
+    vectors = result.embeddings
+    if body.dimensions is not None:  # shortened as OpenAI does: cut, then re-normalise
+        vectors = np.ascontiguousarray(l2_normalize(vectors[:, : body.dimensions]).astype(np.float32))
+    kinds = KindCounter()
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": kinds.fragment("embedding", encode_array(v, body.encoding_format, "float32")),
+        }
+        for i, v in enumerate(vectors)
+    ]
+    kinds.report(request)
+    tokens = sum(t.n_tokens for t in tokenized)
+    return JSONResponse(
+        {"object": "list", "data": data, "model": served.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    )
+
+
+@app.get("/v1/models")
+async def models_list(svc: EncoderService = Depends(service)) -> JSONResponse:
+    """The served models, in OpenAI's list format (`client.models.list()` works unchanged)."""
+    return JSONResponse({"object": "list", "data": [
+        {"id": m.name, "object": "model", "created": _unix_time(m.manifest.created_at), "owned_by": SERVER_NAME}
+        for m in svc.engines
+    ]})
+
+
+@app.get("/v1/models/{name}", responses=ERROR_RESPONSES)
+async def model_retrieve(name: str, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """One served model (OpenAI's `client.models.retrieve`)."""
+    m = svc.engines.get(name)
+    return JSONResponse({"id": m.name, "object": "model", "created": _unix_time(m.manifest.created_at),
+                         "owned_by": SERVER_NAME})
+
+
+def _unix_time(iso: str) -> int:
+    """The bundle's export time as OpenAI's `created` (seconds since the epoch); 0 when unreadable."""
+    try:
+        return int(datetime.fromisoformat(iso).timestamp())
+    except ValueError:
+        return 0

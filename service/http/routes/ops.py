@@ -1,0 +1,116 @@
+"""What operators and probes ask: GET /health and GET /info.
+
+No `from __future__ import annotations` (see http/routes/native.py).
+"""
+
+from fastapi import Depends
+
+from service.engine.service import EncoderService
+from service.http.app import ERROR_RESPONSES, app
+from service.http.context import service
+from service.http.middleware import InFlightMiddleware, MetricsMiddleware, serve_config_now
+from service.http.responses import JSONResponse
+
+
+@app.get("/health", responses=ERROR_RESPONSES)
+async def health(svc: EncoderService = Depends(service)) -> JSONResponse:
+    """Ready when this replica's sessions (every model's) passed their last health check: 200, else 503."""
+    svc.check_ready()
+    default = svc.engines.default
+    return JSONResponse({"status": "ok", "model": default.name, "models": svc.engines.names,
+                         "provider": default.runtime.provider})
+
+
+@app.get("/info")
+async def info_route(svc: EncoderService = Depends(service)) -> JSONResponse:
+    """Every served model (dims, pooling, where it runs, its bundle and parity report), how requests
+    are batched and limited, where the metrics are, and what the replica that answered has done.
+    The default model's description is also at the top level (the first listed)."""
+    s = svc.settings
+    live = serve_config_now()
+    replica = replica_info(svc)
+    models = [describe_model(m, replica["models"][m.name]) for m in svc.engines]
+    return JSONResponse(
+        {
+            **models[0],
+            "models": models,
+            "batching": replica["batching"],
+            "metrics": replica["metrics"],
+            "replica": {k: replica[k] for k in ("replica_id", "node_id", "pid", "gpu", "load")},
+            "replicas": replicas_now(live, s),
+            "limits": {
+                "max_inputs": s.max_inputs,
+                "max_text_chars": s.max_text_chars,
+                "max_body_bytes": s.max_body_bytes,
+                "max_response_bytes": s.max_response_bytes,
+                "max_attention_values": s.max_attention_values,
+                "max_request_tokens": replica["batching"]["max_batch_tokens"],  # live (user_config)
+                "request_timeout_s": s.request_timeout_s,
+                "max_ongoing_requests": live.max_ongoing_requests if live else s.max_ongoing_requests,  # live
+                "max_queued_requests": live.max_queued_requests if live else s.max_queued_requests,  # live
+            },
+        }
+    )
+
+
+def replica_info(svc: EncoderService) -> dict:
+    """What this replica runs and has done, per model (counters are per replica); the deployment's
+    `info()` (callable by handle) answers the same."""
+    return {
+        **svc.replica,  # replica_id, node_id, pid, gpu, metrics: what the deployment knows of its replica
+        "models": {m.name: svc.describe(m) for m in svc.engines},
+        **svc.describe(svc.engines.default),  # the default model's, at the top as before several were served
+        "batching": svc.batching.model_dump(),
+        "load": {
+            "requests_in_flight": MetricsMiddleware.in_flight,
+            "inference_requests": InFlightMiddleware.pending,
+            "inference_requests_admitted": InFlightMiddleware.admitted,
+            "batches_running": sum(m.runner.running for m in svc.engines),
+            "requests_queued": sum(m.batcher.queued for m in svc.engines),
+        },
+    }
+
+
+def describe_model(m, state: dict) -> dict:
+    """One served model as /info describes it; `state` is the replica's (provider, graphs, counters)."""
+    model, manifest = m.model, m.manifest
+    return {
+        "model": m.name,
+        "architecture": model.architecture,
+        "hidden_size": model.hidden_size,
+        "embedding_dim": model.sentence_dim,  # the sentence embedding's size (a Dense projection may change it)
+        "num_layers": model.num_layers,
+        "num_heads": model.num_heads,
+        "max_tokens": model.max_tokens,
+        "pooling": model.pooling,
+        "normalize": model.normalize,
+        "provider": state["provider"],
+        "provider_note": state["provider_note"],
+        "intra_op_threads": state["intra_op_threads"],
+        "precision": state["precision"],
+        "precision_requested": state["precision_requested"],
+        "precision_note": state["precision_note"],
+        "cuda": state["cuda"],  # each check step, the device, the provider options of the sessions
+        "graphs": state["graphs"],
+        "encoder_counters": state["counters"],  # of the replica that answered
+        "bundle": {"path": str(m.path), "sha256": m.sha256, "opset": manifest.graph.opset},
+        "parity": manifest.parity.model_dump(mode="json"),
+        "variants": {
+            p: {"file": v.file, "fusions": v.fusions, "providers": v.providers,
+                "gate": (v.quality or v.parity).model_dump(mode="json")}
+            for p, v in manifest.variants.items()
+        },
+        "versions": manifest.versions,
+    }
+
+
+def replicas_now(live, settings) -> dict:
+    """How many replicas, as Serve runs them now (else as the settings say)."""
+    if live is None:
+        return {"autoscaling": settings.autoscaling.model_dump()} if settings.autoscaling else {"replicas": settings.replicas}
+    if live.autoscaling_config is not None:
+        a = live.autoscaling_config
+        return {"autoscaling": {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+                                "target_ongoing_requests": a.target_ongoing_requests,
+                                "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s}}
+    return {"replicas": live.num_replicas}

@@ -1,0 +1,148 @@
+"""The batch queue on its own (no Ray, no HTTP): a batch forms only when a runner slot is free and
+then takes everything queued up to the token budget; abandoned requests leave before it forms."""
+
+from __future__ import annotations
+
+import asyncio
+
+from service.engine.batcher import Batcher
+from service.config import BatchingSettings
+
+
+class Runner:
+    """A runner whose batches wait until the test lets them finish, recording what each held."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.finish = asyncio.Event()
+        self.started = asyncio.Event()
+        self.fail: Exception | None = None
+
+    async def run(self, jobs: list[int]) -> list[int]:
+        self.batches.append(list(jobs))
+        self.started.set()
+        await self.finish.wait()
+        if self.fail is not None:
+            raise self.fail
+        return [job * 10 for job in jobs]
+
+
+def batcher(runner: Runner, **knobs) -> tuple[Batcher, dict]:
+    live = {"settings": BatchingSettings(**knobs)}
+    return Batcher(runner.run, lambda: live["settings"], cost=lambda job: 10), live
+
+
+async def until(condition, what: str) -> None:
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_arrivals_while_the_runner_is_busy_form_one_full_batch():
+    async def scenario():
+        runner = Runner()
+        b, _ = batcher(runner, max_concurrent_batches=1, max_batch_tokens=1000)
+        first = asyncio.ensure_future(b.submit(0))
+        await runner.started.wait()
+        rest = [asyncio.ensure_future(b.submit(i)) for i in range(1, 33)]
+        await until(lambda: b.queued == 32, "32 requests queued behind the busy runner")
+        runner.finish.set()
+        results = await asyncio.gather(first, *rest)
+        return runner.batches, results
+
+    batches, results = asyncio.run(scenario())
+    assert batches == [[0], list(range(1, 33))]  # Serve's @serve.batch made many small batches here
+    assert results == [i * 10 for i in range(33)]
+
+
+def test_the_token_budget_bounds_a_batch_and_the_rest_waits_in_order():
+    async def scenario():
+        runner = Runner()
+        runner.finish.set()
+        b, _ = batcher(runner, max_concurrent_batches=1, max_batch_tokens=50)  # 5 jobs of 10
+        gate = asyncio.Event()
+        original = runner.run
+
+        async def held(jobs):
+            await gate.wait()
+            return await original(jobs)
+
+        b.run = held
+        jobs = [asyncio.ensure_future(b.submit(i)) for i in range(12)]
+        await until(lambda: b.running == 1, "the first batch running")
+        gate.set()
+        await asyncio.gather(*jobs)
+        return runner.batches
+
+    batches = asyncio.run(scenario())
+    assert [len(x) for x in batches] == [5, 5, 2], batches
+    assert [j for x in batches for j in x] == list(range(12))  # first come, first served
+
+
+def test_abandoned_requests_leave_the_queue_before_a_batch_forms():
+    async def scenario():
+        runner = Runner()
+        b, _ = batcher(runner, max_concurrent_batches=1, max_batch_tokens=1000)
+        first = asyncio.ensure_future(b.submit(0))
+        await runner.started.wait()
+        waiting = {i: asyncio.ensure_future(b.submit(i)) for i in range(1, 7)}
+        await until(lambda: b.queued == 6, "6 queued")
+        for i in (2, 4, 6):  # their deadlines passed / their clients left
+            waiting[i].cancel()
+        await until(lambda: b.queued == 3, "the abandoned ones gone from the queue")
+        runner.finish.set()
+        await asyncio.gather(first, *(waiting[i] for i in (1, 3, 5)))
+        return runner.batches
+
+    assert asyncio.run(scenario()) == [[0], [1, 3, 5]]
+
+
+def test_a_failed_batch_fails_each_of_its_requests_and_the_next_batch_runs():
+    async def scenario():
+        runner = Runner()
+        b, _ = batcher(runner, max_concurrent_batches=1, max_batch_tokens=1000)
+        runner.fail = RuntimeError("session broke")
+        runner.finish.set()
+        failed = await asyncio.gather(b.submit(1), b.submit(2), return_exceptions=True)
+        runner.fail = None
+        return failed, await b.submit(3)
+
+    failed, after = asyncio.run(scenario())
+    assert all(isinstance(f, RuntimeError) for f in failed) and after == 30
+
+
+def test_concurrency_and_budget_change_live():
+    async def scenario():
+        runner = Runner()
+        b, live = batcher(runner, max_concurrent_batches=1, max_batch_tokens=1000)
+        one = asyncio.ensure_future(b.submit(1))
+        await until(lambda: b.running == 1, "one batch running")
+        two = asyncio.ensure_future(b.submit(2))
+        await until(lambda: b.queued == 1, "the second waiting for a slot")
+        live["settings"] = BatchingSettings(max_concurrent_batches=2, max_batch_tokens=1000)
+        b._changed.set()  # what the next arrival or finished batch does; here, nothing else would
+        await until(lambda: b.running == 2, "a second slot used once the knob changed")
+        runner.finish.set()
+        return await asyncio.gather(one, two)
+
+    assert asyncio.run(scenario()) == [10, 20]
+
+
+def test_the_first_request_waits_for_company_only_when_asked():
+    async def scenario(wait: float):
+        runner = Runner()
+        runner.finish.set()
+        b, _ = batcher(runner, max_concurrent_batches=1, max_batch_tokens=1000, batch_wait_timeout_s=wait)
+        first = asyncio.ensure_future(b.submit(1))
+        if wait == 0:
+            await runner.started.wait()  # its batch formed at once, alone
+        else:
+            await asyncio.sleep(0)  # the batch former is waiting for company now
+        second = asyncio.ensure_future(b.submit(2))
+        await asyncio.gather(first, second)
+        return runner.batches
+
+    assert asyncio.run(scenario(0.0)) == [[1], [2]]
+    assert asyncio.run(scenario(0.5)) == [[1, 2]]
