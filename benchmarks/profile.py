@@ -57,8 +57,12 @@ def top_frames(raw: Path, n: int = 12) -> list[tuple[float, str]]:
     return [(100 * c / max(total, 1), frame) for frame, c in counts.most_common(n)]
 
 
+# Frames where a sampled thread waits rather than works (py-spy counts some waits as active)
+WAITING = ("Condition.wait", "Thread.run (threading", "_run_user_code_event_loop", "Worker.main_loop",
+           "_worker (concurrent", "Event.wait", "select (selectors", "_get_loop")
 # Where a sample of the replica's stack is, by the innermost frame that says (checked in this order)
 STAGES = [
+    ("metrics", ("ray/util/metrics.py", "service/metrics.py")),
     ("model", ("onnxruntime_inference_collection", "runtimes/onnxruntime.py")),
     ("tokenize", ("engine/tokenization.py", "tokenizers")),
     ("serialise", ("http/responses.py", "orjson", "responses.py")),
@@ -72,6 +76,8 @@ SAMPLE_MS = 10  # py-spy at 100 samples per second
 
 def stage_of(stack: str) -> str:
     frames = stack.split(";")
+    if any(mark in frames[-1] for mark in WAITING):
+        return "waiting"
     for frame in reversed(frames):
         for stage, marks in STAGES:
             if any(mark in frame for mark in marks):
@@ -158,7 +164,7 @@ def main() -> int:
     raw = args.out / "replica.txt"
     if raw.exists():
         stages = stage_ms(raw, handled)
-        outside = sum(v for k, v in stages.items() if k != "model")
+        outside = sum(v for k, v in stages.items() if k not in ("model", "waiting"))
         print(f"\nreplica CPU per single-text request ({handled} requests): " +
               ", ".join(f"{k} {v:.2f} ms" for k, v in stages.items()) + f"; outside the model {outside:.2f} ms")
         (args.out / "stages.json").write_text(json.dumps({"requests": handled, "ms_per_request": stages,

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from service import middleware
+from service.http import middleware
 
 
 async def _receive() -> dict:

@@ -89,7 +89,7 @@ def test_truncated_graph_is_refused_before_onnxruntime_sees_it(default_bundle, t
 def test_threads_come_from_the_replica_cpu_share_not_the_machine(monkeypatch):
     """Four replicas of 1 CPU on a 4-CPU pod get one thread per session, not four; several models
     and concurrent batches share the replica's CPUs; an explicit setting wins."""
-    from service import batching
+    from service.engine import runner as batching
     from service.config import ServiceSettings
 
     monkeypatch.setattr(batching, "available_cpus", lambda: 4)  # the pod's CPUs, as the process sees them
