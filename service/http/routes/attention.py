@@ -72,18 +72,18 @@ def analyse(body: AttentionRequest, attention: np.ndarray, units: Units) -> dict
 @app.post("/v1/attention", response_model=AttentionResponse, responses=ERROR_RESPONSES)
 async def attention(body: AttentionRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Attention rollout, per-head entropy and top-k per unit (token or word); weights on request."""
-    served = model_for(svc, body.model, request)
+    engine = model_for(svc, body.model, request)
     texts = svc.texts(body.inputs)
     # in model order: rollout multiplies layers in the order the model applies them
-    layers = tuple(sorted(svc.indexes(body.layers, served.model.num_layers, "layer")))
-    heads = tuple(sorted(svc.indexes(body.heads, served.model.num_heads, "head")))
-    tokenized = await svc.tokenize(served, texts, body.truncate, "/v1/attention")
-    svc.check_attention_size(served, tokenized)
+    layers = tuple(sorted(svc.indexes(body.layers, engine.model.num_layers, "layer")))
+    heads = tuple(sorted(svc.indexes(body.heads, engine.model.num_heads, "head")))
+    tokenized = await svc.tokenize(engine, texts, body.truncate, "/v1/attention")
+    svc.check_attention_size(engine, tokenized)
     estimate = attention_response_size(body, tokenized, len(layers), len(heads))
     svc.check_response_size(estimate)
-    job = EncodeJob(route="/v1/attention", ids=[t.ids for t in tokenized], normalize=served.model.normalize,
+    job = EncodeJob(route="/v1/attention", ids=[t.ids for t in tokenized], normalize=engine.model.normalize,
                     attention=(layers, heads))
-    result = await infer(svc, served, job, request)
+    result = await infer(svc, engine, job, request)
     units = [units_of(t, text, body.level) for t, text in zip(tokenized, texts, strict=True)]
 
     def analyse_all() -> list[dict[str, Any]]:
@@ -111,7 +111,7 @@ async def attention(body: AttentionRequest, request: Request, svc: EncoderServic
                     "format": body.format, "data": kinds.array("attention", w, body.format, body.dtype),
                 }
             data.append(item)
-        return {"model": served.name, "level": body.level, "layers": list(layers), "heads": list(heads),
+        return {"model": engine.name, "level": body.level, "layers": list(layers), "heads": list(heads),
                 "data": data, "usage": {"tokens": sum(t.n_tokens for t in tokenized)}}
 
     response = await respond(build, estimate)
@@ -122,23 +122,23 @@ async def attention(body: AttentionRequest, request: Request, svc: EncoderServic
 @app.post("/v1/similarity", response_model=SimilarityResponse, responses=ERROR_RESPONSES)
 async def similarity(body: SimilarityRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Cosine similarity of text pairs; with explain, each token's (or word's) exact share of it."""
-    served = model_for(svc, body.model, request)
-    pooling = served.model.pooling
+    engine = model_for(svc, body.model, request)
+    pooling = engine.model.pooling
     if body.explain:
         try:
-            check_explainable(pooling, served.model.dense_layers)
+            check_explainable(pooling, engine.model.dense_layers)
         except NoExactSplit as exc:
             raise InvalidRequest(f"explain: {exc}") from None
     if 2 * len(body.pairs) > svc.settings.max_inputs:
         raise TooLarge(f"{len(body.pairs)} pairs are {2 * len(body.pairs)} texts; at most "
                        f"{svc.settings.max_inputs} texts ({svc.settings.max_inputs // 2} pairs) per request")
     texts = svc.texts([text for pair in body.pairs for text in pair])
-    tokenized = await svc.tokenize(served, texts, body.truncate, "/v1/similarity")
+    tokenized = await svc.tokenize(engine, texts, body.truncate, "/v1/similarity")
     if body.explain:
         svc.check_response_size(sum(t.n_tokens * (UNIT_JSON_BYTES + JSON_FLOAT_BYTES) for t in tokenized))
-    job = EncodeJob(route="/v1/similarity", ids=[t.ids for t in tokenized], normalize=served.model.normalize,
+    job = EncodeJob(route="/v1/similarity", ids=[t.ids for t in tokenized], normalize=engine.model.normalize,
                     want_hidden=body.explain)
-    result = await infer(svc, served, job, request)
+    result = await infer(svc, engine, job, request)
     kinds = KindCounter()
     data = []
     for p in range(len(body.pairs)):
@@ -162,7 +162,7 @@ async def similarity(body: SimilarityRequest, request: Request, svc: EncoderServ
     if pooling == "cls":
         note = "the model pools with cls: the embedding is the first token's, so each text's whole score is on its first token"
     return JSONResponse({
-        "model": served.name, "pooling": pooling, "level": body.level, "note": note, "data": data,
+        "model": engine.name, "pooling": pooling, "level": body.level, "note": note, "data": data,
         "usage": {"tokens": sum(t.n_tokens for t in tokenized)},
     })
 

@@ -39,21 +39,21 @@ def encode_size(body: EncodeRequest, tokenized: list[TokenizedText], attention, 
 @app.post("/v1/encode", response_model=EncodeResponse, responses=ERROR_RESPONSES)
 async def encode(body: EncodeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Embeddings, token encodings, tokens with offsets, attention weights."""
-    served = model_for(svc, body.model, request)
+    engine = model_for(svc, body.model, request)
     texts = svc.texts(body.inputs)
     attention = None
     if body.attention is not None:
         attention = (
-            svc.indexes(body.attention.layers, served.model.num_layers, "layer"),
-            svc.indexes(body.attention.heads, served.model.num_heads, "head"),
+            svc.indexes(body.attention.layers, engine.model.num_layers, "layer"),
+            svc.indexes(body.attention.heads, engine.model.num_heads, "head"),
         )
-    tokenized = await svc.tokenize(served, texts, body.truncate, "/v1/encode")
+    tokenized = await svc.tokenize(engine, texts, body.truncate, "/v1/encode")
     if attention is not None:
-        svc.check_attention_size(served, tokenized)
-    estimate = encode_size(body, tokenized, attention, served.model.hidden_size, served.model.sentence_dim)
+        svc.check_attention_size(engine, tokenized)
+    estimate = encode_size(body, tokenized, attention, engine.model.hidden_size, engine.model.sentence_dim)
     svc.check_response_size(estimate)
-    normalize = served.model.normalize if body.normalize is None else body.normalize
-    if served.model.normalize and not normalize and served.model.dense_layers:
+    normalize = engine.model.normalize if body.normalize is None else body.normalize
+    if engine.model.normalize and not normalize and engine.model.dense_layers:
         # the raw embedding is re-pooled from the token encodings, which would skip the Dense projection
         raise InvalidRequest("normalize: false is not available for this model: it normalises after a Dense "
                              "projection inside its graph, so only the normalised embedding exists")
@@ -65,7 +65,7 @@ async def encode(body: EncodeRequest, request: Request, svc: EncoderService = De
         want_hidden=body.token_embeddings,
         attention=attention,
     )
-    result = await infer(svc, served, job, request)
+    result = await infer(svc, engine, job, request)
     kinds = KindCounter()
 
     def build() -> dict:  # on the event loop when small, else in a worker thread (responses.respond)
@@ -90,7 +90,7 @@ async def encode(body: EncodeRequest, request: Request, svc: EncoderService = De
                     "data": kinds.array("attention", result.attentions[i], spec.format, spec.dtype),
                 }
             data.append(item)
-        return {"model": served.name, "data": data, "usage": {"tokens": sum(t.n_tokens for t in tokenized)}}
+        return {"model": engine.name, "data": data, "usage": {"tokens": sum(t.n_tokens for t in tokenized)}}
 
     response = await respond(build, estimate)
     kinds.report(request)
@@ -100,13 +100,13 @@ async def encode(body: EncodeRequest, request: Request, svc: EncoderService = De
 @app.post("/v1/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Tokens, ids and character offsets, exactly as /v1/encode sees them."""
-    served = model_for(svc, body.model, request)
+    engine = model_for(svc, body.model, request)
     texts = svc.texts(body.inputs)
-    tokenized = await svc.tokenize(served, texts, body.truncate, "/v1/tokenize", limit_tokens=False)
+    tokenized = await svc.tokenize(engine, texts, body.truncate, "/v1/tokenize", limit_tokens=False)
     kinds = KindCounter()
     data = [
         {"index": i, "tokens": kinds.fragment("tokens", token_list(t.encoding)), "truncated": t.truncated}
         for i, t in enumerate(tokenized)
     ]
     kinds.report(request)
-    return JSONResponse({"model": served.name, "data": data})
+    return JSONResponse({"model": engine.name, "data": data})

@@ -20,13 +20,13 @@ from service.http.schemas import OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
 @app.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=ERROR_RESPONSES)
 async def embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """OpenAI's embeddings API: works with the official `openai` client."""
-    served = model_for(svc, body.model, request, required=True)
-    if body.dimensions is not None and body.dimensions > served.model.sentence_dim:
-        raise InvalidRequest(f"dimensions {body.dimensions} exceeds the model's {served.model.sentence_dim}")
+    engine = model_for(svc, body.model, request, required=True)
+    if body.dimensions is not None and body.dimensions > engine.model.sentence_dim:
+        raise InvalidRequest(f"dimensions {body.dimensions} exceeds the model's {engine.model.sentence_dim}")
     texts = svc.texts(body.input)
-    tokenized = await svc.tokenize(served, texts, True, "/v1/embeddings")
-    job = EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized], normalize=served.model.normalize)
-    result = await infer(svc, served, job, request)
+    tokenized = await svc.tokenize(engine, texts, True, "/v1/embeddings")
+    job = EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized], normalize=engine.model.normalize)
+    result = await infer(svc, engine, job, request)
     vectors = result.embeddings
     if body.dimensions is not None:  # shortened as OpenAI does: cut, then re-normalise
         vectors = np.ascontiguousarray(l2_normalize(vectors[:, : body.dimensions]).astype(np.float32))
@@ -42,7 +42,7 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: Encode
     kinds.report(request)
     tokens = sum(t.n_tokens for t in tokenized)
     return JSONResponse(
-        {"object": "list", "data": data, "model": served.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        {"object": "list", "data": data, "model": engine.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     )
 
 

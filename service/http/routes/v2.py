@@ -168,12 +168,12 @@ async def v2_ready(svc: EncoderService = Depends(service)) -> JSONResponse:
 @app.get("/v2/models/{name}", response_model=V2ModelMetadata, responses=ERROR_RESPONSES)
 @app.get("/v2/models/{name}/versions/{version}", include_in_schema=False)
 async def v2_metadata(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
-    served = model_for(svc, name, request)
-    d, L, H = served.model.hidden_size, served.model.num_layers, served.model.num_heads
-    e = served.model.sentence_dim
+    engine = model_for(svc, name, request)
+    d, L, H = engine.model.hidden_size, engine.model.num_layers, engine.model.num_heads
+    e = engine.model.sentence_dim
     return JSONResponse(
         {
-            "name": served.name,
+            "name": engine.name,
             "versions": ["1"],
             "platform": "onnxruntime_onnx",
             "inputs": [{"name": V2_INPUT, "datatype": "BYTES", "shape": [-1]}],
@@ -190,9 +190,9 @@ async def v2_metadata(name: str, request: Request, version: str = "1", svc: Enco
 @app.get("/v2/models/{name}/ready", responses=ERROR_RESPONSES)
 @app.get("/v2/models/{name}/versions/{version}/ready", include_in_schema=False)
 async def v2_model_ready(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
-    served = model_for(svc, name, request)
+    engine = model_for(svc, name, request)
     svc.check_ready()
-    return JSONResponse({"name": served.name, "ready": True})
+    return JSONResponse({"name": engine.name, "ready": True})
 
 
 @app.post("/v2/repository/index")
@@ -208,7 +208,7 @@ async def v2_infer(name: str, request: Request, version: str = "1", svc: Encoder
 
     Supports the binary tensor data extension that tritonclient uses by default.
     """
-    served = model_for(svc, name, request)
+    engine = model_for(svc, name, request)
     raw = await request.body()
     header_len = request.headers.get("inference-header-content-length")
     req, binary = _parse_v2_body(raw, header_len)
@@ -228,23 +228,23 @@ async def v2_infer(name: str, request: Request, version: str = "1", svc: Encoder
     }
     for n in requested:
         binary_out.setdefault(n, bool(params.get("binary_data_output", False)))
-    tokenized = await svc.tokenize(served, texts, truncate, "/v2/models/{name}/infer")
+    tokenized = await svc.tokenize(engine, texts, truncate, "/v2/models/{name}/infer")
     n, T = len(tokenized), max(t.n_tokens for t in tokenized)
-    d, L, H = served.model.hidden_size, served.model.num_layers, served.model.num_heads
+    d, L, H = engine.model.hidden_size, engine.model.num_layers, engine.model.num_heads
     if "attentions" in requested:
-        svc.check_attention_size(served, tokenized)
-    sizes = {"sentence_embedding": n * served.model.sentence_dim, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
+        svc.check_attention_size(engine, tokenized)
+    sizes = {"sentence_embedding": n * engine.model.sentence_dim, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
     estimate = sum(sizes[k] * (4 if binary_out[k] else JSON_FLOAT_BYTES) for k in requested)
     svc.check_response_size(estimate)
     job = EncodeJob(
         route="/v2/models/{name}/infer",
         ids=[t.ids for t in tokenized],
-        normalize=served.model.normalize,
+        normalize=engine.model.normalize,
         want_hidden="last_hidden_state" in requested,
         attention=(tuple(range(L)), tuple(range(H))) if "attentions" in requested else None,
     )
-    result = await infer(svc, served, job, request)
-    head = {"model_name": served.name, "model_version": "1", "id": req.id or ""}
+    result = await infer(svc, engine, job, request)
+    head = {"model_name": engine.name, "model_version": "1", "id": req.id or ""}
 
     def build() -> Response:
         return _v2_response(head, _v2_tensors(result, tokenized, requested, T), binary_out, request)
