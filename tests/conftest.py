@@ -99,7 +99,21 @@ def deploy(settings_overrides: dict, name: str, route_prefix: str, bundle: Path)
     if _INGRESS:
         live = f"{_INGRESS[0]}{route_prefix.rstrip('/')}/v2/health/live"
         wait_until(lambda: httpx.get(live, timeout=10).status_code == 200, f"the ingress to route {live}", timeout=60)
+        if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" and settings.autoscaling is None:
+            # until its health checks pass, HAProxy sends a new app's requests to one replica it has
+            # seen up, or to Ray's fallback proxy: a test of how requests spread must start after that
+            wait_until(lambda: haproxy_servers_up(f"http-{name}") == settings.replicas,
+                       f"HAProxy to see the {settings.replicas} replica(s) of {name} up", timeout=60)
     return settings
+
+
+def haproxy_servers_up(backend: str) -> int:
+    """Replicas HAProxy sends to directly: UP servers of an app's backend on its stats page."""
+    import httpx
+
+    stats = httpx.get(f"http://127.0.0.1:{os.environ['RAY_SERVE_HAPROXY_STATS_PORT']}/stats;csv", timeout=10).text
+    rows = [line.split(",") for line in stats.splitlines() if line.startswith(backend + ",")]
+    return sum(1 for r in rows if r[1].startswith("SERVE_REPLICA") and r[17] == "UP")
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.conftest import wait_until
+from tests.conftest import haproxy_servers_up, wait_until
 from tests.holding import deploy_gated
 from tests.metrics_scrape import poll, scrape, total
 
@@ -28,13 +28,6 @@ def ingress_url(ray_serve, ingress: str) -> str:
     if ingress == "haproxy":
         return ray_serve.url
     return f"http://127.0.0.1:{os.environ['RAY_SERVE_FALLBACK_PROXY_HTTP_PORT']}"
-
-
-def haproxy_servers_up(backend: str) -> int:
-    """Replicas HAProxy sends to directly: UP servers of the app's backend on its stats page."""
-    stats = httpx.get(f"http://127.0.0.1:{os.environ['RAY_SERVE_HAPROXY_STATS_PORT']}/stats;csv", timeout=10).text
-    rows = [line.split(",") for line in stats.splitlines() if line.startswith(backend + ",")]
-    return sum(1 for r in rows if r[1].startswith("SERVE_REPLICA") and r[17] == "UP")
 
 
 def refusals(families: dict) -> float:
