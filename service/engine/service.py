@@ -145,10 +145,11 @@ class EncoderService:
                 "fewer layers or heads"
             )
         job.enqueued = time.perf_counter()
-        if self.batching.enabled:
-            result = asyncio.ensure_future(engine.batcher.submit(job))
-        else:  # every request alone: for comparison
+        alone = not self.batching.enabled  # fixed now: the knob may change while this job waits
+        if alone:  # every request alone: for comparison
             result = asyncio.ensure_future(engine.batcher.run([job]))
+        else:
+            result = asyncio.ensure_future(engine.batcher.submit(job))
         watched = {result} | ({gone} if gone is not None else set())
         try:
             done, _ = await asyncio.wait(watched, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -166,7 +167,7 @@ class EncoderService:
         except Exception as exc:  # the batch failed (a broken session): one error for its requests
             logger.warning("batch failed: %s: %s", type(exc).__name__, exc)
             raise BackendError(f"inference failed ({type(exc).__name__}); the request can be retried") from None
-        return outcome[0] if not self.batching.enabled else outcome
+        return outcome[0] if alone else outcome
 
     # ---- what it runs, for /info ----
 
