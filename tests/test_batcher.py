@@ -32,6 +32,14 @@ def batcher(runner: Runner, **knobs) -> tuple[Batcher, dict]:
     return Batcher(runner.run, lambda: live["settings"], cost=lambda job: 10), live
 
 
+async def busy(runner: Runner, **knobs) -> tuple[Batcher, asyncio.Future]:
+    """A batcher whose first request's batch is running (held by the runner) when this returns."""
+    b, _ = batcher(runner, **knobs)
+    first = asyncio.ensure_future(b.submit(0))
+    await runner.started.wait()
+    return b, first
+
+
 async def until(condition, what: str) -> None:
     for _ in range(2000):
         if condition():
@@ -43,9 +51,7 @@ async def until(condition, what: str) -> None:
 def test_arrivals_while_the_runner_is_busy_form_one_full_batch():
     async def scenario():
         runner = Runner()
-        b, _ = batcher(runner, max_concurrent_batches=1, max_batch_tokens=1000)
-        first = asyncio.ensure_future(b.submit(0))
-        await runner.started.wait()
+        b, first = await busy(runner, max_concurrent_batches=1, max_batch_tokens=1000)
         rest = [asyncio.ensure_future(b.submit(i)) for i in range(1, 33)]
         await until(lambda: b.queued == 32, "32 requests queued behind the busy runner")
         runner.finish.set()
@@ -84,9 +90,7 @@ def test_the_token_budget_bounds_a_batch_and_the_rest_waits_in_order():
 def test_abandoned_requests_leave_the_queue_before_a_batch_forms():
     async def scenario():
         runner = Runner()
-        b, _ = batcher(runner, max_concurrent_batches=1, max_batch_tokens=1000)
-        first = asyncio.ensure_future(b.submit(0))
-        await runner.started.wait()
+        b, first = await busy(runner, max_concurrent_batches=1, max_batch_tokens=1000)
         waiting = {i: asyncio.ensure_future(b.submit(i)) for i in range(1, 7)}
         await until(lambda: b.queued == 6, "6 queued")
         for i in (2, 4, 6):  # their deadlines passed / their clients left

@@ -14,9 +14,6 @@ class ServiceError(Exception):
         self.message = message
         self.retry_after_s = retry_after_s  # worth retrying after this long (overload, deadline, not ready)
 
-    def body(self) -> dict:
-        return {"error": {"type": self.type, "message": self.message}}
-
 
 class InvalidRequest(ServiceError):
     type = "validation"
