@@ -46,7 +46,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing into $(VENV) (first time: a few minutes)"
 	$(BIN)/python -m pip install --disable-pip-version-check -q -e ".[$(EXTRAS)]" 2>&1 | $(PIP_QUIET)
-	@$(BIN)/python -c "import torch, onnxruntime, ray.serve, bundle, export, service.app" # fail here, not later, if the install is broken
+	@$(BIN)/python -c "import torch, onnxruntime, openvino, ray.serve, bundle, export, service.app" # fail here, not later, if the install is broken
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -17,9 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from bundle.contract import BUNDLE_MANIFEST, ENCODINGS_OUTPUT_NAMES, INPUT_NAMES, MIN_OPSET, OUTPUT_NAMES
 
 # 2: encodings-only graph variants (fp32 fused, int8, fp16) beside the full graph
-SCHEMA_VERSION = 2
+# 3: bf16 (OpenVINO), a variant's runtime, and the attention gate of a precision
+SCHEMA_VERSION = 3
 Pooling = Literal["mean", "cls", "max"]
-Precision = Literal["fp32", "int8", "fp16"]
+Precision = Literal["fp32", "int8", "fp16", "bf16"]
+RuntimeName = Literal["onnxruntime", "openvino"]
 
 
 class BundleError(Exception):
@@ -123,8 +125,14 @@ class VariantInfo(_Strict):
     optimizer: str = Field(description="what rewrote the graph after export")
     fusions: dict[str, int] = Field(description="fused operators the optimizer produced, by type")
     providers: list[str] = Field(description="execution providers this variant is meant for")
+    runtime: RuntimeName = Field(
+        "onnxruntime", description="what runs it: onnxruntime, or OpenVINO (bf16: the fp32 file, compiled with "
+        "INFERENCE_PRECISION_HINT=bf16)")
     parity: ParityReport | None = Field(None, description="strict gate vs PyTorch (fp32)")
     quality: QualityGate | None = Field(None, description="cosine/retrieval gate vs PyTorch (lossy precisions)")
+    attention_gate: ParityReport | None = Field(
+        None, description="the full graph's attention weights at this precision vs PyTorch fp32 (1e-3 absolute): "
+        "requests for attention weights run at this precision only if it passed, else on the fp32 graph")
 
     @property
     def passed(self) -> bool:
@@ -163,14 +171,15 @@ class GraphInfo(_Strict):
 
 
 class BundleManifest(_Strict):
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[3] = SCHEMA_VERSION
     model: ModelInfo
     graph: GraphInfo = Field(description="the full graph: every output, attention weights included")
     tokenizer: str
     files: dict[str, FileEntry]
     parity: ParityReport
     variants: dict[Precision, VariantInfo] = Field(
-        description="encodings-only graphs by precision; fp32 is always there, int8/fp16 when their gate passed"
+        description="encodings-only graphs by precision; fp32 is always there, int8/fp16/bf16 when their gate "
+        "passed"
     )
     versions: dict[str, str]
     created_at: str

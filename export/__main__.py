@@ -29,8 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="parity absolute tolerance")
     parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="parity relative tolerance")
     parser.add_argument(
-        "--lossy", default="int8,fp16",
-        help="lossy encodings graphs to build, comma-separated (int8, fp16; '' for none); "
+        "--lossy", default="int8,fp16,bf16",
+        help="lossy encodings graphs to build, comma-separated (int8, fp16, bf16; '' for none); "
         "each is published only if its gate passes",
     )
     parser.add_argument("--mean-cosine", type=float, default=DEFAULT_MEAN_COSINE,
@@ -40,8 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
     args = parser.parse_args(argv)
     args.lossy = tuple(p for p in args.lossy.replace(" ", "").split(",") if p)
-    if unknown := set(args.lossy) - {"int8", "fp16"}:
-        parser.error(f"--lossy: unknown precision(s) {sorted(unknown)}; expected int8, fp16")
+    if unknown := set(args.lossy) - {"int8", "fp16", "bf16"}:
+        parser.error(f"--lossy: unknown precision(s) {sorted(unknown)}; expected int8, fp16, bf16")
     if args.opset < MIN_OPSET:
         parser.error(f"--opset must be >= {MIN_OPSET}")
     if args.atol < 0 or args.rtol < 0:

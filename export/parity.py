@@ -132,6 +132,8 @@ def check_parity(
     rtol: float,
     providers: Sequence[str] = ("CPUExecutionProvider",),
     outputs: Sequence[str] = OUTPUT_NAMES,
+    session=None,
+    compare: Sequence[str] | None = None,
 ) -> ParityReport:
     """Run every probe through PyTorch and onnxruntime and compare every output on real positions.
 
@@ -139,10 +141,12 @@ def check_parity(
     reported relative difference is |ort - torch| / max(|torch|, atol), so near-zero values
     do not make it meaningless.
     """
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(graph_path), options, providers=list(providers))
-    tallies = {name: _Tally() for name in outputs}
+    if session is None:  # export.sessions.OpenVinoSession answers the same calls
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(str(graph_path), options, providers=list(providers))
+    compare = tuple(compare or outputs)  # the outputs judged (all the graph's by default)
+    tallies = {name: _Tally() for name in compare}
 
     got_inputs = [i.name for i in session.get_inputs()]
     got_outputs = [o.name for o in session.get_outputs()]
@@ -157,9 +161,9 @@ def check_parity(
         feed = {"input_ids": probe.input_ids, "attention_mask": probe.attention_mask, "token_type_ids": probe.token_type_ids}
         with torch.no_grad():
             everything = encoder(*(torch.from_numpy(feed[n]) for n in INPUT_NAMES))
-        reference = [t.numpy() for name, t in zip(OUTPUT_NAMES, everything, strict=True) if name in outputs]
-        candidate = session.run(list(outputs), feed)
-        for name, ref, got in zip(outputs, reference, candidate, strict=True):
+        reference = [t.numpy() for name, t in zip(OUTPUT_NAMES, everything, strict=True) if name in compare]
+        candidate = session.run(list(compare), feed)
+        for name, ref, got in zip(compare, reference, candidate, strict=True):
             tally = tallies[name]
             if ref.shape != got.shape:
                 tally.passed = False

@@ -43,6 +43,10 @@ from export import onnx_export, optimize, parity, quality
 from export.checkpoint import Checkpoint, load_checkpoint
 
 
+# the attention weights' gate at a lossy precision: probabilities within 1e-3 of PyTorch fp32
+ATTENTION_ATOL_BF16 = 1e-3
+
+
 class ExportError(Exception):
     """The export did not produce a publishable bundle; nothing was published."""
 
@@ -57,7 +61,7 @@ class ExportOptions:
     name: str | None = None
     force: bool = False
     # lossy encodings graphs to build; each is published only if its quality gate passes
-    lossy: tuple[str, ...] = ("int8", "fp16")
+    lossy: tuple[str, ...] = ("int8", "fp16", "bf16")
     mean_cosine: float = DEFAULT_MEAN_COSINE
     cosine_floor: float = DEFAULT_COSINE_FLOOR
 
@@ -137,7 +141,10 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
                         f"gate mean cosine >= {options.mean_cosine:g} and every text >= {options.cosine_floor:g} "
                         "vs PyTorch fp32, retrieval unchanged")
         for precision in options.lossy:
-            variant = _lossy_variant(precision, ckpt, tokenizer, staging, variants["fp32"], options, progress)
+            if precision == "bf16":
+                variant = _bf16_variant(ckpt, tokenizer, staging, variants["fp32"], probes, options, progress)
+            else:
+                variant = _lossy_variant(precision, ckpt, tokenizer, staging, variants["fp32"], options, progress)
             if variant is not None:
                 variants[precision] = variant
         progress(f"      ({time.perf_counter() - started:.1f}s)")
@@ -248,6 +255,50 @@ def _lossy_variant(
         outputs=list(ENCODINGS_OUTPUT_NAMES),
         optimizer=optimize.OPTIMIZER + (", quantize_dynamic int8 weights" if precision == "int8" else ", float16"),
         fusions=fusions, providers=providers, quality=gate,
+    )
+
+
+def _bf16_variant(
+    ckpt: Checkpoint,
+    tokenizer: Tokenizer,
+    staging: Path,
+    fp32: VariantInfo,
+    probes,
+    options: ExportOptions,
+    progress: Progress,
+) -> VariantInfo | None:
+    """bf16 is the fp32 encodings graph run by OpenVINO with bf16 matrix products: no file of its
+    own, but a gate of its own, measured on bf16 units (a CPU without them would run f32 and prove
+    nothing, so there it is not published). The full graph's attention weights get their own gate
+    (1e-3 absolute): requests for them run in bf16 only if it passes."""
+    from service.runtimes.openvino import check_openvino
+
+    from export.sessions import OpenVinoSession
+
+    check = check_openvino()
+    if not check.bf16_units:
+        progress(f"      bf16 not gated, not published: {check.reason}")
+        return None
+    graph = staging / fp32.file
+    gate = quality.check_quality(
+        ckpt.encoder, tokenizer, graph, ckpt.max_tokens, ckpt.config.pad_token_id, options.mean_cosine,
+        options.cosine_floor, session=OpenVinoSession(graph, ENCODINGS_OUTPUT_NAMES, "bf16"),
+    )
+    progress("      " + quality_line("bf16", gate) + f" (OpenVINO {check.version}, {check.cpu})")
+    if not gate.passed:
+        progress("      bf16 rejected by its gate: not published")
+        return None
+    attention = parity.check_parity(
+        ckpt.encoder, staging / GRAPH_FILE, probes, ATTENTION_ATOL_BF16, 0.0, outputs=OUTPUT_NAMES,
+        session=OpenVinoSession(staging / GRAPH_FILE, OUTPUT_NAMES, "bf16"), compare=("attentions",),
+    )
+    line = attention.outputs[0]
+    progress(f"      bf16 attention weights: max abs diff {line.max_abs_diff:.2e} vs {ATTENTION_ATOL_BF16:g}: "
+             + ("PASS, served in bf16" if attention.passed else "FAIL, requests for them run on the fp32 graph"))
+    return VariantInfo(
+        file=fp32.file, precision="bf16", opset=fp32.opset, inputs=list(INPUT_NAMES),
+        outputs=list(ENCODINGS_OUTPUT_NAMES), optimizer=fp32.optimizer + "; OpenVINO INFERENCE_PRECISION_HINT=bf16",
+        fusions=fp32.fusions, providers=["OpenVINO CPU"], runtime="openvino", quality=gate, attention_gate=attention,
     )
 
 

@@ -1,4 +1,4 @@
-"""The gate of lossy variants (int8, fp16): same embeddings and same retrieval as fp32 PyTorch.
+"""The gate of lossy variants (int8, fp16, bf16): same embeddings and same retrieval as fp32 PyTorch.
 
 A lossy graph cannot meet the fp32 parity tolerances, and does not need to: what a user of an
 embedding service relies on is the direction of each embedding and the order of search
@@ -119,11 +119,14 @@ def check_quality(
     mean_cosine: float,
     cosine_floor: float,
     providers: Sequence[str] = ("CPUExecutionProvider",),
+    session=None,
 ) -> QualityGate:
-    """Embed the corpus, queries and documents with PyTorch fp32 and with the candidate graph; compare."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(graph_path), options, providers=list(providers))
+    """Embed the corpus, queries and documents with PyTorch fp32 and with the candidate graph; compare.
+    `session`: what runs the graph, when not onnxruntime (export.sessions.OpenVinoSession for bf16)."""
+    if session is None:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(str(graph_path), options, providers=list(providers))
     texts = [*CORPUS, *(q for q, _ in QUERIES), *DOCUMENTS]
     reference = _unit(embed_reference(encoder, _batches(tokenizer, texts, max_tokens, pad_id)))
     candidate = _unit(embed_candidate(session, _batches(tokenizer, texts, max_tokens, pad_id)))

@@ -48,9 +48,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replica-num-gpus", type=float, dest="num_gpus",
                    help="Ray GPUs per replica, a fraction to share one (default: 0.25 where CUDA is wanted and "
                    "the machine has GPUs, else 0)")
-    p.add_argument("--precision", choices=["auto", "fp32", "int8", "fp16"],
+    p.add_argument("--runtime", choices=["auto", "onnxruntime", "openvino"],
+                   help="what runs the encodings graph (default auto: OpenVINO bf16 on a CPU with bf16 units where it "
+                   "measures faster at start-up, else onnxruntime)")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8", "fp16"],
                    help="encodings graph for requests without attention weights (default auto: fp16 on CUDA, "
-                   "fp32 on CPU)")
+                   "bf16 on a CPU with bf16 units, else fp32)")
     p.add_argument("--max-batch-tokens", type=int)
     p.add_argument("--batch-wait-timeout-s", type=float)
     p.add_argument("--sub-batch-tokens", type=int)
@@ -91,7 +94,7 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
         settings.pop("bundle", None)
         settings.pop("model_name", None)
         settings["bundles"] = args.bundle
-    for key in ("replicas", "num_cpus", "num_gpus", "intra_op_threads", "provider", "precision",
+    for key in ("replicas", "num_cpus", "num_gpus", "intra_op_threads", "provider", "runtime", "precision",
                 "max_ongoing_requests", "max_queued_requests", "request_timeout_s"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
@@ -154,8 +157,8 @@ def summary(settings: ServiceSettings, http: dict, info: dict, args: argparse.Na
     metrics = (info.get("metrics") or {}).get("prometheus_url") or "see Ray's metrics export port"
     ingress = f" ({args.ingress} ingress)" if args.address == "local" else ""  # a running cluster has its own
     models = [
-        f"  model      {name}: {state['precision']} encodings graph ({state['precision_note']}), full graph for "
-        f"attention; bundle {ref.path}"
+        f"  model      {name}: {state['precision']} encodings graph on {state['runtime']} ({state['precision_note']}), "
+        f"{state['graphs']['attentions']} graph for attention; bundle {ref.path}"
         for ref, (name, state) in zip(settings.bundles, info["models"].items(), strict=True)
     ]
     gpu = info.get("gpu") or {}

@@ -36,7 +36,8 @@ INGRESS_ENV: dict[str, dict[str, str]] = {
 }
 DEFAULT_INGRESS = "haproxy"
 DEPLOYMENT_NAME = "Encoder"  # the one deployment, as a Serve config's `deployments` entry names it
-Precision = Literal["auto", "fp32", "int8", "fp16"]
+Precision = Literal["auto", "fp32", "int8", "fp16", "bf16"]
+RuntimePreference = Literal["auto", "onnxruntime", "openvino"]
 # Ray GPUs per replica when CUDA is wanted and num_gpus is left out: four replicas per GPU, as many
 # as a GPU pod of the RayService has CPUs for (4 CPUs, 1 per replica); each gets a quarter of the
 # GPU's memory (service/runtimes/cuda.py, session_memory_limit).
@@ -187,11 +188,24 @@ class ServiceSettings(BaseModel):
         "set it when replicas share a node",
     )
     inter_op_threads: int = Field(1, ge=1)
+    runtime: RuntimePreference = Field(
+        "auto",
+        description="what runs the encodings graph: auto (onnxruntime on CUDA; on a CPU with bf16 units and a "
+        "bundle with a gated bf16 graph, whichever of OpenVINO bf16 and onnxruntime fp32 runs a probe batch "
+        "faster at start-up; else onnxruntime), onnxruntime, or openvino (CPU only: fp32 or bf16)",
+    )
     precision: Precision = Field(
         "auto",
         description="encodings graph for requests without attention weights: auto (fp16 on CUDA where the bundle "
-        "has its gated graph, fp32 elsewhere), fp32 (strict parity), int8 (CPU, gated: mean cosine >= 0.99 vs "
-        "fp32) or fp16 (CUDA; fp32 on a CPU replica)",
+        "has its gated graph; bf16 on a CPU with bf16 units where the bundle's bf16 gate passed and it measures "
+        "faster; fp32 elsewhere), fp32 (strict parity), bf16 (OpenVINO; fp32 where the CPU has no bf16 units), "
+        "int8 (CPU, gated: mean cosine >= 0.99 vs fp32) or fp16 (CUDA; fp32 on a CPU replica)",
+    )
+    openvino_cache_dir: Path | None = Field(
+        Path("~/.cache/mha-encoder-serving/openvino"),
+        description="where OpenVINO keeps compiled models, so that a restarted replica does not compile again "
+        "('~' is the replica's home); null: no cache. One that cannot be written costs a compile at start, with "
+        "one warning line",
     )
     allow_spinning: bool = Field(False, description="let idle onnxruntime threads spin (only for dedicated cores)")
     warmup: bool = True
@@ -213,6 +227,18 @@ class ServiceSettings(BaseModel):
     auth_token_env: str = Field("ENCODER_API_TOKEN", description="environment variable holding the API token")
 
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
+
+    @model_validator(mode="after")
+    def _runtime_runs_precision(self) -> ServiceSettings:
+        """OpenVINO runs fp32 and bf16 on CPU here; onnxruntime has no bf16 kernels on x86."""
+        if self.runtime == "openvino" and self.precision in ("int8", "fp16"):
+            raise ValueError(f"precision {self.precision} runs on onnxruntime; runtime openvino runs fp32 or bf16")
+        if self.runtime == "openvino" and self.provider == "cuda":
+            raise ValueError("runtime openvino runs on CPU; provider cuda needs runtime onnxruntime (or auto)")
+        if self.runtime == "onnxruntime" and self.precision == "bf16":
+            raise ValueError("precision bf16 runs on OpenVINO (onnxruntime's CPU kernels have no bf16): "
+                             "runtime auto or openvino")
+        return self
 
     @model_validator(mode="after")
     def _whole_or_fraction_of_gpu(self) -> ServiceSettings:

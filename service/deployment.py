@@ -66,7 +66,7 @@ class Encoder:
         metrics = service_metrics()
         gpu_ids = ",".join(self.gpu.ray_gpu_ids)
         info_tags = [{"model": m.name, "bundle_sha256": m.sha256, "provider": m.runtime.provider,
-                      "precision": m.runtime.precision, "gpu_ids": gpu_ids} for m in self.engines]
+                      "runtime": m.runtime.runtime, "precision": m.runtime.precision, "gpu_ids": gpu_ids} for m in self.engines]
 
         def refresh() -> None:  # Ray drops gauges that are not set again
             for tags in info_tags:
@@ -78,8 +78,9 @@ class Encoder:
         refresh_periodically(refresh)
         for m in self.engines:
             logger.info(
-                "replica ready: model %s, provider %s, graphs %s and %s, %d intra-op threads, %s, bundle %s (%.1fs)",
-                m.name, m.runtime.provider, m.runtime.full.label, m.runtime.fast.label, m.runtime.threads,
+                "replica ready: model %s, %s %s (%s), provider %s, graphs %s and %s, %d intra-op threads, %s, bundle %s "
+                "(%.1fs)", m.name, m.runtime.runtime, m.runtime.precision, m.runtime.precision_note, m.runtime.provider,
+                m.runtime.full.label, m.runtime.fast.label, m.runtime.threads,
                 self.gpu.line(), m.path, time.perf_counter() - started,
             )
 

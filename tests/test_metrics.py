@@ -53,15 +53,20 @@ def snapshot(families: dict) -> dict[str, float]:
         "tokens": d("ray_encoder_tokens_total"),
         "padded_tokens": d("ray_encoder_padded_tokens_total"),
         "runs_full": d("ray_encoder_inference_runs_total", graph="full"),
-        "runs_encodings": d("ray_encoder_inference_runs_total", graph="encodings-fp32"),
+        "runs_encodings": d("ray_encoder_inference_runs_total", graph=ENCODINGS_GRAPH[0]),
         "bytes": d("ray_encoder_response_bytes_total", route=ROUTE),
         "bytes_embedding": d("ray_encoder_response_bytes_total", route=ROUTE, kind="embedding"),
         "bytes_attention": d("ray_encoder_response_bytes_total", route=ROUTE, kind="attention"),
     }
 
 
+ENCODINGS_GRAPH = ["encodings-fp32"]  # the default app's, from /info (bf16 on OpenVINO where the CPU has it)
+
+
 def test_families_move_by_exactly_what_was_sent(service_url, metrics_url):
     with httpx.Client(base_url=service_url, timeout=60) as client:
+        served = client.get("/info").json()
+        ENCODINGS_GRAPH[0] = served["graphs"]["encodings"]
         requests = [
             {"inputs": ["one text"]},
             {"inputs": ["two", "texts of different length"]},
@@ -110,6 +115,7 @@ def test_families_move_by_exactly_what_was_sent(service_url, metrics_url):
     info = model_info(families)
     assert info and all(s.value == 1 for s in info)
     assert {s.labels["provider"] for s in info} == {"CPUExecutionProvider"}
+    assert {(s.labels["runtime"], s.labels["precision"]) for s in info} == {(served["runtime"], served["precision"])}
     assert {s.labels["model"] for s in info} == {"all-MiniLM-L6-v2"}
     assert all(len(s.labels["bundle_sha256"]) == 64 for s in info)
 

@@ -55,7 +55,8 @@ def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | 
     is used), its runner and its batch queue."""
     bundle = load_bundle(ref.path)
     name = ref.name or bundle.manifest.model.name
-    runtime = load_runtime(bundle, settings, intra_op_threads(settings), gpu or GpuAssignment())
+    runtime = load_runtime(bundle, settings, intra_op_threads(settings), gpu or GpuAssignment(),
+                           streams=settings.batching.max_concurrent_batches)
     runner = BatchRunner(runtime, bundle.manifest, settings.batching, name)
     engine: Engine
 

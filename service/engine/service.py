@@ -175,6 +175,7 @@ class EncoderService:
         """One model's execution state in this replica: provider, precision, graphs, counters."""
         runtime = engine.runtime
         return {
+            "runtime": runtime.runtime,
             "provider": runtime.provider,
             "provider_note": runtime.provider_note,
             "intra_op_threads": runtime.threads,
@@ -183,6 +184,7 @@ class EncoderService:
             "precision_note": runtime.precision_note,
             "cuda": runtime.describe_cuda(),
             "graphs": {"attentions": runtime.full.label, "encodings": runtime.fast.label},
+            "graph_providers": {"attentions": runtime.full.provider, "encodings": runtime.fast.provider},
             "ort_runs_by_graph": dict(engine.runner.runs_by_graph),
             "counters": dict(engine.runner.counters),
         }

@@ -2,10 +2,11 @@
 
 The engine (service/engine/) sees only `Runtime`: two graphs (`full`, with attention weights, and
 `fast`, the fused encodings graph of the served precision), `graph_for(outputs)` to pick one, a
-`smoke_test()` for health checks, and what it runs on (`provider`, `precision`, `threads`, the
-notes that say why, `describe_cuda()`). `load_runtime` builds one from the settings. The first
-implementation is onnxruntime (service/runtimes/onnxruntime.py) on CUDA or CPU; it owns its
-probing (service/runtimes/cuda.py), its session options and the start-up preflight of bundles.
+`smoke_test()` for health checks, and what it runs on (`runtime`, `provider`, `precision`,
+`threads`, the notes that say why, `describe_cuda()`). `load_runtime` builds one from the settings
+(service/runtimes/choice.py). Implementations: onnxruntime (service/runtimes/onnxruntime.py) on CUDA
+or CPU, which owns its probing (service/runtimes/cuda.py), its session options and the start-up
+preflight of bundles; OpenVINO (service/runtimes/openvino.py) for bf16 on CPUs with bf16 units.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Graph(Protocol):
 
 
 class Runtime(Protocol):
+    runtime: str  # what runs the encodings graph: onnxruntime or openvino
     full: Graph
     fast: Graph
     provider: str
@@ -41,14 +43,29 @@ class Runtime(Protocol):
 
     def graph_for(self, outputs: Sequence[str]) -> Graph: ...
 
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        """One padded batch through the graph that can produce `outputs`, the cheaper one when both can."""
+        ...
+
     def smoke_test(self) -> None: ...
 
     def describe_cuda(self) -> dict: ...
 
 
-def load_runtime(bundle: Bundle, settings: ServiceSettings, threads: int, gpu: GpuAssignment) -> Runtime:
-    """The runtime the settings ask for, on the device Ray gave the replica."""
-    from service.runtimes.onnxruntime import CudaSettings, OrtEncoder
+def smoke_test(graphs: Sequence[Graph], vocab_size: int) -> None:
+    """A tiny inference through each graph, every output: proves it computes finite numbers."""
+    # BERT's "[CLS] hello [SEP]", folded into smaller vocabularies (any ids do for finite numbers)
+    ids = np.array([[101, 7592, 102]], dtype=np.int64) % vocab_size
+    for graph in graphs:
+        for name, value in graph.run(ids, np.ones_like(ids), graph.outputs).items():
+            if not np.all(np.isfinite(value)):
+                raise RuntimeError(f"smoke test: output {name} of the {graph.label} graph is not finite")
 
-    return OrtEncoder(bundle, settings.provider, threads, settings.inter_op_threads, settings.allow_spinning,
-                      settings.precision, CudaSettings.from_settings(settings, gpu))
+
+def load_runtime(bundle: Bundle, settings: ServiceSettings, threads: int, gpu: GpuAssignment,
+                 streams: int = 1) -> Runtime:
+    """The runtime the settings ask for, on the device Ray gave the replica: onnxruntime (CUDA or CPU),
+    or OpenVINO for the encodings graph on a CPU (service/runtimes/choice.py decides, and says why)."""
+    from service.runtimes.choice import choose_runtime
+
+    return choose_runtime(bundle, settings, threads, gpu, streams)

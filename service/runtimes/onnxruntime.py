@@ -140,6 +140,8 @@ class OrtEncoder:
     falls back to fp32, with a warning, rather than run slowly.
     """
 
+    runtime = "onnxruntime"
+
     def __init__(
         self,
         bundle: Bundle,
@@ -219,12 +221,9 @@ class OrtEncoder:
 
     def smoke_test(self) -> None:
         """A tiny inference through both graphs, every output: proves the sessions compute finite numbers."""
-        # BERT's "[CLS] hello [SEP]", folded into smaller vocabularies (any ids do for finite numbers)
-        ids = np.array([[101, 7592, 102]], dtype=np.int64) % self.manifest.model.vocab_size
-        for graph in (self.full, self.fast):
-            for name, value in graph.run(ids, np.ones_like(ids), graph.outputs).items():
-                if not np.all(np.isfinite(value)):
-                    raise RuntimeError(f"smoke test: output {name} of the {graph.label} graph is not finite")
+        from service.runtimes import smoke_test
+
+        smoke_test((self.full, self.fast), self.manifest.model.vocab_size)
 
 
 def resolve_precision(bundle: Bundle, precision: str, provider: str) -> tuple[str, str]:

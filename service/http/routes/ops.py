@@ -84,6 +84,7 @@ def describe_model(m, state: dict) -> dict:
         "max_tokens": model.max_tokens,
         "pooling": model.pooling,
         "normalize": model.normalize,
+        "runtime": state["runtime"],  # what runs the encodings graph: onnxruntime or openvino
         "provider": state["provider"],
         "provider_note": state["provider_note"],
         "intra_op_threads": state["intra_op_threads"],
@@ -92,12 +93,14 @@ def describe_model(m, state: dict) -> dict:
         "precision_note": state["precision_note"],
         "cuda": state["cuda"],  # each check step, the device, the provider options of the sessions
         "graphs": state["graphs"],
+        "graph_providers": state["graph_providers"],
         "encoder_counters": state["counters"],  # of the replica that answered
         "bundle": {"path": str(m.path), "sha256": m.sha256, "opset": manifest.graph.opset},
         "parity": manifest.parity.model_dump(mode="json"),
         "variants": {
-            p: {"file": v.file, "fusions": v.fusions, "providers": v.providers,
-                "gate": (v.quality or v.parity).model_dump(mode="json")}
+            p: {"file": v.file, "runtime": v.runtime, "fusions": v.fusions, "providers": v.providers,
+                "gate": (v.quality or v.parity).model_dump(mode="json"),
+                "attention_gate": v.attention_gate.model_dump(mode="json") if v.attention_gate else None}
             for p, v in manifest.variants.items()
         },
         "versions": manifest.versions,

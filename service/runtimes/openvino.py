@@ -1,0 +1,169 @@
+"""OpenVINO on CPU: the bf16 matrix units (AVX512_BF16, AMX) that onnxruntime's x86 kernels do not use.
+
+OpenVINO reads the bundle's ONNX graphs as they are; `INFERENCE_PRECISION_HINT=bf16` makes its CPU
+plugin run the matrix products in bf16 (accumulating in fp32). On this kind of CPU that is as fast
+as int8 at nearly fp32's fidelity (docs/performance.md). Its compiled models go to a cache
+directory, so that a restarted replica loads instead of compiling. The service and the export
+stage (which gates bf16 with it) share this module's probing and compile options.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from bundle.contract import ENCODINGS_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES
+from bundle.manifest import Bundle, BundleError
+
+if TYPE_CHECKING:
+    from service.runtimes import Graph
+
+logger = logging.getLogger("service.runtimes.openvino")
+
+DEVICE = "CPU"
+PROVIDER = "OpenVINO CPU"  # what /info, /health and the model-info metric say a graph runs on
+HINTS = {"fp32": "f32", "bf16": "bf16"}  # our precision names -> OpenVINO's INFERENCE_PRECISION_HINT
+
+
+@dataclass(frozen=True)
+class OpenVinoCheck:
+    """Whether OpenVINO can run here, and with bf16 units; `reason` says why not, in one line."""
+
+    installed: bool
+    bf16_units: bool
+    version: str = ""
+    cpu: str = ""
+    reason: str = ""
+
+
+@cache
+def check_openvino() -> OpenVinoCheck:
+    """Is the openvino package importable, and does its CPU plugin report bf16 units (OPTIMIZATION_CAPABILITIES)?"""
+    try:
+        import openvino as ov
+    except ImportError as exc:
+        return OpenVinoCheck(False, False, reason=f"openvino is not installed ({exc}); pip install '.[serve]'")
+    try:
+        core = ov.Core()
+        capabilities = core.get_property(DEVICE, "OPTIMIZATION_CAPABILITIES")
+        cpu = str(core.get_property(DEVICE, "FULL_DEVICE_NAME"))
+    except Exception as exc:  # a CPU plugin that does not load
+        return OpenVinoCheck(True, False, ov.__version__, reason=f"OpenVINO's CPU plugin does not load: {exc}")
+    bf16 = "BF16" in capabilities
+    return OpenVinoCheck(True, bf16, ov.__version__.split("-")[0], cpu,
+                         "" if bf16 else f"this CPU ({cpu}) has no bf16 units (OpenVINO reports {', '.join(capabilities)})")
+
+
+def usable_cache_dir(path: Path | None) -> tuple[Path | None, str]:
+    """The cache directory if it can be written, else None and why (one line): a cache that cannot
+    be written must cost a recompile at each start, never the replica."""
+    if path is None:
+        return None, "no cache directory configured"
+    path = Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        return None, f"cache directory {path} is not usable ({exc.strerror or exc}): compiling without a cache"
+    return path, ""
+
+
+def compile_options(precision: str, threads: int, streams: int) -> dict:
+    """The CPU plugin's options: bf16 or f32 matrix products, the replica's CPU share as threads,
+    one stream per batch that may run at once (each stream's runs use threads / streams)."""
+    if precision not in HINTS:
+        raise ValueError(f"OpenVINO runs fp32 or bf16 here, not {precision}")
+    return {
+        "INFERENCE_PRECISION_HINT": HINTS[precision],
+        "INFERENCE_NUM_THREADS": max(1, threads),
+        "NUM_STREAMS": max(1, min(streams, threads)),
+        "PERFORMANCE_HINT": "THROUGHPUT" if streams > 1 else "LATENCY",
+    }
+
+
+class OvGraph:
+    """One compiled graph; `run` may be called from several threads at once (one infer request each)."""
+
+    def __init__(self, path: Path, inputs: Sequence[str], outputs: Sequence[str], label: str, precision: str,
+                 threads: int, streams: int, cache_dir: Path | None = None):
+        import openvino as ov
+
+        self.path, self.outputs, self.label, self.precision = path, tuple(outputs), label, precision
+        core = ov.Core()
+        if cache_dir is not None:
+            core.set_property({"CACHE_DIR": str(cache_dir)})
+        try:
+            self.compiled = core.compile_model(str(path), DEVICE, compile_options(precision, threads, streams))
+        except Exception as exc:  # OpenVINO raises RuntimeError with multi-line text
+            raise BundleError(f"{path}: OpenVINO cannot compile the graph: {str(exc).splitlines()[0]}") from None
+        got_inputs = tuple(i.get_any_name() for i in self.compiled.inputs)
+        got = tuple(o.get_any_name() for o in self.compiled.outputs)
+        if got_inputs != tuple(inputs) or got != self.outputs:
+            raise BundleError(f"{path}: graph I/O {list(got_inputs)} -> {list(got)} does not match the manifest "
+                              f"{list(inputs)} -> {list(self.outputs)}")
+        self.provider = PROVIDER
+        self.shapes = {o.get_any_name(): [d.get_length() if d.is_static else None for d in o.get_partial_shape()]
+                       for o in self.compiled.outputs}
+        self._ports = {name: self.compiled.output(name) for name in self.outputs}
+        self._local = threading.local()
+
+    def _request(self):
+        request = getattr(self._local, "request", None)
+        if request is None:
+            request = self._local.request = self.compiled.create_infer_request()
+        return request
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        """One padded batch; the outputs are copied out of the request's buffers, which its next run overwrites."""
+        result = self._request().infer(
+            {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": np.zeros_like(input_ids)})
+        return {name: np.array(result[self._ports[name]], copy=True) for name in outputs}
+
+
+
+class OvEncoder:
+    """A bundle served with its encodings graph on OpenVINO (bf16, or f32) and its full graph (attention
+    weights) as given: onnxruntime fp32, unless the bundle's bf16 attention gate passed."""
+
+    runtime = "openvino"
+
+    def __init__(self, bundle: Bundle, precision: str, threads: int, streams: int, cache_dir: Path | None,
+                 full: Graph, full_provider: str, precision_requested: str, precision_note: str,
+                 provider_note: str = ""):
+        self.manifest = bundle.manifest
+        self.threads = max(1, threads // max(1, streams))  # per run, as onnxruntime's per-session figure
+        self.precision, self.precision_requested, self.precision_note = precision, precision_requested, precision_note
+        variant = self.manifest.variants.get(precision) or self.manifest.variants["fp32"]
+        self.fast = OvGraph(bundle.root / variant.file, INPUT_NAMES, ENCODINGS_OUTPUT_NAMES,
+                            f"encodings-{precision}-openvino", precision, threads, streams, cache_dir)
+        gate = variant.attention_gate
+        if precision == "bf16" and gate is not None and gate.passed:
+            self.full = OvGraph(bundle.graph_path, INPUT_NAMES, OUTPUT_NAMES, "full-bf16-openvino", precision,
+                                threads, streams, cache_dir)
+        else:
+            self.full = full
+        self.provider = full_provider  # the device: OpenVINO runs on the CPU, the full graph on this provider
+        self.provider_note = provider_note  # why not CUDA
+
+    def graph_for(self, outputs: Sequence[str]) -> Graph:
+        return self.full if "attentions" in outputs else self.fast
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        return self.graph_for(outputs).run(input_ids, attention_mask, outputs)
+
+    def smoke_test(self) -> None:
+        from service.runtimes import smoke_test
+
+        smoke_test((self.full, self.fast), self.manifest.model.vocab_size)
+
+    def describe_cuda(self) -> dict:
+        return {"usable": False, "steps": [], "device": None, "provider_options": None}

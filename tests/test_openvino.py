@@ -1,0 +1,232 @@
+"""bf16 on OpenVINO: gated at export like every lossy variant, chosen per replica by measuring, served
+through the same routes, and every way it cannot start falls back with one line.
+
+On a CPU with bf16 units (this machine's AMD EPYC has AVX512_BF16, recent Xeons AMX) the bf16 path
+itself runs; on one without, the tests prove the fp32 fallback instead. Where the hardware's answer
+has to be the other one (a CPU without bf16 units, OpenVINO missing), `check_openvino`'s answer is
+replaced: the rest (bundles, sessions, compiles, HTTP) is real.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+
+import httpx
+import numpy as np
+import pytest
+
+from bundle.manifest import BundleError, load_bundle
+from export.sessions import OpenVinoSession
+from service.config import ServiceSettings
+from service.runtimes import choice, load_runtime
+from service.runtimes.cuda import GpuAssignment
+from service.runtimes.openvino import OpenVinoCheck, check_openvino, usable_cache_dir
+from tests.conftest import deploy
+from tests.metrics_scrape import poll, settled, total
+
+BF16 = check_openvino().bf16_units
+TEXTS = ["How do I reset my password?", "Die Lieferung kam zwei Tage zu spät.", "ok", "敏捷的棕色狐狸跳过了懒狗。",
+         "The committee will vote on the proposal next Thursday after a public consultation, as it does every year."]
+
+
+def runtime_for(bundle_dir, tmp_path, **settings):
+    values = {"bundle": str(bundle_dir), "openvino_cache_dir": str(tmp_path / "ov-cache"), **settings}
+    return load_runtime(load_bundle(bundle_dir), ServiceSettings.model_validate(values), 1, GpuAssignment(), 2)
+
+
+def encode(runtime, tokenizer_path, texts=TEXTS):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    rows = []
+    for e in tok.encode_batch(texts):
+        ids = np.array([e.ids], dtype=np.int64)
+        rows.append(runtime.run(ids, np.ones_like(ids), ["sentence_embedding"])["sentence_embedding"][0])
+    return np.array(rows)
+
+
+def cosines(a, b):
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def without_bf16(monkeypatch):
+    """This process's CPU as one without bf16 units (OpenVINO's answer replaced, nothing else)."""
+    monkeypatch.setattr(choice, "check_openvino", lambda: OpenVinoCheck(
+        True, False, "2026.4.1", "a CPU", "this CPU (a CPU) has no bf16 units (OpenVINO reports FP32, INT8)"))
+
+
+def test_export_gates_bf16_on_openvino_and_keeps_attention_in_fp32_unless_its_gate_passes(default_bundle):
+    manifest = load_bundle(default_bundle).manifest
+    if not BF16:
+        assert "bf16" not in manifest.variants  # not gated here, so never served from this bundle
+        return
+    bf16 = manifest.variants["bf16"]
+    assert bf16.runtime == "openvino" and bf16.file == manifest.variants["fp32"].file  # the fp32 file, compiled bf16
+    assert bf16.quality.passed and bf16.quality.min_cosine >= 0.9999, bf16.quality
+    assert bf16.quality.min_cosine < 1.0  # bf16 really ran: OpenVINO on bf16 units rounds
+    gate = bf16.attention_gate
+    assert gate is not None and [o.output for o in gate.outputs] == ["attentions"] and gate.outputs[0].atol == 1e-3
+    assert gate.passed == (gate.outputs[0].max_abs_diff <= 1e-3)
+
+
+def test_bf16_answers_within_its_gate_of_fp32(default_bundle, tmp_path):
+    bundle = load_bundle(default_bundle)
+    fp32 = runtime_for(default_bundle, tmp_path, runtime="onnxruntime")
+    if not BF16:  # exported here, the bundle has no bf16 graph: asking for one is an error, never fp32 in disguise
+        with pytest.raises(BundleError, match="no gated bf16 graph in this bundle"):
+            runtime_for(default_bundle, tmp_path, precision="bf16")
+        return
+    bf16 = runtime_for(default_bundle, tmp_path, precision="bf16")
+    assert (bf16.runtime, bf16.precision, bf16.fast.label) == ("openvino", "bf16", "encodings-bf16-openvino")
+    got, ref = encode(bf16, bundle.tokenizer_path), encode(fp32, bundle.tokenizer_path)
+    assert cosines(got, ref).min() >= bundle.manifest.variants["bf16"].quality.min_cosine_floor
+    assert cosines(got, ref).min() >= 0.9999, cosines(got, ref)
+    # attention weights come from the fp32 graph when the bf16 attention gate failed
+    if not bundle.manifest.variants["bf16"].attention_gate.passed:
+        assert bf16.full.label == "full" and bf16.graph_for(["attentions"]) is bf16.full
+
+
+def test_auto_serves_whichever_measured_faster_and_says_both_figures(default_bundle, tmp_path, monkeypatch):
+    runtime = runtime_for(default_bundle, tmp_path)
+    if not BF16:
+        assert (runtime.runtime, runtime.precision) == ("onnxruntime", "fp32")
+        assert "not OpenVINO bf16: " in runtime.precision_note and "no bf16 units" in runtime.precision_note
+        return
+    found = re.search(r"in ([\d.]+) ms on OpenVINO bf16 and ([\d.]+) ms on onnxruntime fp32", runtime.precision_note)
+    assert found, runtime.precision_note
+    ov_ms, ort_ms = map(float, found.groups())
+    assert (runtime.runtime, runtime.precision) == (("openvino", "bf16") if ov_ms < ort_ms else ("onnxruntime", "fp32"))
+    # without bf16 units the same settings serve onnxruntime fp32 and say why
+    without_bf16(monkeypatch)
+    fallback = runtime_for(default_bundle, tmp_path)
+    assert (fallback.runtime, fallback.precision) == ("onnxruntime", "fp32")
+    assert fallback.precision_note.endswith("not OpenVINO bf16: this CPU (a CPU) has no bf16 units (OpenVINO reports FP32, INT8)")
+
+
+def test_bf16_asked_for_without_bf16_units_falls_back_to_fp32_with_one_line(default_bundle, tmp_path, monkeypatch, caplog):
+    without_bf16(monkeypatch)
+    caplog.set_level(logging.WARNING)
+    if not BF16:  # exported on this CPU, the bundle has no bf16 graph to fall back from
+        with pytest.raises(BundleError, match="no gated bf16 graph in this bundle"):
+            runtime_for(default_bundle, tmp_path, precision="bf16")
+        return
+    runtime = runtime_for(default_bundle, tmp_path, precision="bf16")
+    assert (runtime.runtime, runtime.precision) == ("onnxruntime", "fp32")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["precision bf16: this CPU (a CPU) has no bf16 units (OpenVINO reports FP32, INT8); serving fp32"]
+    # runtime openvino keeps OpenVINO, in f32
+    on_ov = runtime_for(default_bundle, tmp_path, runtime="openvino")
+    assert (on_ov.runtime, on_ov.precision, on_ov.fast.label) == ("openvino", "fp32", "encodings-fp32-openvino")
+    got = encode(on_ov, load_bundle(default_bundle).tokenizer_path)
+    ref = encode(runtime_for(default_bundle, tmp_path, runtime="onnxruntime"), load_bundle(default_bundle).tokenizer_path)
+    np.testing.assert_allclose(got, ref, atol=1e-4)  # f32 on OpenVINO: fp32 parity
+
+
+def test_openvino_missing_falls_back_to_onnxruntime_with_one_line(default_bundle, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(choice, "check_openvino", lambda: OpenVinoCheck(False, False, reason="openvino is not installed (No module named 'openvino')"))
+    caplog.set_level(logging.WARNING)
+    runtime = runtime_for(default_bundle, tmp_path, runtime="openvino")
+    assert (runtime.runtime, runtime.precision) == ("onnxruntime", "fp32")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "openvino is not installed" in warnings[0], warnings
+
+
+def test_a_broken_cache_dir_costs_a_compile_not_the_replica(default_bundle, tmp_path, caplog):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    assert usable_cache_dir(blocker)[0] is None
+    caplog.set_level(logging.WARNING)
+    runtime = runtime_for(default_bundle, tmp_path, runtime="openvino", openvino_cache_dir=str(blocker / "ov"))
+    assert runtime.runtime == "openvino"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"OpenVINO: cache directory {blocker / 'ov'} is not usable ("), warnings
+    assert np.isfinite(encode(runtime, load_bundle(default_bundle).tokenizer_path)).all()
+
+
+def test_compiled_models_are_cached_so_a_restart_does_not_compile_again(default_bundle, tmp_path):
+    cache = tmp_path / "ov-cache"
+    runtime_for(default_bundle, tmp_path, runtime="openvino")
+    blobs = sorted(p.name for p in cache.iterdir() if p.suffix == ".blob")
+    assert blobs, list(cache.iterdir())
+    stamps = {p: p.stat().st_mtime_ns for p in cache.iterdir()}
+    runtime_for(default_bundle, tmp_path, runtime="openvino")  # a restarted replica: loads, writes nothing
+    assert {p: p.stat().st_mtime_ns for p in cache.iterdir()} == stamps
+
+
+def test_a_bundle_without_a_gated_bf16_graph_never_serves_bf16(default_bundle, tmp_path):
+    copy = tmp_path / "no-bf16"
+    shutil.copytree(default_bundle, copy)
+    manifest = json.loads((copy / "bundle.json").read_text())
+    manifest["variants"].pop("bf16", None)
+    (copy / "bundle.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="no gated bf16 graph in this bundle"):
+        runtime_for(copy, tmp_path, precision="bf16")
+    auto = runtime_for(copy, tmp_path)
+    assert (auto.runtime, auto.precision) == ("onnxruntime", "fp32") and "not OpenVINO bf16" in auto.precision_note
+    on_ov = runtime_for(copy, tmp_path, runtime="openvino")
+    assert (on_ov.runtime, on_ov.precision) == ("openvino", "fp32") and "no gated bf16 graph" in on_ov.precision_note
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"runtime": "onnxruntime", "precision": "bf16"}, "precision bf16 runs on OpenVINO"),
+    ({"runtime": "openvino", "precision": "int8"}, "runtime openvino runs fp32 or bf16"),
+    ({"runtime": "openvino", "provider": "cuda"}, "runtime openvino runs on CPU"),
+])
+def test_settings_refuse_a_runtime_that_cannot_run_the_precision(values, message):
+    with pytest.raises(ValueError, match=message):
+        ServiceSettings.model_validate({"bundle": "x", **values})
+
+
+def test_the_export_gate_session_answers_like_onnxruntime(default_bundle):
+    """export.sessions.OpenVinoSession is what the bf16 gate ran on: same names and shapes as the graph's."""
+    session = OpenVinoSession(default_bundle / "encodings-fp32.onnx", ["last_hidden_state", "sentence_embedding"], "bf16")
+    assert [p.name for p in session.get_inputs()] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert [(p.name, p.shape[-1]) for p in session.get_outputs()] == [("last_hidden_state", 384), ("sentence_embedding", 384)]
+    ids = np.array([[101, 7592, 102]], dtype=np.int64)
+    hidden, pooled = session.run(["last_hidden_state", "sentence_embedding"], {"input_ids": ids, "attention_mask": np.ones_like(ids)})
+    assert hidden.shape == (1, 3, 384) and pooled.shape == (1, 384)
+
+
+@pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
+def test_each_runtime_serves_the_routes_with_reference_embeddings(runtime, ray_serve, service_url, metrics_url,
+                                                                  default_bundle, checkpoint):
+    """Parity and routing for each runtime, through Serve and HTTP: embeddings against
+    sentence-transformers, attention requests on the full graph, everything else on the encodings
+    graph of the runtime, and /info and the model-info metric say which."""
+    from sentence_transformers import SentenceTransformer
+
+    name = f"rt-{runtime}"
+    deploy({"runtime": runtime, "num_cpus": 0.5}, name, f"/{name}", default_bundle)
+    try:
+        app = {"application": name}
+        with httpx.Client(base_url=f"{ray_serve.url}/{name}", timeout=60) as client:
+            info = client.get("/info").json()
+            precision = "bf16" if runtime == "openvino" and BF16 else "fp32"
+            encodings = f"encodings-{precision}" + ("-openvino" if runtime == "openvino" else "")
+            assert (info["runtime"], info["precision"], info["graphs"]["encodings"]) == (runtime, precision, encodings), info
+            assert info["graph_providers"]["encodings"] == ("OpenVINO CPU" if runtime == "openvino" else "CPUExecutionProvider")
+
+            def runs(f):
+                return (total(f, "ray_encoder_inference_runs_total", **app, graph=info["graphs"]["attentions"]),
+                        total(f, "ray_encoder_inference_runs_total", **app, graph=encodings))
+
+            before = runs(settled(metrics_url, runs))
+            got = client.post("/v1/embeddings", json={"input": TEXTS}).json()
+            attention = client.post("/v1/encode", json={"inputs": TEXTS[:1], "attention": {"layers": [5], "heads": [0]}}).json()
+        after = runs(poll(metrics_url, lambda f: runs(f)[0] > before[0] and runs(f)[1] > before[1],
+                          "runs on both graphs to be counted"))
+        assert after[0] - before[0] == 1 and after[1] - before[1] >= 1
+        reference = SentenceTransformer(str(checkpoint.path), device="cpu").encode(TEXTS)
+        embeddings = np.array([d["embedding"] for d in got["data"]])
+        assert cosines(embeddings, reference).min() >= (0.9999 if precision == "bf16" else 0.99999)
+        assert np.isfinite(np.array(attention["data"][0]["attention"]["data"])).all()
+        info_series = poll(metrics_url, lambda f: total(f, "ray_encoder_model_info", **app, runtime=runtime, precision=precision) >= 1,
+                           "the model-info gauge to name the runtime")
+        assert total(info_series, "ray_encoder_model_info", **app, runtime=runtime, precision=precision) == 1
+    finally:
+        from ray import serve
+
+        serve.delete(name)
