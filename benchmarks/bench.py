@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.corpus import sentences
+from bundle.contract import ENCODINGS_OUTPUT_NAMES, INPUT_NAMES
 from benchmarks.peers import ensure_infinity, measure_infinity, parse_peers
 from benchmarks.service_phase import ROUTES
 from benchmarks.wrk_load import ensure_wrk, wrk_version
@@ -42,7 +43,8 @@ SUMMARY_END = "<!-- summary:end -->"
 SHORT_TEXT = "A short text."
 
 
-def bench_sentence_transformers(texts: list[str], batch: int) -> float:
+def bench_sentence_transformers(texts: list[str], batch: int) -> tuple[float, np.ndarray]:
+    """texts/s, and the embeddings: the reference every served precision's cosine is taken against."""
     import torch
     from sentence_transformers import SentenceTransformer
 
@@ -52,13 +54,19 @@ def bench_sentence_transformers(texts: list[str], batch: int) -> float:
     model = SentenceTransformer(str(resolve_checkpoint("default")[0]), device="cpu")
     model.encode(texts[:64], batch_size=batch)
     started = time.perf_counter()
-    model.encode(texts, batch_size=batch)
-    return len(texts) / (time.perf_counter() - started)
+    embeddings = model.encode(texts, batch_size=batch)
+    return len(texts) / (time.perf_counter() - started), embeddings
 
 
-def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: int) -> dict:
-    """texts/s of each graph on length-sorted batches (full graph also in arrival order), and
-    the time of one call on a short text through the fp32 encodings graph (ms)."""
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
+
+
+def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: int, reference: np.ndarray) -> dict:
+    """texts/s of each graph on length-sorted batches (full graph also in arrival order), the time
+    of one call on a short text through the fp32 encodings graph (ms), OpenVINO's f32 and bf16 on
+    the fp32 encodings graph, and each one's min cosine against sentence-transformers."""
     from bundle.manifest import load_bundle
     from service.engine.runner import pad
     from service.runtimes.onnxruntime import OrtEncoder
@@ -77,6 +85,13 @@ def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: i
             run(*pad([ids[j] for j in order[i : i + batch]], 0), outputs)
         return len(order) / (time.perf_counter() - started)
 
+    def fidelity(run) -> float:
+        got = np.zeros_like(reference, dtype=np.float64)
+        for i in range(0, len(by_length), batch):
+            chunk = by_length[i : i + batch]
+            got[chunk] = run(*pad([ids[j] for j in chunk], 0), ["sentence_embedding"])["sentence_embedding"]
+        return min_cosine(got, reference)
+
     out = {"provider": None, "threads": None}
     for precision in ("fp32", "int8"):
         if precision not in bundle.manifest.variants:
@@ -94,6 +109,18 @@ def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: i
                 calls.append(time.perf_counter() - started)
             out["one_call_ms"] = statistics.median(calls[10:]) * 1000
         out[f"{precision}_sorted"] = speed(encoder.fast.run, by_length, ["sentence_embedding"])
+        out[f"{precision}_cosine"] = fidelity(encoder.fast.run)
+    from service.runtimes.openvino import OvGraph, check_openvino
+
+    check = check_openvino()
+    out["bf16_units"], out["cpu"] = check.bf16_units, check.reason or check.cpu
+    for precision in ("fp32", "bf16") if check.installed else ():
+        if precision == "bf16" and not check.bf16_units:
+            continue
+        graph = OvGraph(bundle.variant_path("fp32"), INPUT_NAMES, ENCODINGS_OUTPUT_NAMES, f"openvino-{precision}",
+                        precision, threads, streams=1)
+        out[f"openvino_{precision}_sorted"] = speed(graph.run, by_length, ["sentence_embedding"])
+        out[f"openvino_{precision}_cosine"] = fidelity(graph.run)
     return out
 
 
@@ -207,6 +234,7 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
                     "measured": ", ".join(f"{c} clients: {r['texts_per_batch']:.1f}" for c, r in found)
                                 + f" ({found[-1][1]['ingress']})",
                     "met": None, "column": "reported"})
+    out += bf16_targets(rows, ort, peer_name, peer_missing, best, verdict)
     found = [r for r in rows if r.get("mixed") and r.get("batching", True)]
     if found:
         r = min(found, key=lambda r: r["padding_waste"])
@@ -219,20 +247,84 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
     return out
 
 
+def bf16_targets(rows: list[dict], ort: dict, peer_name: str, peer_missing: str, best, verdict) -> list[dict]:
+    """The bf16 issue's targets: the default configuration (OpenVINO bf16 where the CPU has bf16 units)
+    against in-process onnxruntime fp32 and the peer, and every served precision's fidelity."""
+    default = [r for r in rows if r.get("default_config")]
+    if not default:
+        return []
+    served = f"{default[0]['runtime']} {default[0]['precision']}"
+    reference = ort["fp32_sorted"]
+
+    def one(per_request: int, concurrency: int, short: bool = False, peer: bool = False) -> dict | None:
+        pool = [r for r in (rows if peer else default) if r.get("per_request") == per_request and
+                r.get("concurrency") == concurrency and r.get("short", False) == short and bool(r.get("peer")) == peer]
+        return best(pool)
+
+    out = []
+    if default[0]["precision"] != "bf16":
+        why = ort["cpu"] if not ort["bf16_units"] else "auto measured onnxruntime fp32 faster on its probe batch"
+        out.append({"measure": "bf16 targets, default config", "target": "on a CPU with bf16 units",
+                    "measured": f"the default serves {served} here: {why}", "met": None, "column": "not applicable"})
+    else:
+        single, batches, short = one(1, 32), one(32, 4), one(1, 1, short=True)
+        peer = one(1, 32, peer=True)
+        if single:
+            on_ort = single["texts_s"] / reference
+            on_peer = single["texts_s"] / peer["texts_s"] if peer else None
+            met, column = verdict([("in-process onnxruntime fp32", on_ort, 1.2), (peer_name, on_peer, 3.0)])
+            out.append({"measure": f"single texts at 32 clients, default config ({served})",
+                        "target": f">= 1.2x in-process onnxruntime fp32 (sorted batches of 32), >= 3.0x {peer_name}",
+                        "measured": f"{single['texts_s']:.0f} texts/s ({single['ingress']}, {single['loadgen']}; "
+                                    f"{single['texts_per_batch']:.1f} texts per batch) = {on_ort:.2f}x in-process "
+                                    f"onnxruntime fp32 ({reference:.0f} texts/s); "
+                                    + (f"{on_peer:.2f}x {peer_name} ({peer['texts_s']:.0f} texts/s)" if peer
+                                       else f"{peer_name} {peer_missing}"),
+                        "met": met, "column": column})
+        if batches:
+            on_ort = batches["texts_s"] / reference
+            met, column = verdict([("in-process onnxruntime fp32", on_ort, 1.6)])
+            out.append({"measure": f"client batches of 32 at 4 clients, default config ({served})",
+                        "target": ">= 1.6x in-process onnxruntime fp32 (sorted batches of 32)",
+                        "measured": f"{batches['texts_s']:.0f} texts/s ({batches['ingress']}, httpx) = {on_ort:.2f}x "
+                                    f"in-process onnxruntime fp32 ({reference:.0f} texts/s)",
+                        "met": met, "column": column})
+        if short:
+            out.append({"measure": f"p50 of one short text at 1 client, default config ({served})", "target": "<= 4 ms",
+                        "measured": f"{short['p50']:.1f} ms ({short['ingress']}, {short['loadgen']})",
+                        "met": short["p50"] <= 4.0,
+                        "column": "yes" if short["p50"] <= 4.0 else f"no ({short['p50'] - 4.0:+.1f} ms)"})
+    served_cosines = {}
+    for r in rows:
+        if "cosine" in r and r.get("ingress") and (r.get("default_config") or r.get("precision") == "fp32"):
+            served_cosines[f"{r.get('runtime')} {r['precision']}"] = r["cosine"]
+    if served_cosines:
+        low = min(served_cosines.values())
+        int8 = next((r["cosine"] for r in rows if r.get("precision") == "int8" and "cosine" in r), None)
+        out.append({"measure": "min cosine vs sentence-transformers of every precision the default and fp32 "
+                               "configurations serve, on the benchmark texts",
+                    "target": ">= 0.9999",
+                    "measured": ", ".join(f"{k} {v:.5f}" for k, v in served_cosines.items())
+                                + (f" (int8, opt-in and never chosen by auto: {int8:.5f})" if int8 is not None else ""),
+                    "met": low >= 0.9999, "column": "yes" if low >= 0.9999 else "no"})
+    return out
+
+
 def render(rows: list[dict], goals: list[dict], header: str) -> str:
     lines = [header, "", "| measure | target | measured | met |", "| --- | --- | --- | --- |"]
     for g in goals:
         lines.append(f"| {g['measure']} | {g['target']} | {g['measured']} | {g['column']} |")
     lines += ["", "All rows of the same run (texts/s, latency in ms; CPU ms per text by component):", "",
-              "| engine | conc. | texts/s | vs ST | p50 | p95 | p99 | texts per batch | CPU ms per text |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| engine | conc. | texts/s | vs ST | min cosine vs ST | p50 | p95 | p99 | texts per batch | CPU ms per text |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     st = rows[0]["texts_s"]
     for r in rows:
         lat = " | ".join(f"{r[k]:.1f}" if k in r else "" for k in ("p50", "p95", "p99"))
         batch = f"{r['texts_per_batch']:.1f}" if "texts_per_batch" in r else ""
         cpu = ", ".join(f"{c} {v:.1f}" for c, v in r.get("cpu_ms_per_text", {}).items())
+        cosine = f"{r['cosine']:.5f}" if "cosine" in r else ""
         lines.append(f"| {r['engine']} | {r.get('concurrency', 1)} | {r['texts_s']:.0f} | {r['texts_s'] / st:.2f}x | "
-                     f"{lat} | {batch} | {cpu} |")
+                     f"{cosine} | {lat} | {batch} | {cpu} |")
     return "\n".join(lines)
 
 
@@ -305,20 +397,28 @@ def main() -> int:
     mixed = sentences(args.texts, min_words=1, max_words=200, seed=1)
     where = machine()
     print(f"benchmark: {len(texts)} texts of 8-40 words, batch {args.batch}, {args.threads} ORT threads, {where}", flush=True)
-    st = bench_sentence_transformers(texts, args.batch)
+    st, reference = bench_sentence_transformers(texts, args.batch)
     print(f"  sentence-transformers: {st:.0f} texts/s", flush=True)
-    ort = bench_onnxruntime(texts, args.batch, args.bundle, args.threads)
+    ort = bench_onnxruntime(texts, args.batch, args.bundle, args.threads, reference)
     print(f"  onnxruntime ({ort['provider']}, {ort['threads']} threads): full graph {ort['full_unsorted']:.0f} texts/s "
           f"unsorted, {ort['full_sorted']:.0f} sorted; encodings fp32 {ort['fp32_sorted']:.0f}, "
-          f"int8 {ort.get('int8_sorted', float('nan')):.0f}; one short text {ort['one_call_ms']:.1f} ms", flush=True)
+          f"int8 {ort.get('int8_sorted', float('nan')):.0f}; one short text {ort['one_call_ms']:.1f} ms; OpenVINO f32 "
+          f"{ort.get('openvino_fp32_sorted', float('nan')):.0f}, bf16 {ort.get('openvino_bf16_sorted', float('nan')):.0f}"
+          + ("" if ort["bf16_units"] else f" ({ort['cpu']})"), flush=True)
     rows = [
         {"engine": "in-process sentence-transformers (torch fp32)", "texts_s": st},
         {"engine": "in-process onnxruntime, full graph (attention weights), arrival order", "texts_s": ort["full_unsorted"]},
         {"engine": "in-process onnxruntime, full graph (attention weights), length-sorted", "texts_s": ort["full_sorted"]},
-        {"engine": "in-process onnxruntime, fused encodings graph fp32, length-sorted", "texts_s": ort["fp32_sorted"]},
+        {"engine": "in-process onnxruntime, fused encodings graph fp32, length-sorted", "texts_s": ort["fp32_sorted"],
+         "cosine": ort["fp32_cosine"]},
     ]
     if "int8_sorted" in ort:
-        rows.append({"engine": "in-process onnxruntime, fused encodings graph int8, length-sorted", "texts_s": ort["int8_sorted"]})
+        rows.append({"engine": "in-process onnxruntime, fused encodings graph int8, length-sorted", "texts_s": ort["int8_sorted"],
+                     "cosine": ort["int8_cosine"]})
+    for precision in ("fp32", "bf16"):
+        if f"openvino_{precision}_sorted" in ort:
+            rows.append({"engine": f"in-process OpenVINO {precision} (the fp32 encodings graph), length-sorted",
+                         "texts_s": ort[f"openvino_{precision}_sorted"], "cosine": ort[f"openvino_{precision}_cosine"]})
 
     route = ROUTES[args.route][0]
 
@@ -343,14 +443,22 @@ def main() -> int:
     common = {"texts": texts, "mixed_texts": mixed, "short_text": SHORT_TEXT, "encoding_format": args.encoding_format,
               "route": args.route, "wrk": wrk}
     ingresses = [i for i in args.ingress.replace(" ", "").split(",") if i]
+    # the default configuration (runtime and precision auto: OpenVINO bf16 where the CPU has bf16 units
+    # and it measures faster), on the last ingress; its embeddings of the texts against sentence-transformers'
+    rows += service_phase({"label": f"default config, {ingresses[-1]}", "ingress": ingresses[-1], **common,
+                           "settings": settings, "reference": reference.tolist(),
+                           "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
+                                         scenario("single texts", 1, 32),
+                                         scenario("one short text", 1, 1, short=True)]})
     for ingress in ingresses:
-        rows += service_phase({"label": f"fp32, {ingress}", "ingress": ingress, **common,
+        rows += service_phase({"label": f"fp32, {ingress}", "ingress": ingress, **common, "reference": reference.tolist(),
                                "settings": {**settings, "precision": "fp32"}, "scenarios": fp32})
     best = ingresses[-1]
     rows += service_phase({"label": f"echo (no model), {best}", "ingress": best, **common, "settings": settings, "echo": True,
                            "scenarios": [scenario("single texts", 1, 32)]})
     if "int8_sorted" in ort:
-        rows += service_phase({"label": f"int8, {best}", "ingress": best, **common, "settings": {**settings, "precision": "int8"},
+        rows += service_phase({"label": f"int8, {best}", "ingress": best, **common, "reference": reference.tolist(),
+                               "settings": {**settings, "precision": "int8"},
                                "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
                                              scenario("single texts", 1, 32)]})
     for name in [v for v in args.variants.replace(" ", "").split(",") if v]:

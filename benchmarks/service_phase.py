@@ -269,7 +269,10 @@ def run(spec: dict) -> list[dict]:
             counters = {k: v - counters_before[k] for k, v in counters_after.items()}
             row = {
                 "engine": f"service {spec['label']}, {scenario['label']}",
-                "precision": "none (echo)" if spec.get("echo") else settings.precision,
+                # what the replica serves (auto resolves to fp32 or bf16), and on which runtime
+                "precision": "none (echo)" if spec.get("echo") else info.get("precision", settings.precision),
+                "runtime": info.get("runtime", ""),
+                "default_config": "precision" not in spec["settings"] and not spec.get("echo"),
                 "ingress": spec["ingress"],
                 "batching": settings.batching.enabled,
                 "per_request": per_request,
@@ -305,10 +308,27 @@ def run(spec: dict) -> list[dict]:
             print(f"  {row['engine']}, concurrency {concurrency}: {row['texts_s']:.0f} texts/s, "
                   f"failures {failures}, p50 {row['p50']:.1f} ms{extra}; {row['texts_per_batch']:.1f} texts per batch, "
                   f"{row['texts_per_ort_run']:.1f} per ORT run, compute {row['compute_ms_per_text']:.1f} ms per text; CPU ms per text: {cpu}", flush=True)
+        if spec.get("reference"):  # the served embeddings of the texts, against sentence-transformers'
+            cosine = served_min_cosine(url, texts, np.array(spec["reference"]))
+            print(f"  {spec['label']}: min cosine vs sentence-transformers {cosine:.5f} over {len(texts)} texts", flush=True)
+            for row in rows:
+                row["cosine"] = cosine
     finally:
         serve.shutdown()
         ray.shutdown()
     return rows
+
+
+def served_min_cosine(url: str, texts: list[str], reference: np.ndarray, batch: int = 32) -> float:
+    """The lowest cosine between an embedding the service returns (/v1/embeddings, floats) and the reference's."""
+    got = []
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for i in range(0, len(texts), batch):
+            r = client.post("/v1/embeddings", json={"input": texts[i : i + batch]})
+            r.raise_for_status()
+            got += [d["embedding"] for d in r.json()["data"]]
+    a, b = np.array(got, dtype=np.float64), reference.astype(np.float64)
+    return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
 
 
 def main(argv: list[str]) -> int:

@@ -103,13 +103,17 @@ def test_killed_replica_is_replaced_and_the_run_recovers(ray_serve, default_bund
 
 
 class BreaksOnDemand(Encoder.func_or_class):  # type: ignore[misc]
-    """The real encoder; `break_session()` swaps its full graph's onnxruntime session for the
-    encodings graph's, for good: every health check's inference then fails in onnxruntime itself
-    (the full graph's outputs do not exist there), as a session on a lost device would."""
+    """The real encoder; `break_session()` swaps its full graph's onnxruntime session for one over the
+    fp32 encodings graph, for good: every health check's inference then fails in onnxruntime itself
+    (the full graph's outputs do not exist there), as a session on a lost device would. (The full
+    graph is onnxruntime's whichever runtime serves the encodings graph.)"""
 
     async def break_session(self) -> None:
-        runtime = self.engines.default.runtime
-        runtime.full.session = runtime.fast.session
+        import onnxruntime as ort
+
+        engine = self.engines.default
+        encodings = engine.path / engine.manifest.variants["fp32"].file
+        engine.runtime.full.session = ort.InferenceSession(str(encodings), providers=["CPUExecutionProvider"])
 
 
 def test_health_check_detects_a_broken_session_and_serve_restarts_the_replica(ray_serve, default_bundle):

@@ -46,7 +46,8 @@ def choose_runtime(bundle: Bundle, settings: ServiceSettings, threads: int, gpu:
     encoder = OrtEncoder(bundle, settings.provider, threads, settings.inter_op_threads, settings.allow_spinning,
                          ort_precision, CudaSettings.from_settings(settings, gpu))
     encoder.precision_requested = wanted
-    if settings.runtime == "onnxruntime" or encoder.provider == CUDA or wanted in ("int8", "fp16"):
+    if (settings.runtime == "onnxruntime" or encoder.provider == CUDA or wanted in ("int8", "fp16")
+            or (settings.runtime == "auto" and wanted == "fp32")):
         if wanted == "bf16":  # CUDA was usable: bf16 is OpenVINO's, on CPU
             encoder.precision_note = f"bf16 runs on OpenVINO (CPU); this replica runs on CUDA: {encoder.precision_note}"
             logger.warning("precision bf16: %s", encoder.precision_note)
@@ -97,7 +98,7 @@ def _openvino(bundle: Bundle, settings: ServiceSettings, threads: int, streams: 
         logger.warning("OpenVINO: %s", why)
     try:
         return OvEncoder(bundle, precision, threads * streams, streams, cache_dir, encoder.full, encoder.provider,
-                         wanted, note, encoder.provider_note)
+                         wanted, note, encoder.provider_note, encoder.describe_cuda())
     except Exception as exc:  # noqa: BLE001 - any failure to start means: serve on onnxruntime
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         logger.warning("OpenVINO %s could not start (%s); serving onnxruntime fp32", precision, reason)
