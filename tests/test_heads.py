@@ -141,6 +141,8 @@ def check_classifier_bundle(out: Path, family: str, num_labels: int, directory: 
     assert (m.model.pooling, m.model.normalize, m.model.embedding_dim) == ("cls", False, None)
     assert tuple(m.graph.outputs) == CLASSIFIER_OUTPUT_NAMES and set(m.variants) == {"fp32"}
     assert tuple(m.variants["fp32"].outputs) == CLASSIFIER_ENCODINGS_OUTPUT_NAMES
+    # the head leaves the optimizer's fusions as they are: every attention layer but ELECTRA's first
+    assert m.variants["fp32"].fusions["Attention"] == (1 if family == "electra" else 2)
     for report in (m.parity, m.variants["fp32"].parity):
         assert report.passed and "logits" in {o.output for o in report.outputs}
         assert all(o.values > 0 and o.max_abs_diff <= DEFAULT_ATOL for o in report.outputs)
