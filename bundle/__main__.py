@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         f"hidden {m.model.hidden_size}, max {m.model.max_tokens} tokens, opset {m.graph.opset}, "
         f"{len(m.files)} files verified"
     )
+    if m.model.task == "classification":
+        print(f"  classifier: logits for labels {m.model.labels} ({m.model.problem_type})")
     print("  full graph (every output, attention weights included):")
     for line in parity_lines(m.parity):
         print("    " + line)

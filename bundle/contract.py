@@ -15,12 +15,29 @@ OUTPUT_NAMES: Final = ("last_hidden_state", "sentence_embedding", "attentions")
 # first two outputs, under the same names.
 ENCODINGS_OUTPUT_NAMES: Final = OUTPUT_NAMES[:2]
 
+# A sequence classifier (a cross-encoder with one label) returns its head's logits, (batch, labels),
+# where an embedding model returns the sentence embedding; everything else is the same.
+CLASSIFIER_OUTPUT_NAMES: Final = ("last_hidden_state", "logits", "attentions")
+CLASSIFIER_ENCODINGS_OUTPUT_NAMES: Final = CLASSIFIER_OUTPUT_NAMES[:2]
+
+
+def output_names(task: str) -> tuple[str, ...]:
+    """The full graph's outputs for a task."""
+    return {"embedding": OUTPUT_NAMES, "classification": CLASSIFIER_OUTPUT_NAMES}[task]
+
+
+def encodings_output_names(task: str) -> tuple[str, ...]:
+    """The encodings-only graphs' outputs for a task."""
+    return {"embedding": ENCODINGS_OUTPUT_NAMES, "classification": CLASSIFIER_ENCODINGS_OUTPUT_NAMES}[task]
+
+
 DYNAMIC_AXES: Final = {
     "input_ids": {0: "batch", 1: "seq"},
     "attention_mask": {0: "batch", 1: "seq"},
     "token_type_ids": {0: "batch", 1: "seq"},
     "last_hidden_state": {0: "batch", 1: "seq"},
     "sentence_embedding": {0: "batch"},
+    "logits": {0: "batch"},
     "attentions": {1: "batch", 3: "seq", 4: "seq"},
 }
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from bundle.contract import BUNDLE_MANIFEST, ENCODINGS_OUTPUT_NAMES, INPUT_NAMES, MIN_OPSET, OUTPUT_NAMES
+from bundle.contract import BUNDLE_MANIFEST, INPUT_NAMES, MIN_OPSET, encodings_output_names, output_names
 
 # 2: encodings-only graph variants (fp32 fused, int8, fp16) beside the full graph
 # 3: bf16 (OpenVINO), a variant's runtime, and the attention gate of a precision
@@ -22,6 +22,9 @@ SCHEMA_VERSION = 3
 Pooling = Literal["mean", "cls", "max"]
 Precision = Literal["fp32", "int8", "fp16", "bf16"]
 RuntimeName = Literal["onnxruntime", "openvino"]
+Task = Literal["embedding", "classification"]
+# transformers' config.problem_type: how the logits are read (softmax, sigmoid per label, a value)
+ProblemType = Literal["single_label_classification", "multi_label_classification", "regression"]
 
 
 class BundleError(Exception):
@@ -156,6 +159,24 @@ class ModelInfo(_Strict):
     pooling: Pooling
     normalize: bool
     pad_token_id: int = Field(ge=0)
+    task: Task = Field(
+        "embedding", description="embedding: the graphs return sentence_embedding; classification: a sequence "
+        "classifier's logits (batch, labels) in its place")
+    labels: list[str] | None = Field(
+        None, min_length=1, description="classification: the name of each logits column (config.json's id2label, "
+        "in id order)")
+    problem_type: ProblemType | None = Field(
+        None, description="classification: how the logits are read (config.json's problem_type, or transformers' "
+        "rule: regression for one label, else single_label_classification)")
+
+    @model_validator(mode="after")
+    def _task_fields(self) -> ModelInfo:
+        """labels and problem_type belong to classifiers, and every classifier has both."""
+        classifier = self.task == "classification"
+        if classifier != (self.labels is not None) or classifier != (self.problem_type is not None):
+            raise ValueError(f"task {self.task!r} with labels {self.labels!r} and problem_type "
+                             f"{self.problem_type!r}: a classifier has both, an embedding model neither")
+        return self
 
     @property
     def sentence_dim(self) -> int:
@@ -237,6 +258,28 @@ def _schema_version(path: Path) -> object:
         return None
 
 
+def _logits_width(report: ParityReport) -> int | None:
+    """The logits' last dimension as onnxruntime reported it to the parity gate, when it is fixed."""
+    shape = next((o.shape for o in report.outputs if o.output == "logits"), "")
+    last = shape.strip("()").split(",")[-1].strip()
+    return int(last) if last.isdigit() else None
+
+
+def _check_classifier(manifest: BundleManifest, manifest_path: Path) -> None:
+    """One label per logits column, in both graphs; no lossy variant, whose gate compares embeddings."""
+    labels = manifest.model.labels or []
+    for what, report in (("graph", manifest.parity), ("fp32 encodings graph", manifest.variants["fp32"].parity)):
+        width = _logits_width(report)
+        if width != len(labels):
+            raise BundleError(
+                f"{manifest_path}: {len(labels)} label(s) {labels}, but the {what}'s logits have "
+                f"{width if width is not None else 'no fixed number of'} column(s)"
+            )
+    if lossy := sorted(set(manifest.variants) - {"fp32"}):
+        raise BundleError(f"{manifest_path}: variant(s) {lossy} of a classifier: no gate compares logits at a lossy "
+                          "precision yet")
+
+
 def load_bundle(root: str | Path) -> Bundle:
     """Read and verify a bundle (schema, contract, file hashes); raise BundleError if unfit.
 
@@ -265,10 +308,12 @@ def load_bundle(root: str | Path) -> Bundle:
     except ValueError as exc:
         raise BundleError(f"{manifest_path}: not valid JSON: {exc}") from None
 
-    if tuple(manifest.graph.inputs) != INPUT_NAMES or tuple(manifest.graph.outputs) != OUTPUT_NAMES:
+    task = manifest.model.task
+    full_outputs, fast_outputs = output_names(task), encodings_output_names(task)
+    if tuple(manifest.graph.inputs) != INPUT_NAMES or tuple(manifest.graph.outputs) != full_outputs:
         raise BundleError(
             f"{manifest_path}: graph I/O {manifest.graph.inputs} -> {manifest.graph.outputs} "
-            f"is not the contract {list(INPUT_NAMES)} -> {list(OUTPUT_NAMES)}"
+            f"is not the contract {list(INPUT_NAMES)} -> {list(full_outputs)} of a {task} model"
         )
     if not manifest.parity.passed:
         raise BundleError(f"{manifest_path}: parity report says failed; this bundle must not be served")
@@ -277,15 +322,17 @@ def load_bundle(root: str | Path) -> Bundle:
     for precision, variant in manifest.variants.items():
         if variant.precision != precision:
             raise BundleError(f"{manifest_path}: variant {precision!r} says precision {variant.precision!r}")
-        if tuple(variant.inputs) != INPUT_NAMES or tuple(variant.outputs) != ENCODINGS_OUTPUT_NAMES:
+        if tuple(variant.inputs) != INPUT_NAMES or tuple(variant.outputs) != fast_outputs:
             raise BundleError(
                 f"{manifest_path}: {precision} graph I/O {variant.inputs} -> {variant.outputs} is not the "
-                f"contract {list(INPUT_NAMES)} -> {list(ENCODINGS_OUTPUT_NAMES)}"
+                f"contract {list(INPUT_NAMES)} -> {list(fast_outputs)} of a {task} model"
             )
         if not variant.passed:
             raise BundleError(f"{manifest_path}: the {precision} graph has no passing gate; it must not be served")
     if manifest.variants["fp32"].parity is None:
         raise BundleError(f"{manifest_path}: the fp32 encodings graph has no strict parity report")
+    if task == "classification":
+        _check_classifier(manifest, manifest_path)
     for required in (manifest.graph.file, manifest.tokenizer, *(v.file for v in manifest.variants.values())):
         if required not in manifest.files:
             raise BundleError(f"{manifest_path}: {required} is used but has no hash in 'files'")

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     m = result.manifest
     print(
-        f"published {result.out}: model {m.model.name}, opset {m.graph.opset}, "
+        f"published {result.out}: model {m.model.name} ({m.model.task}), opset {m.graph.opset}, "
         f"{sum(f.bytes for f in m.files.values()) / 1e6:.1f} MB, parity passed on "
         f"{len(m.parity.probe_shapes)} probes, encodings graphs {', '.join(m.variants)}, "
         f"in {time.perf_counter() - started:.1f}s",

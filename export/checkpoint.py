@@ -9,6 +9,10 @@ Families (config.json's model_type) and how each maps onto export/encoder.py's m
 listed in FAMILIES and in docs/families.md: BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT,
 ELECTRA. They are the same post-norm encoder; they differ in weight names, in how positions
 are counted, in token types, and (ELECTRA) in a projection after narrower embeddings.
+
+A `*ForSequenceClassification` checkpoint (config.json's architectures) loads as a SequenceClassifier
+(export/heads.py): the same encoder plus the family's classification head, with its labels and
+problem_type; a missing head tensor is an error naming it.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from export.config import DenseLayer, EncoderConfig
+from export.config import ClassifierConfig, DenseLayer, EncoderConfig
 from export.encoder import Encoder, sinusoidal_positions
+from export.heads import SequenceClassifier
 
 DEFAULT_CHECKPOINT = "default"
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -90,6 +95,31 @@ class CheckpointError(Exception):
 
 
 @dataclass(frozen=True)
+class HeadLayout:
+    """Where a family's *ForSequenceClassification keeps its head, and what the head computes
+    (transformers' modeling_<family>.py): full checkpoint names of the two linear layers."""
+
+    dense: str  # hidden -> hidden, before the activation
+    out_proj: str  # hidden -> num_labels
+    activation: str  # ClassifierConfig.activation
+    input_dropout: bool  # dropout on the first token's encoding before dense, too
+    dropout_keys: tuple[str, ...]  # config.json keys of the head's dropout rate, the first set one wins
+
+    def tensors(self) -> tuple[str, ...]:
+        return tuple(f"{layer}{kind}" for layer in (self.dense, self.out_proj) for kind in ("weight", "bias"))
+
+
+_CLASSIFIER_DROPOUT = ("classifier_dropout", "hidden_dropout_prob")
+# BertForSequenceClassification: the pooler (dense + tanh on [CLS]), then dropout and `classifier`
+_BERT_HEAD = HeadLayout("bert.pooler.dense.", "classifier.", "tanh", False, _CLASSIFIER_DROPOUT)
+# RobertaClassificationHead, and its copies in XLM-RoBERTa and CamemBERT
+_ROBERTA_HEAD = HeadLayout("classifier.dense.", "classifier.out_proj.", "tanh", True, _CLASSIFIER_DROPOUT)
+_DISTILBERT_HEAD = HeadLayout("pre_classifier.", "classifier.", "relu", False, ("seq_classif_dropout",))
+# ElectraClassificationHead calls get_activation("gelu"), whatever the config's hidden_act says
+_ELECTRA_HEAD = HeadLayout("classifier.dense.", "classifier.out_proj.", "gelu", True, _CLASSIFIER_DROPOUT)
+
+
+@dataclass(frozen=True)
 class Family:
     """One checkpoint family: its model_type(s), its weight names, and what it leaves out on purpose."""
 
@@ -98,15 +128,16 @@ class Family:
     prefix: str  # the base model's attribute in task checkpoints ("roberta." in RobertaForMaskedLM)
     renames: tuple[tuple[str, str], ...]
     ignored: dict[re.Pattern, str] = field(hash=False)
+    head: HeadLayout  # its *ForSequenceClassification head
 
 
 FAMILIES = (
-    Family("BERT", ("bert",), "bert.", _BERT_RENAMES, _BERT_IGNORED),
-    Family("RoBERTa", ("roberta",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED),
-    Family("XLM-RoBERTa", ("xlm-roberta",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED),
-    Family("CamemBERT", ("camembert",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED),
-    Family("DistilBERT", ("distilbert",), "distilbert.", _DISTILBERT_RENAMES, _DISTILBERT_IGNORED),
-    Family("ELECTRA", ("electra",), "electra.", _ELECTRA_RENAMES, _ELECTRA_IGNORED),
+    Family("BERT", ("bert",), "bert.", _BERT_RENAMES, _BERT_IGNORED, _BERT_HEAD),
+    Family("RoBERTa", ("roberta",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD),
+    Family("XLM-RoBERTa", ("xlm-roberta",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD),
+    Family("CamemBERT", ("camembert",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD),
+    Family("DistilBERT", ("distilbert",), "distilbert.", _DISTILBERT_RENAMES, _DISTILBERT_IGNORED, _DISTILBERT_HEAD),
+    Family("ELECTRA", ("electra",), "electra.", _ELECTRA_RENAMES, _ELECTRA_IGNORED, _ELECTRA_HEAD),
 )
 SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
 _ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
@@ -132,11 +163,16 @@ class Checkpoint:
     name: str
     architecture: str
     config: EncoderConfig
-    encoder: Encoder
+    encoder: Encoder  # a SequenceClassifier for a classifier checkpoint
     tokenizer_path: Path
     max_tokens: int
     ignored: tuple[str, ...]
     family: str  # Family.name: BERT, RoBERTa, ...
+    classifier: ClassifierConfig | None = None  # the head's labels and problem_type, for a classifier
+
+    @property
+    def task(self) -> str:
+        return self.encoder.task
 
 
 def resolve_checkpoint(spec: str | Path) -> tuple[Path, str]:
@@ -367,13 +403,22 @@ def read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
 
 
 def map_state_dict(
-    weights: dict[str, torch.Tensor], weights_path: Path, family: Family = FAMILIES[0]
+    weights: dict[str, torch.Tensor], weights_path: Path, family: Family = FAMILIES[0], head: bool = False
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Rename a family's tensors to our parameter names; return (mapped, ignored names)."""
+    """Rename a family's tensors to our parameter names; return (mapped, ignored names).
+
+    head: a *ForSequenceClassification checkpoint, whose head tensors (BERT's pooler among them,
+    ignored otherwise) map onto `head.dense` and `head.out_proj`.
+    """
     mapped: dict[str, torch.Tensor] = {}
     ignored: list[str] = []
     unknown: list[str] = []
+    layers = ((family.head.dense, "head.dense."), (family.head.out_proj, "head.out_proj.")) if head else ()
     for name, tensor in weights.items():
+        ours = next((target + name[len(source):] for source, target in layers if name.startswith(source)), None)
+        if ours is not None:
+            mapped[ours] = tensor
+            continue
         key = name.removeprefix(family.prefix)
         key = re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", key))  # TF-era LayerNorm names
         if any(pattern.search(key) for pattern in family.ignored):
@@ -456,21 +501,72 @@ def max_tokens_of(directory: Path, config: EncoderConfig) -> int:
     return limit
 
 
+def _is_classifier(architecture: str) -> bool:
+    """transformers' sequence-classification models, named <Family>ForSequenceClassification."""
+    return architecture.endswith("ForSequenceClassification")
+
+
+def _cross_encoder_modules(directory: Path) -> SentenceModules:
+    """A classifier reads the first token: sentence-transformers' CrossEncoder saves a modules.json
+    with its Transformer module only; a Pooling, Dense or other module has no place in a classifier."""
+    modules_path = directory / "modules.json"
+    if modules_path.exists():
+        types = [m.get("type", "") for m in _read_json(modules_path)]
+        others = [t for t in types if t.rsplit(".", 1)[-1] != "Transformer"]
+        if others:
+            raise CheckpointError(f"{modules_path}: module(s) {others} after a sequence classifier are not supported "
+                                  "(its head reads the first token; a CrossEncoder has the Transformer module only)")
+    return SentenceModules(pooling="cls")
+
+
+def _labels(raw: dict, config_path: Path) -> tuple[str, ...]:
+    """id2label in id order (ids 0..n-1); without it, transformers' default LABEL_0, LABEL_1 (num_labels 2)."""
+    id2label = raw.get("id2label")
+    if id2label is None:
+        return tuple(f"LABEL_{i}" for i in range(int(_value(raw, "num_labels", 2))))
+    try:
+        by_id = {int(k): str(v) for k, v in id2label.items()}
+    except (AttributeError, ValueError):
+        raise CheckpointError(f"{config_path}: id2label must map integer ids to names, got {id2label!r}") from None
+    if sorted(by_id) != list(range(len(by_id))) or not by_id:
+        raise CheckpointError(f"{config_path}: id2label ids {sorted(by_id)} are not 0..n-1")
+    return tuple(by_id[i] for i in range(len(by_id)))
+
+
+def _classifier_config(raw: dict, family: Family, config_path: Path) -> ClassifierConfig:
+    """The head of a *ForSequenceClassification config: labels, problem_type (transformers' rule when
+    absent: regression for one label, else single-label classification), activation, dropout."""
+    labels = _labels(raw, config_path)
+    problem_type = raw.get("problem_type") or (
+        "regression" if len(labels) == 1 else "single_label_classification")
+    allowed = ("single_label_classification", "multi_label_classification", "regression")
+    if problem_type not in allowed:
+        raise CheckpointError(f"{config_path}: problem_type {problem_type!r} is not one of {', '.join(allowed)}")
+    dropout = next((raw[k] for k in family.head.dropout_keys if raw.get(k) is not None), 0.1)
+    return ClassifierConfig(labels, problem_type, family.head.activation, dropout, family.head.input_dropout)
+
+
 def load_checkpoint(spec: str | Path, name: str | None = None) -> Checkpoint:
-    """Load a checkpoint directory (or 'default') into an Encoder in eval mode."""
+    """Load a checkpoint directory (or 'default') into an Encoder (or a SequenceClassifier) in eval mode."""
     directory, default_name = resolve_checkpoint(spec)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise CheckpointError(f"{tokenizer_path}: missing (a fast tokenizer file is required)")
-    modules = _sentence_modules(directory)
+    raw = _read_json(directory / "config.json")
+    classifies = _is_classifier((raw.get("architectures") or [""])[0])
+    modules = _cross_encoder_modules(directory) if classifies else _sentence_modules(directory)
     config, architecture, family = _read_config(directory, modules.pooling, modules.normalize, modules.dense)
+    head = _classifier_config(raw, family, directory / "config.json") if classifies else None
     weights, weights_path = read_weights(directory)
-    mapped, ignored = map_state_dict(weights, weights_path, family)
+    if head is not None and (missing := [t for t in family.head.tensors() if t not in weights]):
+        raise CheckpointError(f"{weights_path}: missing tensor(s) {missing} of the {family.name} classification "
+                              f"head ({architecture})")
+    mapped, ignored = map_state_dict(weights, weights_path, family, head=head is not None)
     ignored += take_sinusoidal_table(mapped, weights, config, weights_path)
     mapped |= modules.dense_weights  # the Dense modules' own files, already checked
-    encoder = Encoder(config)
+    encoder = Encoder(config) if head is None else SequenceClassifier(config, head)
     load_into(encoder, mapped, weights_path)
     encoder.eval()
     return Checkpoint(
@@ -483,4 +579,5 @@ def load_checkpoint(spec: str | Path, name: str | None = None) -> Checkpoint:
         max_tokens=max_tokens_of(directory, config),
         ignored=tuple(ignored),
         family=family.name,
+        classifier=head,
     )

@@ -10,6 +10,10 @@ Activation = Literal["gelu", "gelu_tanh", "relu"]
 DenseActivation = Literal["identity", "tanh", "relu", "gelu", "sigmoid"]
 PositionKind = Literal["learned", "sinusoidal"]
 Pooling = Literal["mean", "cls", "max"]
+# what a sequence-classification head applies after its dense layer (BERT's pooler and RoBERTa: tanh,
+# DistilBERT: ReLU, ELECTRA: exact GELU)
+HeadActivation = Literal["tanh", "relu", "gelu"]
+ProblemType = Literal["single_label_classification", "multi_label_classification", "regression"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,26 @@ class DenseLayer:
     bias: bool = True
     activation: DenseActivation = "tanh"  # sentence-transformers' default
     residual: bool = False
+
+
+@dataclass(frozen=True)
+class ClassifierConfig:
+    """A *ForSequenceClassification head: out_proj(activation(dense(h_first))), dropout on the way in
+    training. Every family we load has this shape; they differ in activation, dropout and weight names."""
+
+    labels: tuple[str, ...]  # config.json's id2label in id order: one per logit
+    problem_type: ProblemType
+    activation: HeadActivation
+    dropout: float = 0.1  # before out_proj, training only
+    input_dropout: bool = False  # RoBERTa and ELECTRA also drop the first token's encoding before dense
+
+    def __post_init__(self) -> None:
+        if not self.labels:
+            raise ValueError("a classifier needs at least one label")
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
 
 
 @dataclass(frozen=True)

@@ -282,6 +282,8 @@ class Encoder(nn.Module):
     (last_hidden_state (B, T, d), sentence_embedding (B, sentence_dim), attentions (layers, B, heads, T, T)).
     """
 
+    task = "embedding"  # what bundle.contract.output_names calls the outputs; export/heads.py's classifier differs
+
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.config = config

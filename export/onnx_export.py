@@ -10,7 +10,15 @@ import torch
 
 from torch import nn
 
-from bundle.contract import DYNAMIC_AXES, ENCODINGS_OUTPUT_NAMES, GRAPH_FILE, INPUT_NAMES, MIN_OPSET, OUTPUT_NAMES
+from bundle.contract import (
+    DYNAMIC_AXES,
+    GRAPH_FILE,
+    INPUT_NAMES,
+    MIN_OPSET,
+    OUTPUT_NAMES,
+    encodings_output_names,
+    output_names,
+)
 from export.encoder import Encoder
 
 # Graphs over this size must keep weights in an external data file (protobuf's 2 GB cap).
@@ -30,7 +38,8 @@ def example_inputs(batch: int = 2, seq: int = 16, vocab_size: int = 1000) -> tup
 def export_onnx(encoder: Encoder, directory: Path, opset: int, max_seq: int) -> list[str]:
     """Export `encoder` to directory/model.onnx with torch's torch.export-based exporter.
 
-    Returns the names of the files written (the graph, plus external data for huge models).
+    The outputs are named by the model's task (bundle.contract.output_names). Returns the names of
+    the files written (the graph, plus external data for huge models).
     """
     if opset < MIN_OPSET:
         raise ValueError(f"opset {opset} is below the minimum {MIN_OPSET}")
@@ -49,18 +58,19 @@ def export_onnx(encoder: Encoder, directory: Path, opset: int, max_seq: int) -> 
             example_inputs(vocab_size=encoder.config.vocab_size),
             str(path),
             input_names=list(INPUT_NAMES),
-            output_names=list(OUTPUT_NAMES),
+            output_names=list(output_names(encoder.task)),
             dynamic_shapes=(axes, axes, axes),
             opset_version=opset,
             dynamo=True,
             external_data=n_bytes > _SINGLE_FILE_LIMIT,
         )
-    check_graph(path)
+    check_graph(path, output_names(encoder.task))
     return sorted(p.name for p in set(directory.iterdir()) - before)
 
 
 class EncodingsOnly(nn.Module):
-    """The encoder without its attention-weights output: what the fused graphs compute."""
+    """The encoder without its attention-weights output: what the fused graphs compute (the sentence
+    embedding, or a classifier's logits, stays the second output)."""
 
     def __init__(self, encoder: Encoder) -> None:
         super().__init__()
@@ -75,8 +85,8 @@ class EncodingsOnly(nn.Module):
             # feeds it all the same. Adding it times zero to input_ids keeps it, for one integer
             # multiply-add per token.
             input_ids = input_ids + token_type_ids * 0
-        hidden, embedding, _ = self.encoder(input_ids, attention_mask, token_type_ids)
-        return hidden, embedding
+        hidden, pooled_or_logits, _ = self.encoder(input_ids, attention_mask, token_type_ids)
+        return hidden, pooled_or_logits
 
 
 def export_encodings_onnx(encoder: Encoder, path: Path, opset: int) -> None:
@@ -92,7 +102,8 @@ def export_encodings_onnx(encoder: Encoder, path: Path, opset: int) -> None:
     n_bytes = sum(p.numel() * p.element_size() for p in encoder.parameters())
     if n_bytes > _SINGLE_FILE_LIMIT:
         raise ValueError(f"model of {n_bytes / 1e9:.1f} GB: the encodings graph supports single-file models only")
-    names = [*INPUT_NAMES, *ENCODINGS_OUTPUT_NAMES]
+    outputs = encodings_output_names(encoder.task)
+    names = [*INPUT_NAMES, *outputs]
     with warnings.catch_warnings():
         # TorchScript-exporter deprecation and tracer warnings: known, and the parity gate is the check.
         warnings.simplefilter("ignore")
@@ -101,12 +112,12 @@ def export_encodings_onnx(encoder: Encoder, path: Path, opset: int) -> None:
             example_inputs(vocab_size=encoder.config.vocab_size),
             str(path),
             input_names=list(INPUT_NAMES),
-            output_names=list(ENCODINGS_OUTPUT_NAMES),
+            output_names=list(outputs),
             dynamic_axes={name: DYNAMIC_AXES[name] for name in names},
             opset_version=opset,
             dynamo=False,
         )
-    check_graph(path, ENCODINGS_OUTPUT_NAMES)
+    check_graph(path, outputs)
 
 
 def check_graph(path: Path, outputs: tuple[str, ...] = OUTPUT_NAMES) -> None:

@@ -15,7 +15,7 @@ import onnxruntime as ort
 import torch
 from tokenizers import Tokenizer
 
-from bundle.contract import INPUT_NAMES, OUTPUT_NAMES
+from bundle.contract import INPUT_NAMES, output_names
 from bundle.manifest import OutputParity, ParityReport
 from export.encoder import Encoder
 
@@ -112,7 +112,7 @@ def _real_values(name: str, array: np.ndarray, mask: np.ndarray) -> np.ndarray:
     if name == "attentions":  # (layers, B, heads, T, T): keep rows and columns of real tokens
         pairs = real[:, :, None] & real[:, None, :]  # (B, T, T)
         return array.transpose(1, 3, 4, 0, 2)[pairs]  # (n_pairs, layers, heads)
-    return array  # sentence_embedding (B, d): one row per input, all real
+    return array  # sentence_embedding (B, d) or logits (B, labels): one row per input, all real
 
 
 @dataclass
@@ -131,7 +131,7 @@ def check_parity(
     atol: float,
     rtol: float,
     providers: Sequence[str] = ("CPUExecutionProvider",),
-    outputs: Sequence[str] = OUTPUT_NAMES,
+    outputs: Sequence[str] | None = None,
     session=None,
     compare: Sequence[str] | None = None,
 ) -> ParityReport:
@@ -139,8 +139,10 @@ def check_parity(
 
     A value passes when |ort - torch| <= atol + rtol * |torch| (numpy.isclose's rule); the
     reported relative difference is |ort - torch| / max(|torch|, atol), so near-zero values
-    do not make it meaningless.
+    do not make it meaningless. outputs: the graph's, by default the full graph's of the encoder's task.
     """
+    names = output_names(encoder.task)  # what the PyTorch module returns, in order
+    outputs = tuple(outputs or names)
     if session is None:  # export.sessions.OpenVinoSession answers the same calls
         options = ort.SessionOptions()
         options.log_severity_level = 3
@@ -161,7 +163,7 @@ def check_parity(
         feed = {"input_ids": probe.input_ids, "attention_mask": probe.attention_mask, "token_type_ids": probe.token_type_ids}
         with torch.no_grad():
             everything = encoder(*(torch.from_numpy(feed[n]) for n in INPUT_NAMES))
-        reference = [t.numpy() for name, t in zip(OUTPUT_NAMES, everything, strict=True) if name in compare]
+        reference = [t.numpy() for name, t in zip(names, everything, strict=True) if name in compare]
         candidate = session.run(list(compare), feed)
         for name, ref, got in zip(compare, reference, candidate, strict=True):
             tally = tallies[name]

@@ -27,6 +27,8 @@ from bundle.contract import (
     OUTPUT_NAMES,
     TOKENIZER_FILE,
     encodings_file,
+    encodings_output_names,
+    output_names,
 )
 from bundle.manifest import (
     BundleManifest,
@@ -108,6 +110,12 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
         f"hidden {cfg.d_model}, max {ckpt.max_tokens} tokens, {cfg.pooling} pooling"
         f"{', L2-normalised' if cfg.normalize else ''} ({time.perf_counter() - started:.1f}s)"
     )
+    if ckpt.classifier is not None:
+        head = ckpt.classifier
+        progress(f"      task classification: {head.num_labels} label(s) {list(head.labels)}, "
+                 f"problem_type {head.problem_type}, head {head.activation} on the first token")
+    else:
+        progress("      task embedding")
     for name in ckpt.ignored:
         progress(f"      not used: {name}")
 
@@ -137,17 +145,20 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
         variants = {"fp32": _encodings_fp32(ckpt, staging, probes, options, progress)}
         progress(f"      ({time.perf_counter() - started:.1f}s)")
 
-        started = _step(progress, 5, total, f"lossy variants {', '.join(options.lossy) or '(none)'}: "
-                        f"gate mean cosine >= {options.mean_cosine:g} and every text >= {options.cosine_floor:g} "
-                        "vs PyTorch fp32, retrieval unchanged")
-        for precision in options.lossy:
-            if precision == "bf16":
-                variant = _bf16_variant(ckpt, tokenizer, staging, variants["fp32"], probes, options, progress)
-            else:
-                variant = _lossy_variant(precision, ckpt, tokenizer, staging, variants["fp32"], options, progress)
-            if variant is not None:
-                variants[precision] = variant
-        progress(f"      ({time.perf_counter() - started:.1f}s)")
+        if ckpt.classifier is not None:  # logits need a lossy gate of their own; until then, fp32 only
+            _step(progress, 5, total, "lossy variants: not for classifiers yet (their gate compares embeddings)")
+        else:
+            started = _step(progress, 5, total, f"lossy variants {', '.join(options.lossy) or '(none)'}: "
+                            f"gate mean cosine >= {options.mean_cosine:g} and every text >= {options.cosine_floor:g} "
+                            "vs PyTorch fp32, retrieval unchanged")
+            for precision in options.lossy:
+                if precision == "bf16":
+                    variant = _bf16_variant(ckpt, tokenizer, staging, variants["fp32"], probes, options, progress)
+                else:
+                    variant = _lossy_variant(precision, ckpt, tokenizer, staging, variants["fp32"], options, progress)
+                if variant is not None:
+                    variants[precision] = variant
+            progress(f"      ({time.perf_counter() - started:.1f}s)")
 
         _step(progress, 6, total, "writing tokenizer, manifest and hashes")
         _save_tokenizer(ckpt.tokenizer_path, staging / TOKENIZER_FILE, ckpt.max_tokens)
@@ -166,8 +177,13 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
                 pooling=cfg.pooling,
                 normalize=cfg.normalize,
                 pad_token_id=cfg.pad_token_id,
+                task=ckpt.task,
+                labels=list(ckpt.classifier.labels) if ckpt.classifier else None,
+                problem_type=ckpt.classifier.problem_type if ckpt.classifier else None,
             ),
-            graph=GraphInfo(file=GRAPH_FILE, opset=opset, inputs=list(INPUT_NAMES), outputs=list(OUTPUT_NAMES)),
+            graph=GraphInfo(
+                file=GRAPH_FILE, opset=opset, inputs=list(INPUT_NAMES), outputs=list(output_names(ckpt.task))
+            ),
             tokenizer=TOKENIZER_FILE,
             files={
                 name: file_entry(staging / name)
@@ -205,16 +221,15 @@ def _encodings_fp32(ckpt: Checkpoint, staging: Path, probes, options: ExportOpti
         onnx_export.export_encodings_onnx(ckpt.encoder, traced, options.opset)
         fusions = optimize.optimize_fp32(traced, staging / target, cfg)
     progress(f"      fused: {', '.join(f'{n} {op}' for op, n in fusions.items()) or 'nothing'}")
-    report = parity.check_parity(
-        ckpt.encoder, staging / target, probes, options.atol, options.rtol, outputs=ENCODINGS_OUTPUT_NAMES
-    )
+    outputs = encodings_output_names(ckpt.task)
+    report = parity.check_parity(ckpt.encoder, staging / target, probes, options.atol, options.rtol, outputs=outputs)
     for line in parity_lines(report):
         progress("      " + line)
     if not report.passed:
         raise ExportError("parity gate of the fp32 encodings graph failed: nothing published")
     return VariantInfo(
         file=target, precision="fp32", opset=onnx_export.graph_opset(staging / target),
-        inputs=list(INPUT_NAMES), outputs=list(ENCODINGS_OUTPUT_NAMES), optimizer=optimize.OPTIMIZER,
+        inputs=list(INPUT_NAMES), outputs=list(outputs), optimizer=optimize.OPTIMIZER,
         fusions=fusions, providers=["CUDAExecutionProvider", "CPUExecutionProvider"], parity=report,
     )
 

@@ -3,6 +3,7 @@
     from tests.families import FAMILIES, make_checkpoint
     path = make_checkpoint("roberta", tmp_path / "roberta", pooling="cls")
     # then: build_bundle(ExportOptions(str(path), out, ...)) or `python -m export --checkpoint path`
+    path = make_classifier("electra", tmp_path / "electra-cls", num_labels=3)  # ElectraForSequenceClassification
 
 Each checkpoint is what a user would point `make export CHECKPOINT=DIR` at: config.json and
 model.safetensors written by transformers' own classes (`save_pretrained`, safetensors), a fast
@@ -32,6 +33,16 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "distilbert": ("DistilBertForMaskedLM", "wordpiece", "own weight names, no token types, no pooler, MLM head"),
     "distilbert-sinusoidal": ("DistilBertModel", "wordpiece", "DistilBERT with sinusoidal_pos_embds=True"),
     "electra": ("ElectraForPreTraining", "wordpiece", "discriminator: embedding_size 16 projected to hidden 32"),
+}
+# family -> the transformers class of its sequence classifier (make_classifier)
+CLASSIFIERS: dict[str, str] = {
+    "bert": "BertForSequenceClassification",
+    "roberta": "RobertaForSequenceClassification",
+    "xlm-roberta": "XLMRobertaForSequenceClassification",
+    "camembert": "CamembertForSequenceClassification",
+    "distilbert": "DistilBertForSequenceClassification",
+    "distilbert-sinusoidal": "DistilBertForSequenceClassification",
+    "electra": "ElectraForSequenceClassification",
 }
 POOLINGS = ("mean", "cls", "max")
 MAX_TOKENS = 64  # the longest input, special tokens included
@@ -94,6 +105,49 @@ def make_checkpoint(family: str, out: Path, pooling: str = "mean", seed: int = 0
     model.save_pretrained(out, safe_serialization=True)
     _write_tokenizer(out, tokenizer_json, names, token_types=family in ("bert", "electra"))
     _write_sentence_transformers(out, pooling, normalize)
+    return out
+
+
+def classifier_labels(num_labels: int) -> list[str]:
+    """The id2label names make_classifier writes, in id order."""
+    return [f"label_{i}" for i in range(num_labels)]
+
+
+def make_classifier(family: str, out: Path, num_labels: int, problem_type: str | None = None, seed: int = 0) -> Path:
+    """Write a small random <Family>ForSequenceClassification checkpoint of `family` into `out`; return `out`.
+
+    As make_checkpoint, with transformers' classifier class, an id2label of `num_labels` names
+    (classifier_labels), problem_type in config.json when given, and no sentence-transformers
+    embedding modules: sentence-transformers' CrossEncoder loads it as it is. The head's weights are
+    drawn wider than transformers' init (std 0.02 leaves tanh nearly linear and every logit near 0),
+    so that a wrong activation, a missing bias or swapped layers move the logits by far more than
+    the tests' tolerances.
+    """
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    if family not in CLASSIFIERS:
+        raise ValueError(f"unknown family {family!r}: expected one of {', '.join(CLASSIFIERS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_json, names = _tokenizer(FAMILIES[family][1])
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    config = _config(family, vocab_size=tokenizer.get_vocab_size(),
+                     specials={role: tokenizer.token_to_id(token) for role, token in names.items()})
+    config.id2label = dict(enumerate(classifier_labels(num_labels)))
+    config.label2id = {label: i for i, label in config.id2label.items()}
+    config.problem_type = problem_type
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, CLASSIFIERS[family])(config).eval()
+        base = model.base_model_prefix + "."
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if not name.startswith(base) or ".pooler." in name:  # the head (BERT's pooler is part of it)
+                    parameter.normal_(std=0.3)
+    model.save_pretrained(out, safe_serialization=True)
+    _write_tokenizer(out, tokenizer_json, names, token_types=family in ("bert", "electra"))
     return out
 
 
