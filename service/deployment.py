@@ -28,7 +28,7 @@ from service.http.context import serve_with
 from service.http.middleware import BearerAuthMiddleware, MetricsMiddleware, configure
 # the route modules add their routes to the app when imported: every one, before serve.ingress
 # snapshots the app below
-from service.http.routes import attention, explorer, native, openai, v2  # noqa: F401
+from service.http.routes import attention, explorer, heads, native, openai, v2  # noqa: F401
 from service.http.routes.ops import replica_info
 from service.listeners import bind_replica_grpc_to_node_address
 from service.metrics import node_metrics_url, refresh_periodically, service_metrics
@@ -65,7 +65,7 @@ class Encoder:
         serve_with(self.svc)
         metrics = service_metrics()
         gpu_ids = ",".join(self.gpu.ray_gpu_ids)
-        info_tags = [{"model": m.name, "bundle_sha256": m.sha256, "provider": m.runtime.provider,
+        info_tags = [{"model": m.name, "task": m.model.task, "bundle_sha256": m.sha256, "provider": m.runtime.provider,
                       "runtime": m.runtime.runtime, "precision": m.runtime.precision, "gpu_ids": gpu_ids} for m in self.engines]
 
         def refresh() -> None:  # Ray drops gauges that are not set again

@@ -19,7 +19,7 @@ Families (exported names; one question each):
   ray_encoder_padded_tokens_total                       tokens computed, padding included
   ray_encoder_inference_runs_total{graph}               onnxruntime runs, by graph: full (attention
                                                         weights) or encodings-fp32/-int8/-fp16
-  ray_encoder_model_info{model,bundle_sha256,provider,runtime,precision,gpu_ids}  1 per encoder replica: what it
+  ray_encoder_model_info{model,task,bundle_sha256,provider,runtime,precision,gpu_ids}  1 per encoder replica: what it
       serves, and where (gpu_ids: the Ray GPU ids the replica was given, empty without a GPU share)
 """
 
@@ -96,7 +96,7 @@ class ServiceMetrics:
             PREFIX + "model_info",
             "1 for each encoder replica: the model, bundle, execution provider, runtime of the encodings graph "
             "(onnxruntime, openvino), precision and Ray GPU ids it serves with.",
-            tag_keys=("model", "bundle_sha256", "provider", "runtime", "precision", "gpu_ids"),
+            tag_keys=("model", "task", "bundle_sha256", "provider", "runtime", "precision", "gpu_ids"),
         )
 
 

@@ -35,6 +35,7 @@ class EncodeJob:
     want_hidden: bool = False
     attention: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (layers, heads), resolved
     enqueued: float = 0.0  # perf_counter() when the job joined the batch queue
+    type_ids: list[np.ndarray] | None = None  # token types per text: text pairs (rerank) set the second's
 
     @property
     def n_tokens(self) -> int:
@@ -57,7 +58,8 @@ class EncodeJob:
 
 @dataclass
 class EncodeResult:
-    embeddings: np.ndarray | None  # (n_texts, hidden) float32
+    # the pooled output per text: the sentence embedding (n_texts, dim), or a classifier's logits (n_texts, labels)
+    embeddings: np.ndarray | None
     hidden: list[np.ndarray] | None = None  # per text (n_tokens, hidden)
     attentions: list[np.ndarray] | None = None  # per text (layers, heads, n_tokens, n_tokens)
     stats: dict = field(default_factory=dict)
@@ -110,6 +112,15 @@ def plan_sub_batches(lengths: list[int], token_budget: int, max_size: int, max_p
     return groups
 
 
+def pad_types(types: list[np.ndarray | None], longest: int) -> np.ndarray:
+    """Token types of a sub-batch, right-padded with 0 (None: a single text, all 0)."""
+    out = np.zeros((len(types), longest), dtype=np.int64)
+    for row, a in enumerate(types):
+        if a is not None:
+            out[row, : a.shape[0]] = a
+    return out
+
+
 def pad(ids: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Right-pad token id arrays into (batch, longest) ids and attention mask."""
     longest = max(int(a.shape[0]) for a in ids)
@@ -152,6 +163,10 @@ class BatchRunner:
         self.counters = {"batches": 0, "requests": 0, "texts": 0, "real_tokens": 0, "padded_tokens": 0, "ort_runs": 0,
                          "compute_ms": 0.0}
         self.runs_by_graph = {runtime.full.label: 0, runtime.fast.label: 0}
+        # what one text's pooled output is: a sentence embedding, or a classifier's logits
+        classifier = manifest.model.task == "classification"
+        self.pooled = "logits" if classifier else "sentence_embedding"
+        self.pooled_width = len(manifest.model.labels or []) if classifier else manifest.model.sentence_dim
         self.running = 0  # batches being computed now
         self._counters_lock = threading.Lock()
 
@@ -161,9 +176,9 @@ class BatchRunner:
         token = 1000 % self.manifest.model.vocab_size  # an ordinary token of any vocabulary
         for length in (8, self.manifest.model.max_tokens):
             ids = np.full((4, length), token, dtype=np.int64)
-            self.runtime.run(ids, np.ones_like(ids), ["sentence_embedding"])
+            self.runtime.run(ids, np.ones_like(ids), [self.pooled])
         ids = np.full((2, 8), token, dtype=np.int64)
-        self.runtime.run(ids, np.ones_like(ids), ["sentence_embedding", "attentions"])
+        self.runtime.run(ids, np.ones_like(ids), [self.pooled, "attentions"])
 
     def compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
         """List in, list out: every job's texts, length-sorted into sub-batches."""
@@ -187,7 +202,7 @@ class BatchRunner:
         needs = lambda j: (jobs[j].attention is not None, self._needs_hidden(jobs[j]))  # noqa: E731
         results = [
             EncodeResult(
-                embeddings=np.zeros((len(job.ids), model.sentence_dim), dtype=np.float32),
+                embeddings=np.zeros((len(job.ids), self.pooled_width), dtype=np.float32),
                 hidden=[None] * len(job.ids) if job.want_hidden else None,  # type: ignore[list-item]
                 attentions=[None] * len(job.ids) if job.attention is not None else None,  # type: ignore[list-item]
             )
@@ -200,13 +215,17 @@ class BatchRunner:
         runs: dict[str, int] = {}
         for (want_attention, want_hidden), members in by_need.items():
             lengths = [int(jobs[j].ids[t].shape[0]) for j, t in members]
-            outputs = ["sentence_embedding"] + (["last_hidden_state"] if want_hidden else []) + (["attentions"] if want_attention else [])
+            outputs = [self.pooled] + (["last_hidden_state"] if want_hidden else []) + (["attentions"] if want_attention else [])
             for group in plan_sub_batches(lengths, self.batching.sub_batch_tokens, self.batching.max_sub_batch_size,
                                           self.batching.max_padding):
                 rows = [members[g] for g in group]
                 input_ids, mask = pad([jobs[j].ids[t] for j, t in rows], model.pad_token_id)
+                types = None
+                if any(jobs[j].type_ids is not None for j, _ in rows):
+                    types = pad_types([jobs[j].type_ids[t] if jobs[j].type_ids else None for j, t in rows],
+                                      input_ids.shape[1])
                 graph = self.runtime.graph_for(outputs)
-                out = graph.run(input_ids, mask, outputs)
+                out = graph.run(input_ids, mask, outputs, types)
                 runs[graph.label] = runs.get(graph.label, 0) + 1
                 real += int(mask.sum())
                 padded += int(mask.size)
@@ -247,10 +266,11 @@ class BatchRunner:
         for row, (j, t) in enumerate(rows):
             job, result = jobs[j], results[j]
             n = int(mask[row].sum())
-            embedding = out["sentence_embedding"][row]
-            if job.normalize and not model.normalize:
+            embedding = out[self.pooled][row]  # logits are returned as they are; the route reads them
+            if self.pooled == "sentence_embedding" and job.normalize and not model.normalize:
                 embedding = l2_normalize(embedding)
-            elif model.normalize and not job.normalize:  # the graph normalises: pool its hidden states again
+            elif self.pooled == "sentence_embedding" and model.normalize and not job.normalize:
+                # the graph normalises: pool its hidden states again
                 embedding = pool(out["last_hidden_state"][row : row + 1, :n], mask[row : row + 1, :n], model.pooling)[0]
             result.embeddings[t] = embedding
             if job.want_hidden:

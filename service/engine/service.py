@@ -97,6 +97,21 @@ class EncoderService:
             raise TooLarge(f"request has {total} tokens; at most {limit} per request (split it into smaller requests)")
         return tokenized
 
+    async def tokenize_pairs(self, engine: Engine, pairs: list[tuple[str, str]], truncate: bool,
+                             route: str) -> list[TokenizedText]:
+        """Text pairs as the model's tokenizer joins them; the token budget counts every pair."""
+        started = time.perf_counter()
+        if sum(len(a) + len(b) for a, b in pairs) <= INLINE_TOKENIZE_CHARS:
+            tokenized = engine.tokenizer.encode_pairs(pairs, truncate)
+        else:
+            tokenized = await asyncio.to_thread(engine.tokenizer.encode_pairs, pairs, truncate)
+        service_metrics().duration.observe(time.perf_counter() - started,
+                                           tags={"route": route, "stage": "tokenization", "model": engine.name})
+        total, limit = sum(t.n_tokens for t in tokenized), self.batching.max_batch_tokens
+        if total > limit:
+            raise TooLarge(f"request has {total} tokens; at most {limit} per request (send fewer documents)")
+        return tokenized
+
     def check_attention_size(self, engine: Engine, tokenized: list[TokenizedText]) -> None:
         """Attention grows with n^2: refuse before inference what would fill the replica's memory."""
         model = engine.model

@@ -21,6 +21,11 @@ class TokenizedText:
     def n_tokens(self) -> int:
         return int(self.ids.shape[0])
 
+    @property
+    def type_ids(self) -> np.ndarray:
+        """Token types: 0, and 1 for the second text of a pair where the model has two segments."""
+        return np.asarray(self.encoding.type_ids, dtype=np.int64)
+
 
 class TextTokenizer:
     """Wraps `tokenizers.Tokenizer`; refuses over-long texts when truncation is off."""
@@ -49,6 +54,20 @@ class TextTokenizer:
                     "(send truncate=true to cut it)"
                 )
         return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=False) for e in encodings]
+
+
+    def encode_pairs(self, pairs: list[tuple[str, str]], truncate: bool) -> list[TokenizedText]:
+        """Text pairs (query, document) as the checkpoint's tokenizer joins them: its separators and
+        token types; with truncate, the longer side is cut first (`longest_first`, as transformers
+        does), else a pair over max_tokens is a 413 naming it."""
+        tokenizer = self._truncating if truncate else self._whole
+        encodings = tokenizer.encode_batch(pairs)
+        if not truncate:
+            for i, e in enumerate(encodings):
+                if len(e.ids) > self.max_tokens:
+                    raise TooLarge(f"pair {i} has {len(e.ids)} tokens; the model's limit is {self.max_tokens} "
+                                   "(send truncate=true to cut the longer side)")
+        return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=bool(e.overflowing)) for e in encodings]
 
 
 def token_list(encoding: Encoding) -> list[dict]:

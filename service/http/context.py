@@ -37,9 +37,26 @@ def service() -> EncoderService:
     return _current[0]
 
 
-def model_for(svc: EncoderService, name: str | None, request: Request, required: bool = False) -> Engine:
-    """The model a request names (404 naming the served ones), noted for the metrics' model label."""
+# What each kind of model serves, for the 422 of a route that does not fit a model's task.
+ROUTES_BY_TASK = {
+    "embedding": "/v1/embeddings, /v1/encode, /v1/similarity, /v1/attention, /v2/models/{name}/infer, /v1/tokenize",
+    "classification": "/v1/classify, /v1/rerank (one label: a cross-encoder), /v1/tokenize",
+}
+
+
+def model_for(svc: EncoderService, name: str | None, request: Request, required: bool = False,
+              task: str | None = "embedding") -> Engine:
+    """The model a request names (404 naming the served ones), noted for the metrics' model label.
+    `task`: what the route needs; a model of another task is a 422 that says which routes it serves.
+    Left out, the model is the default, or the first served model of the route's task."""
+    if name is None and task is not None and svc.engines.default.model.task != task:
+        name = next((e.name for e in svc.engines if e.model.task == task), None)
     engine = svc.engines.get(name, required)
+    if task is not None and engine.model.task != task:
+        raise InvalidRequest(
+            f"model {engine.name!r} is a model of task {engine.model.task}: it serves {ROUTES_BY_TASK[engine.model.task]}; "
+            f"{request.url.path} needs a model of task {task} (served: "
+            + ", ".join(f"{e.name!r} ({e.model.task})" for e in svc.engines) + ")")
     request.scope["model"] = engine.name
     return engine
 

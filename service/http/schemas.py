@@ -331,3 +331,79 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+# ---- heads: rerank and classify (sequence-classification bundles) ----
+
+
+class RerankRequest(BaseModel):
+    """The Jina/Cohere rerank shape that vLLM and infinity accept."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    query: str = Field(examples=["How do I reset my password?"])
+    documents: list[str] = Field(examples=[["Click 'Forgot password' on the sign-in page.", "Paris is in France."]])
+    model: str | None = Field(None, description="a served classification model (GET /v1/models); left out: the first")
+    top_n: int | None = Field(None, ge=1, description="return the N best documents; null: all")
+    return_documents: bool = Field(False, description="include each document's text in its result")
+    raw_scores: bool = Field(False, description="the logit itself instead of its sigmoid (CrossEncoder.predict's default)")
+    truncate: bool = Field(True, description="cut the longer side of a pair past the model's limit; false: 413")
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _documents(cls, value: Any) -> Any:
+        if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+            raise ValueError("documents must be a list of strings")
+        return check_text_list(value, "documents")
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    model: str
+    results: list[RerankResult] = Field(description="sorted by relevance_score, best first")
+    usage: RerankUsage
+
+
+class ClassifyRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input: Texts = Field(examples=[["I loved it", "It broke after a day"]])
+    model: str | None = Field(None, description="a served classification model (GET /v1/models); left out: the first")
+    truncate: bool = Field(True, description="cut texts past the model's limit; false: 413")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _texts_only(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+            raise ValueError("input must be a string or a list of strings")
+        return check_text_list(value, "input")
+
+
+class LabelScore(BaseModel):
+    label: str
+    score: float
+
+
+class Classification(BaseModel):
+    index: int
+    labels: list[LabelScore] = Field(description="every label, best first: softmax, sigmoid per label, or the value "
+                                     "(regression), as the checkpoint's problem_type says")
+
+
+class ClassifyResponse(BaseModel):
+    model: str
+    data: list[Classification]
+    usage: OpenAIUsage

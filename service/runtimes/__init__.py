@@ -25,8 +25,9 @@ if TYPE_CHECKING:  # not at run time: `python -m service.runtimes.cuda` must fin
 class Graph(Protocol):
     label: str  # the inference-runs metric's `graph` label: full, encodings-fp32, ...
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        """One padded batch: (batch, tokens) int64 ids and mask in, the named outputs out."""
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
+            token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """One padded batch: (batch, tokens) int64 ids, mask and token types (None: all 0) in, the named outputs out."""
         ...
 
 
@@ -43,7 +44,8 @@ class Runtime(Protocol):
 
     def graph_for(self, outputs: Sequence[str]) -> Graph: ...
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
+            token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """One padded batch through the graph that can produce `outputs`, the cheaper one when both can."""
         ...
 

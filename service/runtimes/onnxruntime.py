@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from bundle.contract import ENCODINGS_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES
+from bundle.contract import INPUT_NAMES, encodings_output_names, output_names
 from bundle.manifest import Bundle, BundleError, load_bundle
 from service.config import ServiceSettings
 from service.runtimes.cuda import CUDA, CudaCheck, CudaOptions, GpuAssignment, check_cuda, session_memory_limit
@@ -91,9 +91,12 @@ class OrtGraph:
             )
         self.shapes = {o.name: o.shape for o in self.session.get_outputs()}
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        """One padded batch through the graph; returns only the outputs asked for."""
-        feed = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": np.zeros_like(input_ids)}
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
+            token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """One padded batch through the graph; returns only the outputs asked for. Token types matter
+        only for text pairs (the second text's segment); single texts are all segment 0."""
+        types = np.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        feed = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": types}
         # On CUDA too: every output goes back to the host for the response, and the inputs are a
         # few int64s per token, so session.run's one copy each way is the least there is. IO binding
         # would only pay with device buffers reused across runs, which varying (batch, tokens)
@@ -164,7 +167,9 @@ class OrtEncoder:
         requested = choose_providers(preference, cuda)
         # every CUDA provider option in one place (shown in /info); None when CUDA is not asked for
         self.cuda_options = cuda_options(cuda, self.cuda_settings) if CUDA in requested else None
-        self.full = OrtGraph(bundle.graph_path, OUTPUT_NAMES, "full", with_options(requested, self.cuda_options), options)
+        task = self.manifest.model.task
+        self.full = OrtGraph(bundle.graph_path, output_names(task), "full", with_options(requested, self.cuda_options),
+                             options)
         self.provider = self.full.provider
         # why this replica is not on CUDA, in one line (empty when it is)
         self.provider_note = "" if self.provider == CUDA else (
@@ -184,7 +189,7 @@ class OrtEncoder:
         variant = self.manifest.variants[self.precision]
         providers = [p for p in requested if p in variant.providers] or [CPU]
         self.fast = OrtGraph(
-            bundle.variant_path(self.precision), ENCODINGS_OUTPUT_NAMES, f"encodings-{self.precision}",
+            bundle.variant_path(self.precision), encodings_output_names(task), f"encodings-{self.precision}",
             with_options(providers, self.cuda_options), options,
         )
         self._check_dims(self.fast.shapes)
@@ -205,6 +210,7 @@ class OrtEncoder:
         expected = {
             "last_hidden_state": {2: m.hidden_size},
             "sentence_embedding": {1: m.sentence_dim},
+            "logits": {1: len(m.labels or [])},
             "attentions": {0: m.num_layers, 2: m.num_heads},
         }
         for name, shape in shapes.items():
@@ -215,9 +221,10 @@ class OrtEncoder:
     def graph_for(self, outputs: Sequence[str]) -> OrtGraph:
         return self.full if "attentions" in outputs else self.fast
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
+            token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """One padded batch through the graph that can produce `outputs`, the cheaper one when both can."""
-        return self.graph_for(outputs).run(input_ids, attention_mask, outputs)
+        return self.graph_for(outputs).run(input_ids, attention_mask, outputs, token_type_ids)
 
     def smoke_test(self) -> None:
         """A tiny inference through both graphs, every output: proves the sessions compute finite numbers."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bundle.contract import ENCODINGS_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES
+from bundle.contract import INPUT_NAMES, encodings_output_names, output_names
 from bundle.manifest import Bundle, BundleError
 
 if TYPE_CHECKING:
@@ -128,14 +128,14 @@ class OvGraph:
             request = self._local.request = self.compiled.create_infer_request()
         return request
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
+            token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """One padded batch; the outputs are copied out of the request's buffers, which its next run overwrites."""
         tokens = input_ids.shape[1]
+        types = np.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         if extra := -tokens % SEQ_MULTIPLE:  # masked padding: a shape the kernel cache has seen
-            input_ids = np.pad(input_ids, ((0, 0), (0, extra)))
-            attention_mask = np.pad(attention_mask, ((0, 0), (0, extra)))
-        result = self._request().infer(
-            {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": np.zeros_like(input_ids)})
+            input_ids, attention_mask, types = (np.pad(a, ((0, 0), (0, extra))) for a in (input_ids, attention_mask, types))
+        result = self._request().infer({"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": types})
         out = {}
         for name in outputs:
             value = result[self._ports[name]]
@@ -161,11 +161,12 @@ class OvEncoder:
         self.threads = max(1, threads // max(1, streams))  # per run, as onnxruntime's per-session figure
         self.precision, self.precision_requested, self.precision_note = precision, precision_requested, precision_note
         variant = self.manifest.variants.get(precision) or self.manifest.variants["fp32"]
-        self.fast = OvGraph(bundle.root / variant.file, INPUT_NAMES, ENCODINGS_OUTPUT_NAMES,
+        task = self.manifest.model.task
+        self.fast = OvGraph(bundle.root / variant.file, INPUT_NAMES, encodings_output_names(task),
                             f"encodings-{precision}-openvino", precision, threads, streams, cache_dir)
         gate = variant.attention_gate
         if precision == "bf16" and gate is not None and gate.passed:
-            self.full = OvGraph(bundle.graph_path, INPUT_NAMES, OUTPUT_NAMES, "full-bf16-openvino", precision,
+            self.full = OvGraph(bundle.graph_path, INPUT_NAMES, output_names(task), "full-bf16-openvino", precision,
                                 threads, streams, cache_dir)
         else:
             self.full = full
@@ -176,8 +177,9 @@ class OvEncoder:
     def graph_for(self, outputs: Sequence[str]) -> Graph:
         return self.full if "attentions" in outputs else self.fast
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        return self.graph_for(outputs).run(input_ids, attention_mask, outputs)
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
+            token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        return self.graph_for(outputs).run(input_ids, attention_mask, outputs, token_type_ids)
 
     def smoke_test(self) -> None:
         from service.runtimes import smoke_test

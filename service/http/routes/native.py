@@ -100,7 +100,7 @@ async def encode(body: EncodeRequest, request: Request, svc: EncoderService = De
 @app.post("/v1/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Tokens, ids and character offsets, exactly as /v1/encode sees them."""
-    engine = model_for(svc, body.model, request)
+    engine = model_for(svc, body.model, request, task=None)  # every model has a tokenizer
     texts = svc.texts(body.inputs)
     tokenized = await svc.tokenize(engine, texts, body.truncate, "/v1/tokenize", limit_tokens=False)
     kinds = KindCounter()

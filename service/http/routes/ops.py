@@ -76,6 +76,9 @@ def describe_model(m, state: dict) -> dict:
     model, manifest = m.model, m.manifest
     return {
         "model": m.name,
+        "task": model.task,  # embedding, or classification (/v1/classify, /v1/rerank)
+        "labels": model.labels,
+        "problem_type": model.problem_type,
         "architecture": model.architecture,
         "hidden_size": model.hidden_size,
         "embedding_dim": model.sentence_dim,  # the sentence embedding's size (a Dense projection may change it)

@@ -1,0 +1,128 @@
+"""Rerank and classify, served: a cross-encoder (one label) and a three-label classifier, exported by
+the real pipeline from small checkpoints built locally (tests/families.py), served next to the default
+embedding model in one application; answers compared with sentence-transformers' CrossEncoder and
+transformers' AutoModelForSequenceClassification, through plain HTTP."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
+from tests.conftest import deploy
+from tests.families import classifier_labels, make_classifier
+
+QUERY = "how do I reset my password"
+DOCUMENTS = ["click forgot password on the sign in page", "the museum is closed on mondays",
+             "reset it from the account settings page", "rain tomorrow", "password"]
+TEXTS = ["I loved it", "it broke after a day and nobody answered", "fine"]
+PREFIX = "/heads"
+
+
+@pytest.fixture(scope="module")
+def heads(ray_serve, default_bundle, tmp_path_factory):
+    """The app: the default embedding model first, then a BERT cross-encoder and a RoBERTa classifier."""
+    from export.pipeline import ExportOptions, build_bundle
+
+    root = tmp_path_factory.mktemp("heads")
+    checkpoints = {"ranker": make_classifier("bert", root / "ranker-ckpt", 1),
+                   "sentiment": make_classifier("roberta", root / "sentiment-ckpt", 3)}
+    bundles = []
+    for name, checkpoint in checkpoints.items():
+        build_bundle(ExportOptions(str(checkpoint), root / name, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name=name),
+                     progress=lambda _: None)
+        bundles.append({"path": str(root / name), "name": name})
+    deploy({"bundles": [{"path": str(default_bundle)}, *bundles], "num_cpus": 0.5}, "heads", PREFIX, default_bundle)
+    try:
+        with httpx.Client(base_url=ray_serve.url + PREFIX, timeout=60) as client:
+            yield client, checkpoints
+    finally:
+        from ray import serve
+
+        serve.delete("heads")
+
+
+def test_rerank_is_what_cross_encoder_predicts_sorted_best_first(heads):
+    from sentence_transformers import CrossEncoder
+
+    client, checkpoints = heads
+    expected = CrossEncoder(str(checkpoints["ranker"]), device="cpu").predict([(QUERY, d) for d in DOCUMENTS])
+    r = client.post("/v1/rerank", json={"model": "ranker", "query": QUERY, "documents": DOCUMENTS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "ranker" and body["usage"]["total_tokens"] > 0
+    results = body["results"]
+    assert sorted(r["index"] for r in results) == list(range(len(DOCUMENTS)))
+    got = np.array([r["relevance_score"] for r in sorted(results, key=lambda r: r["index"])])
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+    scores = [r["relevance_score"] for r in results]
+    assert scores == sorted(scores, reverse=True) and "document" not in results[0]
+    # top_n, the documents' texts, raw logits; the model left out: the first served classifier
+    r = client.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS, "top_n": 2, "return_documents": True,
+                                        "raw_scores": True}).json()
+    assert r["model"] == "ranker" and [x["index"] for x in r["results"]] == [x["index"] for x in results[:2]]
+    assert [x["document"]["text"] for x in r["results"]] == [DOCUMENTS[x["index"]] for x in results[:2]]
+    logits = np.log(expected / (1 - expected))
+    np.testing.assert_allclose([x["relevance_score"] for x in r["results"]],
+                               [logits[x["index"]] for x in results[:2]], atol=1e-3)
+
+
+def test_classify_gives_every_label_as_transformers_computes_it(heads):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    client, checkpoints = heads
+    path = str(checkpoints["sentiment"])
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tokens = AutoTokenizer.from_pretrained(path)(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = torch.softmax(model(**tokens).logits, dim=-1).numpy()
+    r = client.post("/v1/classify", json={"model": "sentiment", "input": TEXTS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["usage"]["prompt_tokens"] > 0
+    labels = classifier_labels(3)
+    for row, item in zip(expected, body["data"], strict=True):
+        scores = [x["score"] for x in item["labels"]]
+        assert scores == sorted(scores, reverse=True) and abs(sum(scores) - 1) < 1e-5
+        got = {x["label"]: x["score"] for x in item["labels"]}
+        np.testing.assert_allclose([got[label] for label in labels], row, atol=1e-4)
+    one = client.post("/v1/classify", json={"model": "sentiment", "input": TEXTS[0]}).json()
+    assert len(one["data"]) == 1 and one["data"][0]["labels"] == body["data"][0]["labels"]
+
+
+@pytest.mark.parametrize(("path", "payload", "status", "words"), [
+    ("/v1/rerank", {"model": "all-MiniLM-L6-v2", "query": "q", "documents": ["d"]}, 422,
+     ["is a model of task embedding", "/v1/embeddings", "needs a model of task classification",
+      "'ranker' (classification)"]),
+    ("/v1/embeddings", {"model": "ranker", "input": "x"}, 422, ["'ranker' is a model of task classification", "/v1/classify"]),
+    ("/v1/encode", {"model": "sentiment", "inputs": ["x"]}, 422, ["task classification", "/v1/encode needs"]),
+    ("/v1/rerank", {"model": "sentiment", "query": "q", "documents": ["d"]}, 422, ["3 labels", "use /v1/classify"]),
+    ("/v1/rerank", {"model": "ranker", "query": "q", "documents": []}, 422, ["documents must not be an empty list"]),
+    ("/v1/rerank", {"model": "ranker", "query": "q", "documents": ["d"] * 65}, 413, ["65 inputs; at most 64"]),
+    ("/v1/rerank", {"model": "ranker", "query": "q " * 40, "documents": ["d " * 40], "truncate": False}, 413,
+     ["pair 0 has", "the model's limit is 64"]),
+    ("/v1/classify", {"model": "nope", "input": "x"}, 404, ["'nope' is not served here"]),
+])
+def test_a_route_that_does_not_fit_the_model_says_which_routes_it_serves(heads, path, payload, status, words):
+    client, _ = heads
+    r = client.post(path, json=payload)
+    assert r.status_code == status, r.text
+    message = r.json()["error"]["message"]
+    assert all(w in message for w in words), message
+
+
+def test_models_and_info_say_each_models_task(heads):
+    client, _ = heads
+    listed = {m["id"]: m["task"] for m in client.get("/v1/models").json()["data"]}
+    assert listed == {"all-MiniLM-L6-v2": "embedding", "ranker": "classification", "sentiment": "classification"}
+    info = client.get("/info").json()
+    assert info["task"] == "embedding"
+    models = {m["model"]: m for m in info["models"]}
+    assert models["sentiment"]["labels"] == classifier_labels(3)
+    assert models["sentiment"]["problem_type"] == "single_label_classification"
+    assert models["ranker"]["problem_type"] == "regression" and len(models["ranker"]["labels"]) == 1
+    # the embedding model still serves embeddings in the same app
+    r = client.post("/v1/embeddings", json={"input": "still here"})
+    assert r.status_code == 200 and r.json()["model"] == "all-MiniLM-L6-v2"
