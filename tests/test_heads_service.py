@@ -123,6 +123,7 @@ def test_models_and_info_say_each_models_task(heads):
     assert models["sentiment"]["labels"] == classifier_labels(3)
     assert models["sentiment"]["problem_type"] == "single_label_classification"
     assert models["ranker"]["problem_type"] == "regression" and len(models["ranker"]["labels"]) == 1
-    # the embedding model still serves embeddings in the same app
-    r = client.post("/v1/embeddings", json={"input": "still here"})
+    # the embedding model still serves embeddings in the same app (OpenAI's route wants the model named
+    # when several are served)
+    r = client.post("/v1/embeddings", json={"input": "still here", "model": "all-MiniLM-L6-v2"})
     assert r.status_code == 200 and r.json()["model"] == "all-MiniLM-L6-v2"
