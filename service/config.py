@@ -215,6 +215,11 @@ class ServiceSettings(BaseModel):
     max_text_chars: int = Field(100_000, ge=1, description="characters per text, before tokenization")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="request body limit (413 above)")
     max_response_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="estimated response limit (413 above)")
+    max_explain_words: int = Field(
+        256, ge=1,
+        description="words one rerank or classify request may ask explained (explain: true): each costs an "
+        "inference of its text without that word, so the count is checked before inference (413 above)",
+    )
     max_attention_values: int = Field(
         32 * 1024 * 1024, ge=1024,
         description="attention probabilities one request may make the model write (every layer x head x "

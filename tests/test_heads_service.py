@@ -127,3 +127,115 @@ def test_models_and_info_say_each_models_task(heads):
     # when several are served)
     r = client.post("/v1/embeddings", json={"input": "still here", "model": "all-MiniLM-L6-v2"})
     assert r.status_code == 200 and r.json()["model"] == "all-MiniLM-L6-v2"
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary-tensors", "json-tensors"])
+def test_tritonclient_gets_what_transformers_and_cross_encoder_give(heads, ray_serve, binary):
+    """The v2 protocol through the official tritonclient, unchanged: texts to the classifier, text
+    pairs to the cross-encoder (`text` and `text_pair`)."""
+    import torch
+    import tritonclient.http as httpclient
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    _, checkpoints = heads
+    client = httpclient.InferenceServerClient(url=ray_serve.url.removeprefix("http://") + PREFIX)
+    assert client.is_model_ready("sentiment")
+    metadata = client.get_model_metadata("sentiment")
+    assert [i["name"] for i in metadata["inputs"]] == ["text", "text_pair"]
+    assert metadata["parameters"]["labels"] == classifier_labels(3)
+
+    def tensor(name, texts):
+        t = httpclient.InferInput(name, [len(texts)], "BYTES")
+        t.set_data_from_numpy(np.array([x.encode() for x in texts], dtype=np.object_), binary_data=binary)
+        return t
+
+    outputs = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("logits", "scores")]
+    result = client.infer("sentiment", inputs=[tensor("text", TEXTS)], outputs=outputs)
+    model = AutoModelForSequenceClassification.from_pretrained(str(checkpoints["sentiment"])).eval()
+    tokens = AutoTokenizer.from_pretrained(str(checkpoints["sentiment"]))(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**tokens).logits.numpy()
+    np.testing.assert_allclose(result.as_numpy("logits"), logits, atol=1e-4)
+    np.testing.assert_allclose(result.as_numpy("scores"), torch.softmax(torch.from_numpy(logits), -1).numpy(), atol=1e-5)
+
+    pairs = client.infer("ranker", inputs=[tensor("text", [QUERY] * len(DOCUMENTS)), tensor("text_pair", DOCUMENTS)],
+                         outputs=[httpclient.InferRequestedOutput("logits", binary_data=binary)])
+    expected = CrossEncoder(str(checkpoints["ranker"]), device="cpu").predict([(QUERY, d) for d in DOCUMENTS])
+    got = 1 / (1 + np.exp(-pairs.as_numpy("logits")[:, 0].astype(np.float64)))
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def hf_scores(path, rows, token_types=None):
+    """transformers' logits and attention weights for token id rows, one at a time (no padding)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="eager").eval()
+    logits, attentions = [], []
+    with torch.no_grad():
+        for k, ids in enumerate(rows):
+            extra = {"token_type_ids": torch.tensor([token_types[k]])} if token_types is not None else {}
+            out = model(input_ids=torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
+                        output_attentions=True, **extra)
+            logits.append(out.logits[0].numpy())
+            attentions.append(torch.stack(out.attentions)[:, 0].numpy())  # (layers, heads, n, n)
+    return np.array(logits, dtype=np.float64), attentions
+
+
+def test_rerank_explains_each_score_word_by_word(heads):
+    """Occlusion: the score minus the score of the pair without the word, computed here by transformers
+    on the same token ids; rollout: from transformers' own attention weights."""
+    from tokenizers import Tokenizer
+
+    from service.engine.analysis import rollout
+
+    client, checkpoints = heads
+    r = client.post("/v1/rerank", json={"model": "ranker", "query": QUERY, "documents": DOCUMENTS[:2], "explain": True})
+    assert r.status_code == 200, r.text
+    tokenizer = Tokenizer.from_file(str(checkpoints["ranker"] / "tokenizer.json"))
+    path = str(checkpoints["ranker"])
+    for result in r.json()["results"]:
+        document = DOCUMENTS[result["index"]]
+        encoding = tokenizer.encode(QUERY, document)
+        words = result["explanation"]["words"]
+        assert [w["text"] for w in words if w["sequence"] == 0] == QUERY.split()
+        assert [w["text"] for w in words if w["sequence"] == 1] == document.split()
+        for w in words:
+            assert (QUERY, document)[w["sequence"]][w["start"] : w["end"]] == w["text"]
+        # each word's tokens removed, scored by transformers
+        word_ids = [(s, i) for s, i in zip(encoding.sequence_ids, encoding.word_ids)]
+        rows, types = [encoding.ids], [encoding.type_ids]
+        for w in words:
+            keep = [k for k, key in enumerate(word_ids) if key[0] != w["sequence"] or key[1] is None
+                    or encoding.offsets[k][0] < w["start"] or encoding.offsets[k][1] > w["end"]]
+            rows.append([encoding.ids[k] for k in keep])
+            types.append([encoding.type_ids[k] for k in keep])
+        logits, attentions = hf_scores(path, rows, types)
+        scores = 1 / (1 + np.exp(-logits[:, 0]))
+        assert abs(result["relevance_score"] - scores[0]) < 1e-4
+        np.testing.assert_allclose([w["occlusion"] for w in words], scores[0] - scores[1:], atol=1e-4)
+        flow = rollout(attentions[0])[0]
+        expected = [sum(flow[k] for k in range(len(encoding.ids)) if word_ids[k][0] == w["sequence"]
+                        and word_ids[k][1] is not None and w["start"] <= encoding.offsets[k][0]
+                        and encoding.offsets[k][1] <= w["end"]) for w in words]
+        np.testing.assert_allclose([w["rollout"] for w in words], expected, atol=1e-4)
+
+
+def test_classify_explains_the_top_label(heads):
+    client, checkpoints = heads
+    r = client.post("/v1/classify", json={"model": "sentiment", "input": TEXTS[1], "explain": True})
+    assert r.status_code == 200, r.text
+    item = r.json()["data"][0]
+    top = item["labels"][0]
+    explanation = item["explanation"]
+    assert explanation["label"] == top["label"] and [w["text"] for w in explanation["words"]] == TEXTS[1].split()
+    assert all(np.isfinite(w["occlusion"]) and 0 <= w["rollout"] <= 1 for w in explanation["words"])
+
+
+def test_explain_counts_words_before_any_inference(heads):
+    client, _ = heads
+    documents = ["one two three four five"] * 60
+    r = client.post("/v1/rerank", json={"model": "ranker", "query": "a query", "documents": documents, "explain": True})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["message"].startswith("explain: 420 words to occlude") and "at most 256" in r.text

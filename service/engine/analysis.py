@@ -42,8 +42,10 @@ def token_units(encoding: Encoding) -> Units:
     return Units(units, [[i] for i in range(len(units))])
 
 
-def word_units(encoding: Encoding, text: str) -> Units:
-    """One unit per word (the pieces that share a tokenizer word id); special tokens stand alone."""
+def word_units(encoding: Encoding, text: str | tuple[str, str]) -> Units:
+    """One unit per word (the pieces that share a tokenizer word id); special tokens stand alone.
+    For a text pair, `text` is both texts: offsets count in each one's own, and each unit says which
+    (`sequence`: 0 the first, 1 the second)."""
     groups: list[list[int]] = []
     keys: list[object] = []
     for i, (word, special) in enumerate(zip(encoding.word_ids, encoding.special_tokens_mask, strict=True)):
@@ -59,10 +61,13 @@ def word_units(encoding: Encoding, text: str) -> Units:
         first, last = group[0], group[-1]
         special = bool(encoding.special_tokens_mask[first])
         start, end = encoding.offsets[first][0], encoding.offsets[last][1]
-        units.append({
-            "text": encoding.tokens[first] if special else text[start:end],
-            "start": start, "end": end, "special": special, "tokens": group,
-        })
+        sequence = encoding.sequence_ids[first]
+        source = text if isinstance(text, str) else text[sequence or 0]
+        unit = {"text": encoding.tokens[first] if special else source[start:end],
+                "start": start, "end": end, "special": special, "tokens": group}
+        if not isinstance(text, str):
+            unit["sequence"] = sequence
+        units.append(unit)
     return Units(units, groups)
 
 

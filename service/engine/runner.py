@@ -146,6 +146,13 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
+def mean_of_chunks(embeddings: np.ndarray, counts: list[int]) -> np.ndarray:
+    """A chunked text's embedding: the normalised mean of its chunks' (rows in text order, `counts` per text)."""
+    bounds = np.cumsum([0, *counts])
+    means = np.stack([embeddings[a:b].mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+    return l2_normalize(means).astype(np.float32)
+
+
 class BatchRunner:
     """Computes one batch of jobs on a replica's onnxruntime sessions, and counts what it did.
 

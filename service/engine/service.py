@@ -112,6 +112,25 @@ class EncoderService:
             raise TooLarge(f"request has {total} tokens; at most {limit} per request (send fewer documents)")
         return tokenized
 
+    async def tokenize_chunks(self, engine: Engine, texts: list[str], tokens: int, overlap: int,
+                              route: str) -> list[list[TokenizedText]]:
+        """Every text as overlapping token windows; the token budget counts every chunk."""
+        limit = engine.model.max_tokens
+        if tokens > limit:
+            raise InvalidRequest(f"chunking.tokens {tokens} is past the model's limit of {limit} tokens")
+        if overlap >= tokens - engine.tokenizer.special_tokens:
+            raise InvalidRequest(f"chunking.overlap {overlap} leaves no new tokens in a chunk of {tokens} "
+                                 f"({engine.tokenizer.special_tokens} of them special): make it smaller")
+        started = time.perf_counter()
+        chunks = await asyncio.to_thread(engine.tokenizer.encode_chunks, texts, tokens, overlap)
+        service_metrics().duration.observe(time.perf_counter() - started,
+                                           tags={"route": route, "stage": "tokenization", "model": engine.name})
+        total, budget = sum(c.n_tokens for text in chunks for c in text), self.batching.max_batch_tokens
+        if total > budget:
+            raise TooLarge(f"request has {total} tokens in {sum(map(len, chunks))} chunks; at most {budget} per "
+                           "request (split it into smaller requests)")
+        return chunks
+
     def check_attention_size(self, engine: Engine, tokenized: list[TokenizedText]) -> None:
         """Attention grows with n^2: refuse before inference what would fill the replica's memory."""
         model = engine.model
@@ -122,6 +141,12 @@ class EncoderService:
                 f"{model.num_heads} heads x tokens^2, summed over {len(tokenized)} texts); the limit is "
                 f"{self.settings.max_attention_values} (send fewer or shorter texts)"
             )
+
+    def check_explain(self, words: int) -> None:
+        """Occlusion runs the model once per word: refuse before inference what is past the limit."""
+        if words > self.settings.max_explain_words:
+            raise TooLarge(f"explain: {words} words to occlude, each an inference of its text without it; at most "
+                           f"{self.settings.max_explain_words} per request (send fewer or shorter texts)")
 
     def check_response_size(self, n_bytes: int) -> None:
         if n_bytes > self.settings.max_response_bytes:

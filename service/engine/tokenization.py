@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,9 @@ class TextTokenizer:
         self._truncating.enable_truncation(max_tokens)
         self._whole = Tokenizer.from_str(self._truncating.to_str())
         self._whole.no_truncation()
+        self._windowing: OrderedDict[tuple[int, int], Tokenizer] = OrderedDict()  # by (tokens, overlap), a few
+        self._windowing_lock = threading.Lock()
+        self.special_tokens = self._whole.num_special_tokens_to_add(False)  # per single text ([CLS] ... [SEP])
 
     def encode(self, texts: list[str], truncate: bool) -> list[TokenizedText]:
         """Tokenize texts; with truncate=False, a text over max_tokens is a 413 naming it."""
@@ -68,6 +73,32 @@ class TextTokenizer:
                     raise TooLarge(f"pair {i} has {len(e.ids)} tokens; the model's limit is {self.max_tokens} "
                                    "(send truncate=true to cut the longer side)")
         return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=bool(e.overflowing)) for e in encodings]
+
+
+    def encode_chunks(self, texts: list[str], tokens: int, overlap: int) -> list[list[TokenizedText]]:
+        """Each text as windows of `tokens` tokens (special tokens included), each repeating `overlap`
+        tokens of the one before: the tokenizer's own truncation with a stride, so every window has the
+        model's special tokens and offsets into the original text. A short text is one chunk."""
+        return [[TokenizedText(np.asarray(w.ids, dtype=np.int64), w, truncated=False) for w in (e, *e.overflowing)]
+                for e in self._windows(tokens, overlap).encode_batch(texts)]
+
+    def _windows(self, tokens: int, overlap: int) -> Tokenizer:
+        with self._windowing_lock:
+            key = (tokens, overlap)
+            if key not in self._windowing:
+                tokenizer = Tokenizer.from_str(self._whole.to_str())
+                tokenizer.enable_truncation(tokens, stride=overlap)
+                self._windowing[key] = tokenizer
+                if len(self._windowing) > 4:
+                    self._windowing.popitem(last=False)
+            self._windowing.move_to_end(key)
+            return self._windowing[key]
+
+
+def char_span(encoding: Encoding) -> tuple[int, int]:
+    """The characters of the text a chunk covers: from its first real token's start to its last's end."""
+    real = [o for o, special in zip(encoding.offsets, encoding.special_tokens_mask, strict=True) if not special]
+    return (real[0][0], real[-1][1]) if real else (0, 0)
 
 
 def token_list(encoding: Encoding) -> list[dict]:

@@ -40,7 +40,8 @@ def service() -> EncoderService:
 # What each kind of model serves, for the 422 of a route that does not fit a model's task.
 ROUTES_BY_TASK = {
     "embedding": "/v1/embeddings, /v1/encode, /v1/similarity, /v1/attention, /v2/models/{name}/infer, /v1/tokenize",
-    "classification": "/v1/classify, /v1/rerank (one label: a cross-encoder), /v1/tokenize",
+    "classification": "/v1/classify, /v1/rerank (one label: a cross-encoder), /v2/models/{name}/infer (text, "
+                      "text_pair -> logits, scores), /v1/tokenize",
 }
 
 

@@ -47,6 +47,14 @@ class AttentionSpec(_Request):
     dtype: Literal["float32", "float16"] = "float32"
 
 
+class Chunking(_Request):
+    """Long texts as token windows: each chunk embedded, the text's embedding their normalised mean."""
+
+    tokens: int = Field(ge=8, le=8192, description="tokens per chunk, special tokens included; at most the model's "
+                        "limit (max_tokens in /info)", examples=[256])
+    overlap: int = Field(0, ge=0, le=8192, description="tokens a chunk repeats from the one before", examples=[32])
+
+
 class EncodeRequest(_Request):
     model: str | None = Field(None, description="which served model (GET /v1/models); default: the first listed")
     inputs: Texts = Field(description="a text or a list of texts", examples=["The cat sat on the mat."])
@@ -56,6 +64,9 @@ class EncodeRequest(_Request):
     token_embeddings: bool = Field(False, description="return one vector per real token")
     tokens: bool = Field(False, description="return tokens with ids and character offsets")
     attention: AttentionSpec | None = Field(None, description="return attention weights (trimmed to real tokens)")
+    chunking: Chunking | None = Field(
+        None, description="texts past the model's limit as overlapping token windows: each chunk's embedding with "
+        "its character span, the text's embedding the normalised mean of its chunks (embeddings only)")
     encoding_format: Literal["float", "base64"] = Field(
         "float",
         description="embedding and token_embeddings as JSON floats, or base64 of little-endian float32 "
@@ -96,6 +107,13 @@ class AttentionOut(BaseModel):
     data: Any = Field(description="nested lists, or a base64 string of little-endian values in C order")
 
 
+class Chunk(BaseModel):
+    start: int = Field(description="character offset of the chunk's first real token in the text")
+    end: int = Field(description="character offset one past its last real token")
+    n_tokens: int
+    embedding: list[float] | str = Field(description="floats, or base64 (encoding_format)")
+
+
 class EncodeItem(BaseModel):
     index: int
     n_tokens: int
@@ -103,6 +121,7 @@ class EncodeItem(BaseModel):
     token_embeddings: list[list[float]] | str | None = Field(None, description="floats, or base64 (encoding_format)")
     tokens: list[Token] | None = None
     attention: AttentionOut | None = None
+    chunks: list[Chunk] | None = Field(None, description="with chunking: each chunk, in text order")
 
 
 class Usage(BaseModel):
@@ -254,6 +273,9 @@ class OpenAIEmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions, re-normalised")
     user: str | None = None
+    chunking: Chunking | None = Field(
+        None, description="not OpenAI's: texts past the model's limit as overlapping token windows, the embedding "
+        "the normalised mean of the chunks' (see /v1/encode for each chunk's)")
 
     @field_validator("input", mode="before")
     @classmethod
@@ -348,6 +370,9 @@ class RerankRequest(BaseModel):
     return_documents: bool = Field(False, description="include each document's text in its result")
     raw_scores: bool = Field(False, description="the logit itself instead of its sigmoid (CrossEncoder.predict's default)")
     truncate: bool = Field(True, description="cut the longer side of a pair past the model's limit; false: 413")
+    explain: bool = Field(False, description="per result, every word of query and document with its occlusion "
+                          "(the score minus the score without it) and its share of the first token's attention "
+                          "rollout; each word costs an inference (max_explain_words)")
 
     @field_validator("documents", mode="before")
     @classmethod
@@ -383,6 +408,8 @@ class ClassifyRequest(BaseModel):
     input: Texts = Field(examples=[["I loved it", "It broke after a day"]])
     model: str | None = Field(None, description="a served classification model (GET /v1/models); left out: the first")
     truncate: bool = Field(True, description="cut texts past the model's limit; false: 413")
+    explain: bool = Field(False, description="per input, every word with its occlusion (the top label's score "
+                          "minus its score without the word) and its share of the first token's attention rollout")
 
     @field_validator("input", mode="before")
     @classmethod

@@ -1,16 +1,24 @@
 """Sequence-classification bundles: POST /v1/rerank (a cross-encoder scores query-document pairs, in
 the Jina/Cohere shape) and POST /v1/classify (every label's probability, as text-embeddings-inference's
 /predict). Both go through the same batch queue as embeddings: a pair is one item, its tokens count.
+`explain: true` attributes each score to words (service/engine/explain.py).
 
 No `from __future__ import annotations` (see http/routes/native.py).
 """
 
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 from fastapi import Depends, Request
 
+from service.engine.engine import Engine
 from service.engine.errors import InvalidRequest
+from service.engine.explain import Occlusions, explanation, occlusions
 from service.engine.runner import EncodeJob
 from service.engine.service import EncoderService
+from service.engine.tokenization import TokenizedText
 from service.http.app import ERROR_RESPONSES, app
 from service.http.context import infer, model_for, service
 from service.http.responses import JSONResponse
@@ -33,6 +41,51 @@ def read_logits(logits: np.ndarray, problem_type: str) -> np.ndarray:
     return x
 
 
+@dataclass
+class Explaining:
+    """What explain needs beyond the logits: each input's occlusions, their logits, its attention."""
+
+    occluded: list[Occlusions]
+    variant_logits: np.ndarray  # every input's variants, in order
+    attentions: list[np.ndarray]  # per input (layers, heads, n, n)
+
+    def words(self, scores: np.ndarray, score_rows: Callable[[np.ndarray, int], np.ndarray]) -> list[list[dict]]:
+        """Per input, its words' attributions; score_rows(logits, i) scores input i's variants."""
+        out, row = [], 0
+        for i, occluded in enumerate(self.occluded):
+            k = len(occluded.words)
+            without = score_rows(self.variant_logits[row : row + k], i)
+            out.append(explanation(occluded, float(scores[i]), without, self.attentions[i]))
+            row += k
+        return out
+
+
+async def run_classifier(svc: EncoderService, engine: Engine, tokenized: list[TokenizedText],
+                         texts: list, explain: bool, route: str, request: Request) -> tuple[np.ndarray, Explaining | None]:
+    """The logits of every input (texts, or (query, document) pairs); with explain, also every word's
+    occlusion variant (word count checked before any inference) and the inputs' attention weights."""
+    pairs = isinstance(texts[0], tuple)
+    types = [t.type_ids for t in tokenized] if pairs else None
+    ids = [t.ids for t in tokenized]
+    if not explain:
+        result = await infer(svc, engine, EncodeJob(route=route, ids=ids, normalize=False, type_ids=types), request)
+        return result.embeddings, None
+    occluded = [occlusions(t, x) for t, x in zip(tokenized, texts, strict=True)]
+    svc.check_explain(sum(len(o.words) for o in occluded))
+    svc.check_attention_size(engine, tokenized)
+    everything = (tuple(range(engine.model.num_layers)), tuple(range(engine.model.num_heads)))
+    jobs = [infer(svc, engine, EncodeJob(route=route, ids=ids, normalize=False, type_ids=types,
+                                         attention=everything), request)]
+    variant_ids = [v for o in occluded for v in o.ids]
+    if variant_ids:
+        variant_types = [v for o in occluded for v in o.type_ids] if pairs else None
+        jobs.append(infer(svc, engine, EncodeJob(route=route, ids=variant_ids, normalize=False, type_ids=variant_types),
+                          request))
+    results = await asyncio.gather(*jobs)
+    variants = results[1].embeddings if variant_ids else np.zeros((0, len(engine.model.labels or [])), np.float32)
+    return results[0].embeddings, Explaining(occluded, variants, results[0].attentions)
+
+
 @app.post("/v1/rerank", response_model=RerankResponse, responses=ERROR_RESPONSES)
 async def rerank(body: RerankRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Documents ranked by a cross-encoder's score for the query: sigmoid of its one logit, as
@@ -44,15 +97,19 @@ async def rerank(body: RerankRequest, request: Request, svc: EncoderService = De
                              "a one-label model (a cross-encoder): use /v1/classify for this one")
     documents = svc.texts(body.documents)
     svc.texts([body.query])
-    tokenized = await svc.tokenize_pairs(engine, [(body.query, d) for d in documents], body.truncate, "/v1/rerank")
-    job = EncodeJob(route="/v1/rerank", ids=[t.ids for t in tokenized], normalize=False,
-                    type_ids=[t.type_ids for t in tokenized])
-    result = await infer(svc, engine, job, request)
-    logits = result.embeddings[:, 0]
-    scores = logits.astype(np.float64) if body.raw_scores else sigmoid(logits)
+    pairs = [(body.query, d) for d in documents]
+    tokenized = await svc.tokenize_pairs(engine, pairs, body.truncate, "/v1/rerank")
+
+    def score(logits: np.ndarray, _: int = 0) -> np.ndarray:  # per row: the relevance of its pair
+        return logits[:, 0].astype(np.float64) if body.raw_scores else sigmoid(logits[:, 0])
+
+    logits, explaining = await run_classifier(svc, engine, tokenized, pairs, body.explain, "/v1/rerank", request)
+    scores = score(logits)
+    explained = explaining.words(scores, score) if explaining else None
     order = sorted(range(len(documents)), key=lambda i: -scores[i])[: body.top_n]
     results = [{"index": i, "relevance_score": float(scores[i]),
-                **({"document": {"text": documents[i]}} if body.return_documents else {})} for i in order]
+                **({"document": {"text": documents[i]}} if body.return_documents else {}),
+                **({"explanation": {"words": explained[i]}} if explained else {})} for i in order]
     return JSONResponse({"model": engine.name, "results": results,
                          "usage": {"total_tokens": sum(t.n_tokens for t in tokenized)}})
 
@@ -63,11 +120,16 @@ async def classify(body: ClassifyRequest, request: Request, svc: EncoderService 
     engine = model_for(svc, body.model, request, task="classification")
     texts = svc.texts(body.input)
     tokenized = await svc.tokenize(engine, texts, body.truncate, "/v1/classify")
-    job = EncodeJob(route="/v1/classify", ids=[t.ids for t in tokenized], normalize=False)
-    result = await infer(svc, engine, job, request)
-    scores = read_logits(result.embeddings, engine.model.problem_type)
+    logits, explaining = await run_classifier(svc, engine, tokenized, texts, body.explain, "/v1/classify", request)
+    scores = read_logits(logits, engine.model.problem_type)
+    top = scores.argmax(axis=1)
+    explained = None
+    if explaining:  # attributions of each text's top label
+        explained = explaining.words(scores[np.arange(len(top)), top],
+                                     lambda rows, i: read_logits(rows, engine.model.problem_type)[:, top[i]])
     labels = engine.model.labels
-    data = [{"index": i, "labels": [{"label": labels[k], "score": float(row[k])} for k in np.argsort(-row, kind="stable")]}
+    data = [{"index": i, "labels": [{"label": labels[k], "score": float(row[k])} for k in np.argsort(-row, kind="stable")],
+             **({"explanation": {"label": labels[top[i]], "words": explained[i]}} if explained else {})}
             for i, row in enumerate(scores)]
     tokens = sum(t.n_tokens for t in tokenized)
     return JSONResponse({"model": engine.name, "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

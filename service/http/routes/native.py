@@ -10,9 +10,10 @@ from typing import Any
 from fastapi import Depends, Request
 
 from service.engine.errors import InvalidRequest
-from service.engine.runner import EncodeJob
+from service.engine.engine import Engine
+from service.engine.runner import EncodeJob, mean_of_chunks
 from service.engine.service import EncoderService
-from service.engine.tokenization import TokenizedText, token_list
+from service.engine.tokenization import TokenizedText, char_span, token_list
 from service.http.app import ERROR_RESPONSES, app
 from service.http.context import infer, model_for, service
 from service.http.responses import JSONResponse, KindCounter, respond, value_bytes
@@ -41,6 +42,8 @@ async def encode(body: EncodeRequest, request: Request, svc: EncoderService = De
     """Embeddings, token encodings, tokens with offsets, attention weights."""
     engine = model_for(svc, body.model, request)
     texts = svc.texts(body.inputs)
+    if body.chunking is not None:
+        return await encode_chunked(body, engine, texts, request, svc)
     attention = None
     if body.attention is not None:
         attention = (
@@ -52,11 +55,7 @@ async def encode(body: EncodeRequest, request: Request, svc: EncoderService = De
         svc.check_attention_size(engine, tokenized)
     estimate = encode_size(body, tokenized, attention, engine.model.hidden_size, engine.model.sentence_dim)
     svc.check_response_size(estimate)
-    normalize = engine.model.normalize if body.normalize is None else body.normalize
-    if engine.model.normalize and not normalize and engine.model.dense_layers:
-        # the raw embedding is re-pooled from the token encodings, which would skip the Dense projection
-        raise InvalidRequest("normalize: false is not available for this model: it normalises after a Dense "
-                             "projection inside its graph, so only the normalised embedding exists")
+    normalize = normalization(body, engine)
     job = EncodeJob(
         route="/v1/encode",
         ids=[t.ids for t in tokenized],
@@ -110,3 +109,48 @@ async def tokenize(body: TokenizeRequest, request: Request, svc: EncoderService 
     ]
     kinds.report(request)
     return JSONResponse({"model": engine.name, "data": data})
+
+
+def normalization(body: EncodeRequest, engine: Engine) -> bool:
+    """Whether the request's embeddings are L2-normalised: as asked, else as the model was trained."""
+    normalize = engine.model.normalize if body.normalize is None else body.normalize
+    if engine.model.normalize and not normalize and engine.model.dense_layers:
+        # the raw embedding is re-pooled from the token encodings, which would skip the Dense projection
+        raise InvalidRequest("normalize: false is not available for this model: it normalises after a Dense "
+                             "projection inside its graph, so only the normalised embedding exists")
+    return normalize
+
+
+async def encode_chunked(body: EncodeRequest, engine: Engine, texts: list[str], request: Request,
+                         svc: EncoderService) -> JSONResponse:
+    """/v1/encode with chunking: every chunk's embedding and character span, and the text's embedding,
+    the normalised mean of its chunks'. Every chunk counts toward the token budget and the response size."""
+    if body.token_embeddings or body.tokens or body.attention is not None:
+        raise InvalidRequest("chunking returns embeddings (each chunk's and the text's): leave token_embeddings, "
+                             "tokens and attention out")
+    spec = body.chunking
+    chunks = await svc.tokenize_chunks(engine, texts, spec.tokens, spec.overlap, "/v1/encode")
+    flat = [c for text in chunks for c in text]
+    estimate = int((len(flat) + len(texts)) * engine.model.sentence_dim * value_bytes(body.encoding_format, "float32"))
+    svc.check_response_size(estimate + 100 * (len(flat) + len(texts)))
+    job = EncodeJob(route="/v1/encode", ids=[c.ids for c in flat], normalize=normalization(body, engine))
+    result = await infer(svc, engine, job, request)
+    means = mean_of_chunks(result.embeddings, [len(c) for c in chunks])
+    kinds = KindCounter()
+
+    def build() -> dict:
+        data, row = [], 0
+        for i, text in enumerate(chunks):
+            items = []
+            for chunk in text:
+                start, end = char_span(chunk.encoding)
+                items.append({"start": start, "end": end, "n_tokens": chunk.n_tokens, "embedding": kinds.array(
+                    "embedding", result.embeddings[row], body.encoding_format, "float32")})
+                row += 1
+            data.append({"index": i, "n_tokens": sum(c.n_tokens for c in text),
+                         "embedding": kinds.array("embedding", means[i], body.encoding_format, "float32"), "chunks": items})
+        return {"model": engine.name, "data": data, "usage": {"tokens": sum(c.n_tokens for c in flat)}}
+
+    response = await respond(build, estimate)
+    kinds.report(request)
+    return response

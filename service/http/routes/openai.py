@@ -9,7 +9,7 @@ import numpy as np
 from fastapi import Depends, Request
 
 from service.engine.errors import InvalidRequest
-from service.engine.runner import EncodeJob, l2_normalize
+from service.engine.runner import EncodeJob, l2_normalize, mean_of_chunks
 from service.engine.service import EncoderService
 from service.http.app import ERROR_RESPONSES, SERVER_NAME, app
 from service.http.context import infer, model_for, service
@@ -24,10 +24,15 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: Encode
     if body.dimensions is not None and body.dimensions > engine.model.sentence_dim:
         raise InvalidRequest(f"dimensions {body.dimensions} exceeds the model's {engine.model.sentence_dim}")
     texts = svc.texts(body.input)
-    tokenized = await svc.tokenize(engine, texts, True, "/v1/embeddings")
+    if body.chunking is not None:  # each text the normalised mean of its chunks' embeddings
+        chunks = await svc.tokenize_chunks(engine, texts, body.chunking.tokens, body.chunking.overlap, "/v1/embeddings")
+        tokenized = [c for text in chunks for c in text]
+        svc.check_response_size(len(texts) * engine.model.sentence_dim * 20)
+    else:
+        tokenized = await svc.tokenize(engine, texts, True, "/v1/embeddings")
     job = EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized], normalize=engine.model.normalize)
     result = await infer(svc, engine, job, request)
-    vectors = result.embeddings
+    vectors = result.embeddings if body.chunking is None else mean_of_chunks(result.embeddings, [len(c) for c in chunks])
     if body.dimensions is not None:  # shortened as OpenAI does: cut, then re-normalise
         vectors = np.ascontiguousarray(l2_normalize(vectors[:, : body.dimensions]).astype(np.float32))
     kinds = KindCounter()

@@ -26,6 +26,9 @@ from service.http.schemas import V2InferRequest, V2ModelMetadata
 V2_INPUT = "text"
 V2_OUTPUTS = ("sentence_embedding", "last_hidden_state", "attention_mask", "attentions")
 V2_DEFAULT_OUTPUTS = ("sentence_embedding", "last_hidden_state", "attention_mask")
+# a classification model: texts, or text pairs (query, document) with `text_pair`; logits and scores
+V2_PAIR_INPUT = "text_pair"
+V2_CLASSIFIER_OUTPUTS = ("logits", "scores")
 
 
 def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, bytes]:
@@ -42,49 +45,58 @@ def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, 
         raise InvalidRequest(describe(list(exc.errors()))) from None
 
 
-def _v2_texts(req: V2InferRequest, binary: bytes) -> list[str]:
-    """The texts of the single BYTES input, from JSON data or binary length-prefixed strings."""
-    if len(req.inputs) != 1 or req.inputs[0].name != V2_INPUT:
-        raise InvalidRequest(f"expected exactly one input named {V2_INPUT!r} (BYTES, shape [n])")
-    tensor = req.inputs[0]
-    if tensor.datatype != "BYTES":
-        raise InvalidRequest(f"input {V2_INPUT!r} must have datatype BYTES, got {tensor.datatype}")
-    count = int(np.prod(tensor.shape)) if tensor.shape else 0
-    if len(tensor.shape) not in (1, 2) or (len(tensor.shape) == 2 and tensor.shape[1] != 1) or count < 1:
-        raise InvalidRequest(f"input {V2_INPUT!r} must have shape [n] or [n, 1] with n >= 1, got {tensor.shape}")
-    binary_size = (tensor.parameters or {}).get("binary_data_size")
-    if binary_size is not None:
-        if not isinstance(binary_size, int) or binary_size != len(binary):
-            raise InvalidRequest(f"binary_data_size {binary_size} does not match the {len(binary)} bytes sent")
-        items, offset = [], 0
-        while offset < len(binary):
-            if offset + 4 > len(binary):
-                raise InvalidRequest("truncated BYTES element in binary data")
-            (length,) = struct.unpack_from("<I", binary, offset)
-            offset += 4
-            if offset + length > len(binary):
-                raise InvalidRequest("truncated BYTES element in binary data")
-            items.append(binary[offset : offset + length])
-            offset += length
-    else:
-        items = tensor.data or []
-        flat = []
-        for item in items:  # JSON data may be nested per shape
-            flat.extend(item if isinstance(item, list) else [item])
-        items = flat
-    if len(items) != count:
-        raise InvalidRequest(f"input {V2_INPUT!r} has shape {tensor.shape} but {len(items)} elements")
-    texts = []
-    for i, item in enumerate(items):
-        if isinstance(item, bytes):
-            try:
-                item = item.decode("utf-8")
-            except UnicodeDecodeError:
-                raise InvalidRequest(f"element {i} of {V2_INPUT!r} is not valid UTF-8") from None
-        if not isinstance(item, str):
-            raise InvalidRequest(f"element {i} of {V2_INPUT!r} must be a string")
-        texts.append(item)
-    return texts
+def _v2_texts(req: V2InferRequest, binary: bytes, names: tuple[str, ...] = (V2_INPUT,),
+              optional: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """The texts of each BYTES input, by name, from JSON data or binary length-prefixed strings (the
+    binary tail holds each binary input's bytes in the order the inputs are listed)."""
+    given = [t.name for t in req.inputs]
+    required = [n for n in names if n not in optional]
+    if not set(required) <= set(given) or not set(given) <= set(names) or len(set(given)) != len(given):
+        wanted = " and ".join(repr(n) for n in required) + "".join(f", optionally {n!r}" for n in optional)
+        raise InvalidRequest(f"expected inputs {wanted} (BYTES, shape [n]); got {given}")
+    out, offset = {}, 0
+    for tensor in req.inputs:
+        name = tensor.name
+        if tensor.datatype != "BYTES":
+            raise InvalidRequest(f"input {name!r} must have datatype BYTES, got {tensor.datatype}")
+        count = int(np.prod(tensor.shape)) if tensor.shape else 0
+        if len(tensor.shape) not in (1, 2) or (len(tensor.shape) == 2 and tensor.shape[1] != 1) or count < 1:
+            raise InvalidRequest(f"input {name!r} must have shape [n] or [n, 1] with n >= 1, got {tensor.shape}")
+        binary_size = (tensor.parameters or {}).get("binary_data_size")
+        if binary_size is not None:
+            if not isinstance(binary_size, int) or binary_size < 0 or offset + binary_size > len(binary):
+                raise InvalidRequest(f"binary_data_size {binary_size} does not fit the {len(binary)} bytes sent")
+            items, end = [], offset + binary_size
+            while offset < end:
+                if offset + 4 > end:
+                    raise InvalidRequest("truncated BYTES element in binary data")
+                (length,) = struct.unpack_from("<I", binary, offset)
+                offset += 4
+                if offset + length > end:
+                    raise InvalidRequest("truncated BYTES element in binary data")
+                items.append(binary[offset : offset + length])
+                offset += length
+        else:
+            flat = []
+            for item in tensor.data or []:  # JSON data may be nested per shape
+                flat.extend(item if isinstance(item, list) else [item])
+            items = flat
+        if len(items) != count:
+            raise InvalidRequest(f"input {name!r} has shape {tensor.shape} but {len(items)} elements")
+        texts = []
+        for i, item in enumerate(items):
+            if isinstance(item, bytes):
+                try:
+                    item = item.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise InvalidRequest(f"element {i} of {name!r} is not valid UTF-8") from None
+            if not isinstance(item, str):
+                raise InvalidRequest(f"element {i} of {name!r} must be a string")
+            texts.append(item)
+        out[name] = texts
+    if offset != len(binary):
+        raise InvalidRequest(f"binary_data_size {offset} does not match the {len(binary)} bytes sent")
+    return out
 
 
 def _v2_tensors(result: EncodeResult, tokenized: list[TokenizedText], requested: list[str], T: int) -> dict[str, np.ndarray]:
@@ -168,7 +180,16 @@ async def v2_ready(svc: EncoderService = Depends(service)) -> JSONResponse:
 @app.get("/v2/models/{name}", response_model=V2ModelMetadata, responses=ERROR_RESPONSES)
 @app.get("/v2/models/{name}/versions/{version}", include_in_schema=False)
 async def v2_metadata(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
-    engine = model_for(svc, name, request)
+    engine = model_for(svc, name, request, task=None)
+    if engine.model.task == "classification":
+        labels = len(engine.model.labels or [])
+        return JSONResponse({
+            "name": engine.name, "versions": ["1"], "platform": "onnxruntime_onnx",
+            "inputs": [{"name": V2_INPUT, "datatype": "BYTES", "shape": [-1]},
+                       {"name": V2_PAIR_INPUT, "datatype": "BYTES", "shape": [-1], "optional": True}],
+            "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, labels]} for name in V2_CLASSIFIER_OUTPUTS],
+            "parameters": {"labels": engine.model.labels, "problem_type": engine.model.problem_type},
+        })
     d, L, H = engine.model.hidden_size, engine.model.num_layers, engine.model.num_heads
     e = engine.model.sentence_dim
     return JSONResponse(
@@ -190,7 +211,7 @@ async def v2_metadata(name: str, request: Request, version: str = "1", svc: Enco
 @app.get("/v2/models/{name}/ready", responses=ERROR_RESPONSES)
 @app.get("/v2/models/{name}/versions/{version}/ready", include_in_schema=False)
 async def v2_model_ready(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
-    engine = model_for(svc, name, request)
+    engine = model_for(svc, name, request, task=None)
     svc.check_ready()
     return JSONResponse({"name": engine.name, "ready": True})
 
@@ -208,16 +229,17 @@ async def v2_infer(name: str, request: Request, version: str = "1", svc: Encoder
 
     Supports the binary tensor data extension that tritonclient uses by default.
     """
-    engine = model_for(svc, name, request)
+    engine = model_for(svc, name, request, task=None)
     raw = await request.body()
     header_len = request.headers.get("inference-header-content-length")
     req, binary = _parse_v2_body(raw, header_len)
-    texts = _v2_texts(req, binary)
-    texts = svc.texts(texts)
     params = req.parameters or {}
     truncate = params.get("truncate", True)
     if not isinstance(truncate, bool):
         raise InvalidRequest("parameters.truncate must be a boolean")
+    if engine.model.task == "classification":
+        return await _v2_classify(svc, engine, req, binary, truncate, request)
+    texts = svc.texts(_v2_texts(req, binary)[V2_INPUT])
     requested = [o.name for o in req.outputs] if req.outputs else list(V2_DEFAULT_OUTPUTS)
     unknown = [n for n in requested if n not in V2_OUTPUTS]
     if unknown:
@@ -251,3 +273,38 @@ async def v2_infer(name: str, request: Request, version: str = "1", svc: Encoder
 
     # a large response is built in a worker thread, not on the event loop other requests wait on
     return build() if estimate <= OFF_LOOP_BYTES else await asyncio.to_thread(build)
+
+
+async def _v2_classify(svc: EncoderService, engine, req: V2InferRequest, binary: bytes, truncate: bool,
+                       request: Request) -> Response:
+    """A classification model on v2: `text` (and `text_pair` for query-document pairs, one each) in;
+    `logits` and `scores` out, scores read as /v1/classify reads them (the checkpoint's problem_type)."""
+    from service.http.routes.heads import read_logits
+
+    inputs = _v2_texts(req, binary, (V2_INPUT, V2_PAIR_INPUT), optional=(V2_PAIR_INPUT,))
+    texts = svc.texts(inputs[V2_INPUT])
+    route = "/v2/models/{name}/infer"
+    if V2_PAIR_INPUT in inputs:
+        pairs = svc.texts(inputs[V2_PAIR_INPUT])
+        if len(pairs) != len(texts):
+            raise InvalidRequest(f"{V2_PAIR_INPUT!r} has {len(pairs)} elements, {V2_INPUT!r} {len(texts)}: one pair each")
+        tokenized = await svc.tokenize_pairs(engine, list(zip(texts, pairs, strict=True)), truncate, route)
+        types = [t.type_ids for t in tokenized]
+    else:
+        tokenized, types = await svc.tokenize(engine, texts, truncate, route), None
+    requested = [o.name for o in req.outputs] if req.outputs else list(V2_CLASSIFIER_OUTPUTS)
+    unknown = [n for n in requested if n not in V2_CLASSIFIER_OUTPUTS]
+    if unknown:
+        raise InvalidRequest(f"unknown output {unknown[0]!r}; a classification model has {', '.join(V2_CLASSIFIER_OUTPUTS)}")
+    params = req.parameters or {}
+    binary_out = {o.name: bool((o.parameters or {}).get("binary_data", params.get("binary_data_output", False)))
+                  for o in (req.outputs or [])}
+    for n in requested:
+        binary_out.setdefault(n, bool(params.get("binary_data_output", False)))
+    job = EncodeJob(route=route, ids=[t.ids for t in tokenized], normalize=False, type_ids=types)
+    result = await infer(svc, engine, job, request)
+    logits = np.ascontiguousarray(result.embeddings, dtype=np.float32)
+    computed = {"logits": logits,
+                "scores": np.ascontiguousarray(read_logits(logits, engine.model.problem_type), dtype=np.float32)}
+    head = {"model_name": engine.name, "model_version": "1", "id": req.id or ""}
+    return _v2_response(head, {n: computed[n] for n in requested}, binary_out, request)
