@@ -235,6 +235,7 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
                                 + f" ({found[-1][1]['ingress']})",
                     "met": None, "column": "reported"})
     out += bf16_targets(rows, ort, peer_name, peer_missing, best, verdict)
+    out += rerank_targets(rows)
     found = [r for r in rows if r.get("mixed") and r.get("batching", True)]
     if found:
         r = min(found, key=lambda r: r["padding_waste"])
@@ -244,6 +245,66 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
                                 f"texts of 1-200 words, concurrency {r['concurrency']})",
                     "met": r["padding_waste"] <= 0.10,
                     "column": "yes" if r["padding_waste"] <= 0.10 else f"no ({(r['padding_waste'] - 0.10) * 100:+.1f} points)"})
+    return out
+
+
+def rerank_rows(args, ingress: str, settings: dict) -> list[dict]:
+    """CrossEncoder in-process, then the service with the cross-encoder beside the default model: 1 query x
+    32 documents of 20-60 words per request, at 1 and 4 clients; and explain on 4 documents, for its cost."""
+    from benchmarks.rerank import DOCUMENTS, EXPLAIN_DOCUMENTS, QUERIES, cross_encoder_rate, make_cross_encoder, workload
+    from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
+    from bundle.manifest import BundleError, load_bundle
+    from export.pipeline import ExportOptions, build_bundle
+
+    root = Path("results/bench")
+    checkpoint = make_cross_encoder(root / "minilm-l6-cross-encoder")
+    bundle = root / "minilm-l6-cross-encoder-bundle"
+    try:
+        load_bundle(bundle)
+    except BundleError:
+        print(f"  exporting the cross-encoder to {bundle}", flush=True)
+        build_bundle(ExportOptions(str(checkpoint), bundle, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name="ranker",
+                                   force=True), progress=lambda _: None)
+    queries, documents = workload()
+    reference = cross_encoder_rate(checkpoint, queries, documents)
+    print(f"  CrossEncoder in-process: {reference['requests_s']:.1f} requests/s ({reference['pairs_s']:.0f} pairs/s), "
+          f"p50 {reference['p50']:.0f} ms", flush=True)
+    rows = [{"engine": f"in-process sentence-transformers CrossEncoder, 1 query x {DOCUMENTS} documents",
+             "rerank": True, "reference": True, "texts_s": reference["pairs_s"], "requests_s": reference["requests_s"],
+             "p50": reference["p50"]}]
+    bundles = [{"path": settings["bundle"]}, {"path": str(bundle.resolve()), "name": "ranker"}]
+    spec_settings = {**{k: v for k, v in settings.items() if k != "bundle"}, "bundles": bundles}
+    scenarios = [{"label": f"rerank 1 query x {DOCUMENTS} documents (httpx, /v1/rerank)", "rerank": True,
+                  "documents": DOCUMENTS, "concurrency": c} for c in (1, 4)]
+    scenarios += [{"label": f"rerank 1 query x {EXPLAIN_DOCUMENTS} documents{', explain' if e else ''} (httpx, /v1/rerank)",
+                   "rerank": True, "documents": EXPLAIN_DOCUMENTS, "concurrency": 1, "explain": e} for e in (False, True)]
+    rows += service_phase({"label": f"cross-encoder, {ingress}", "ingress": ingress, "settings": spec_settings,
+                           "texts": [], "rerank": {"model": "ranker", "queries": queries[:QUERIES], "documents": documents},
+                           "scenarios": scenarios})
+    return rows
+
+
+def rerank_targets(rows: list[dict]) -> list[dict]:
+    """The heads issue's measures: rerank against CrossEncoder in-process, and what explain costs per document."""
+    reference = next((r for r in rows if r.get("rerank") and r.get("reference")), None)
+    served = [r for r in rows if r.get("rerank") and not r.get("reference")]
+    if reference is None or not served:
+        return []
+    out = []
+    for r in (r for r in served if r["documents"] == 32):
+        out.append({"measure": f"rerank, 1 query x 32 documents of 20-60 words, {r['concurrency']} client(s)",
+                    "target": "reported, against CrossEncoder in-process on the same pairs",
+                    "measured": f"{r['requests_s']:.1f} requests/s, p50 {r['p50']:.0f} ms = {r['texts_s'] / reference['texts_s']:.2f}x "
+                                f"CrossEncoder ({reference['requests_s']:.1f} requests/s, p50 {reference['p50']:.0f} ms)",
+                    "met": None, "column": "reported"})
+    plain = next((r for r in served if r["documents"] != 32 and not r["explain"]), None)
+    explained = next((r for r in served if r["explain"]), None)
+    if plain and explained:
+        per_document = (explained["p50"] - plain["p50"]) / plain["documents"]
+        out.append({"measure": f"explain on rerank, per document (1 query x {plain['documents']} documents of 20-60 words)",
+                    "target": "reported", "measured": f"+{per_document:.0f} ms per document at the median "
+                    f"({explained['p50']:.0f} ms against {plain['p50']:.0f} ms without explain)", "met": None,
+                    "column": "reported"})
     return out
 
 
@@ -377,6 +438,10 @@ def main() -> int:
     p.add_argument("--wrk-duration", type=float, default=15, help="seconds of each wrk measurement")
     p.add_argument("--wrk-warmup", type=float, default=3, help="seconds of wrk load before each measurement, dropped")
     p.add_argument("--wrk-threads", type=int, default=2, help="wrk threads (at most one per connection)")
+    p.add_argument("--rerank", action=argparse.BooleanOptionalAction, default=True,
+                   help="the rerank rows: a MiniLM-L6 cross-encoder built locally (benchmarks/rerank.py) served beside "
+                   "the default model, against sentence-transformers' CrossEncoder in-process")
+    p.add_argument("--rerank-only", action="store_true", help="only the rerank rows (and the in-process references)")
     p.add_argument("--variants", default="",
                    help=f"Ray Serve per-request options to measure against the default, fp32 on the last ingress, "
                    f"comma-separated: {', '.join(VARIANTS)}")
@@ -443,33 +508,36 @@ def main() -> int:
     common = {"texts": texts, "mixed_texts": mixed, "short_text": SHORT_TEXT, "encoding_format": args.encoding_format,
               "route": args.route, "wrk": wrk}
     ingresses = [i for i in args.ingress.replace(" ", "").split(",") if i]
-    # the default configuration (runtime and precision auto: OpenVINO bf16 where the CPU has bf16 units
-    # and it measures faster), on the last ingress; its embeddings of the texts against sentence-transformers'
-    rows += service_phase({"label": f"default config, {ingresses[-1]}", "ingress": ingresses[-1], **common,
-                           "settings": settings, "reference": reference.tolist(),
-                           "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
-                                         scenario("single texts", 1, 32),
-                                         scenario("one short text", 1, 1, short=True)]})
-    for ingress in ingresses:
-        rows += service_phase({"label": f"fp32, {ingress}", "ingress": ingress, **common, "reference": reference.tolist(),
-                               "settings": {**settings, "precision": "fp32"}, "scenarios": fp32})
-    best = ingresses[-1]
-    rows += service_phase({"label": f"echo (no model), {best}", "ingress": best, **common, "settings": settings, "echo": True,
-                           "scenarios": [scenario("single texts", 1, 32)]})
-    if "int8_sorted" in ort:
-        rows += service_phase({"label": f"int8, {best}", "ingress": best, **common, "reference": reference.tolist(),
-                               "settings": {**settings, "precision": "int8"},
+    if args.rerank or args.rerank_only:
+        rows += rerank_rows(args, ingresses[-1], settings)
+    if not args.rerank_only:
+        # the default configuration (runtime and precision auto: OpenVINO bf16 where the CPU has bf16 units
+        # and it measures faster), on the last ingress; its embeddings of the texts against sentence-transformers'
+        rows += service_phase({"label": f"default config, {ingresses[-1]}", "ingress": ingresses[-1], **common,
+                               "settings": settings, "reference": reference.tolist(),
                                "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
-                                             scenario("single texts", 1, 32)]})
-    for name in [v for v in args.variants.replace(" ", "").split(",") if v]:
-        rows += service_phase({"label": f"fp32, {best}, {name}", "ingress": best, **common, "env": VARIANTS[name],
-                               "settings": {**settings, "precision": "fp32"},
-                               "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
-                                             scenario("single texts", 1, 32)]})
-    if args.sweep:
-        rows += service_phase({"label": f"fp32, {ingresses[0]}, batching off", "ingress": ingresses[0], **common,
-                               "settings": {**settings, "precision": "fp32", "batching": {"enabled": False}},
-                               "scenarios": [scenario("single texts", 1, c) for c in (1, 2, 4, 8, 16, 32)]})
+                                             scenario("single texts", 1, 32),
+                                             scenario("one short text", 1, 1, short=True)]})
+        for ingress in ingresses:
+            rows += service_phase({"label": f"fp32, {ingress}", "ingress": ingress, **common, "reference": reference.tolist(),
+                                   "settings": {**settings, "precision": "fp32"}, "scenarios": fp32})
+        best = ingresses[-1]
+        rows += service_phase({"label": f"echo (no model), {best}", "ingress": best, **common, "settings": settings, "echo": True,
+                               "scenarios": [scenario("single texts", 1, 32)]})
+        if "int8_sorted" in ort:
+            rows += service_phase({"label": f"int8, {best}", "ingress": best, **common, "reference": reference.tolist(),
+                                   "settings": {**settings, "precision": "int8"},
+                                   "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
+                                                 scenario("single texts", 1, 32)]})
+        for name in [v for v in args.variants.replace(" ", "").split(",") if v]:
+            rows += service_phase({"label": f"fp32, {best}, {name}", "ingress": best, **common, "env": VARIANTS[name],
+                                   "settings": {**settings, "precision": "fp32"},
+                                   "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
+                                                 scenario("single texts", 1, 32)]})
+        if args.sweep:
+            rows += service_phase({"label": f"fp32, {ingresses[0]}, batching off", "ingress": ingresses[0], **common,
+                                   "settings": {**settings, "precision": "fp32", "batching": {"enabled": False}},
+                                   "scenarios": [scenario("single texts", 1, c) for c in (1, 2, 4, 8, 16, 32)]})
 
     peer_error = None
     if "infinity" in peers:

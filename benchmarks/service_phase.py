@@ -236,6 +236,9 @@ def run(spec: dict) -> list[dict]:
         path, field = ROUTES[spec.get("route", "native")]
         asyncio.run(load(url, [{field: [t], **fmt} for t in texts[:64]], 8, path=path))  # warm-up
         for scenario in spec["scenarios"]:
+            if scenario.get("rerank"):
+                rows.append(rerank_row(url, spec, scenario))
+                continue
             if scenario.get("short"):
                 pool = [spec["short_text"]] * 200
             else:
@@ -317,6 +320,22 @@ def run(spec: dict) -> list[dict]:
         serve.shutdown()
         ray.shutdown()
     return rows
+
+
+def rerank_row(url: str, spec: dict, scenario: dict) -> dict:
+    """/v1/rerank with one query and `documents` documents per request (explain as the scenario says)."""
+    work, n = spec["rerank"], scenario["documents"]
+    payloads = [{"model": work["model"], "query": q, "documents": docs[:n], "explain": scenario.get("explain", False)}
+                for q, docs in zip(work["queries"], work["documents"], strict=True)]
+    asyncio.run(load(url, payloads[:2], 1, path="/v1/rerank"))  # warm-up
+    wall, latencies, failures = asyncio.run(load(url, payloads, scenario["concurrency"], path="/v1/rerank"))
+    row = {"engine": f"service {spec['label']}, {scenario['label']}", "rerank": True, "explain": scenario.get("explain", False),
+           "documents": n, "concurrency": scenario["concurrency"], "ingress": spec["ingress"], "precision": "fp32",
+           "requests_s": len(payloads) / wall, "texts_s": len(payloads) * n / wall, "failures": failures,
+           **{f"p{q}": percentile(latencies, q) * 1000 for q in (50, 95, 99)}}
+    print(f"  {row['engine']}, concurrency {row['concurrency']}: {row['requests_s']:.1f} requests/s "
+          f"({row['texts_s']:.0f} pairs/s), p50 {row['p50']:.1f} ms, failures {failures}", flush=True)
+    return row
 
 
 def served_min_cosine(url: str, texts: list[str], reference: np.ndarray, batch: int = 32) -> float:
