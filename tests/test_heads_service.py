@@ -239,3 +239,42 @@ def test_explain_counts_words_before_any_inference(heads):
     r = client.post("/v1/rerank", json={"model": "ranker", "query": "a query", "documents": documents, "explain": True})
     assert r.status_code == 413, r.text
     assert r.json()["error"]["message"].startswith("explain: 420 words to occlude") and "at most 256" in r.text
+
+
+def test_rerank_explorer_shows_the_ranked_list_coloured_by_attribution(heads, ray_serve):
+    """The rerank explorer in headless Chromium: the documents in the API's order, each word coloured by
+    its occlusion (blue adds to the score, red takes from it), no console errors."""
+    from urllib.parse import quote
+
+    from tests.test_explorer_browser import chromium_driver, console_errors, rgb
+
+    client, _ = heads
+    documents = DOCUMENTS[:3]
+    expected = client.post("/v1/rerank", json={"model": "ranker", "query": QUERY, "documents": documents,
+                                               "explain": True}).json()["results"]
+    url = (f"{ray_serve.url}{PREFIX}/explorer/rerank?model=ranker&query={quote(QUERY)}"
+           + "".join(f"&doc={quote(d)}" for d in documents))
+    driver = chromium_driver()
+    try:
+        driver.get(url)
+        from tests.conftest import wait_until
+
+        wait_until(lambda: driver.execute_script("return document.body.dataset.analysis || null") in ("done", "error"),
+                   "the rerank explorer to rank the documents", timeout=60, interval=0.1)
+        error = driver.execute_script("return document.getElementById('error').textContent")
+        assert driver.execute_script("return document.body.dataset.analysis") == "done", error
+        items = driver.find_elements("css selector", "#ranked .ranked-item")
+        assert [int(i.get_attribute("data-index")) for i in items] == [r["index"] for r in expected]
+        for item, result in zip(items, expected, strict=True):
+            assert item.find_element("css selector", ".ranked-score").text == f"{result['relevance_score']:.3f}"
+            chips = item.find_elements("css selector", ".chip")
+            words = [w for w in result["explanation"]["words"] if w["sequence"] == 1]
+            assert [c.text for c in chips] == [w["text"] for w in words]
+            scale = max(abs(w["occlusion"]) for r in expected for w in r["explanation"]["words"])
+            for chip, word in zip(chips, words, strict=True):
+                r, g, b = rgb(chip.value_of_css_property("background-color"))
+                if abs(word["occlusion"]) > 0.2 * scale:
+                    assert (b > r) == (word["occlusion"] > 0), (word, (r, g, b))
+        assert console_errors(driver) == []
+    finally:
+        driver.quit()

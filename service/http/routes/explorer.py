@@ -1,7 +1,8 @@
 """The pages a person opens: GET / (where to go) and GET /explorer (the attention explorer), with
 the explorer's script and stylesheet. Everything ships with the service: no CDN, no other host.
 
-The page calls the service's own JSON API (/info, /v1/attention, /v1/similarity). Links are
+The pages call the service's own JSON API (/info, /v1/attention, /v1/similarity; the rerank
+explorer at /explorer/rerank, /v1/rerank). Links are
 written with the request's root path, so the pages work under a Serve route prefix too.
 No `from __future__ import annotations` (see http/routes/native.py).
 """
@@ -23,6 +24,7 @@ EXPLORER_DIR = Path(__file__).resolve().parents[2] / "explorer"  # service/explo
 # The only files GET /explorer/assets/{name} serves, with their content types.
 ASSETS = {
     "explorer.js": "text/javascript; charset=utf-8",
+    "rerank.js": "text/javascript; charset=utf-8",
     "explorer.css": "text/css; charset=utf-8",
 }
 # The page may talk to its own origin only; a script or style from anywhere else is refused by
@@ -95,6 +97,14 @@ async def explorer(request: Request, svc: EncoderService = Depends(service)) -> 
         .replace("{{auth}}", "required" if BearerAuthMiddleware.token is not None else "off")
         .replace("{{model}}", html.escape(svc.engines.default.name))
     )
+    return HTMLResponse(page, headers={"Content-Security-Policy": EXPLORER_CSP, **NO_CACHE})
+
+
+@app.get("/explorer/rerank", include_in_schema=False)
+async def rerank_explorer(request: Request) -> HTMLResponse:
+    """The rerank explorer: a query and documents ranked by a served cross-encoder, each word coloured
+    by its attribution; `?query=...&doc=...&doc=...` opens with them ranked."""
+    page = read_explorer_file("rerank.html").replace("{{root}}", html.escape(root_path(request), quote=True))
     return HTMLResponse(page, headers={"Content-Security-Policy": EXPLORER_CSP, **NO_CACHE})
 
 
