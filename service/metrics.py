@@ -55,17 +55,17 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self.requests = Counter(
             PREFIX + "requests_total", "HTTP requests by route and status class (2xx, 4xx, 5xx).",
-            tag_keys=("route", "status_class", "model"),
+            tag_keys=("route", "status_class", "model", "task"),
         )
         self.failures = Counter(
             PREFIX + "request_failures_total",
             f"Failed requests by reason ({', '.join(FAILURE_REASONS)}).",
-            tag_keys=("route", "reason", "model"),
+            tag_keys=("route", "reason", "model", "task"),
         )
         self.duration = Histogram(
             PREFIX + "request_duration_seconds",
             "Request time by stage: tokenization, queue (waiting for a batch), inference, total.",
-            boundaries=LATENCY_BUCKETS, tag_keys=("route", "stage", "model"),
+            boundaries=LATENCY_BUCKETS, tag_keys=("route", "stage", "model", "task"),
         )
         self.in_flight = Gauge(PREFIX + "in_flight_requests", "Requests being handled by this ingress replica.")
         self.batch_queue = Gauge(PREFIX + "batch_queue_requests",

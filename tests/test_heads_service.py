@@ -113,7 +113,7 @@ def test_a_route_that_does_not_fit_the_model_says_which_routes_it_serves(heads, 
     assert all(w in message for w in words), message
 
 
-def test_models_and_info_say_each_models_task(heads):
+def test_models_and_info_say_each_models_task(heads, metrics_url):
     client, _ = heads
     listed = {m["id"]: m["task"] for m in client.get("/v1/models").json()["data"]}
     assert listed == {"all-MiniLM-L6-v2": "embedding", "ranker": "classification", "sentiment": "classification"}
@@ -127,6 +127,15 @@ def test_models_and_info_say_each_models_task(heads):
     # when several are served)
     r = client.post("/v1/embeddings", json={"input": "still here", "model": "all-MiniLM-L6-v2"})
     assert r.status_code == 200 and r.json()["model"] == "all-MiniLM-L6-v2"
+    # the request metrics say each request's task
+    from tests.metrics_scrape import poll, total
+
+    app = {"application": "heads"}
+    seen = poll(metrics_url, lambda f: total(f, "ray_encoder_requests_total", **app, task="classification",
+                                              route="/v1/rerank") >= 1
+                and total(f, "ray_encoder_requests_total", **app, task="embedding", route="/v1/embeddings") >= 1,
+                "requests counted with their task")
+    assert total(seen, "ray_encoder_requests_total", **app, task="embedding", route="/v1/rerank") == 0
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary-tensors", "json-tensors"])

@@ -171,7 +171,8 @@ class BatchRunner:
                          "compute_ms": 0.0}
         self.runs_by_graph = {runtime.full.label: 0, runtime.fast.label: 0}
         # what one text's pooled output is: a sentence embedding, or a classifier's logits
-        classifier = manifest.model.task == "classification"
+        self.task = manifest.model.task  # the request metrics' task label
+        classifier = self.task == "classification"
         self.pooled = "logits" if classifier else "sentence_embedding"
         self.pooled_width = len(manifest.model.labels or []) if classifier else manifest.model.sentence_dim
         self.running = 0  # batches being computed now
@@ -200,7 +201,8 @@ class BatchRunner:
     def _compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
         started = time.perf_counter()
         for job in jobs:
-            self.metrics.duration.observe(started - job.enqueued, tags={"route": job.route, "stage": "queue", "model": self.model_name})
+            self.metrics.duration.observe(started - job.enqueued, tags={"route": job.route, "stage": "queue",
+                                                                        "model": self.model_name, "task": self.task})
         model = self.manifest.model
         # Flatten texts; texts that need attention or hidden states run apart from those that
         # need only the embedding, so the cheap ones never pay for the big outputs. Texts that
@@ -240,7 +242,7 @@ class BatchRunner:
         elapsed = time.perf_counter() - started
         m, model = self.metrics, {"model": self.model_name}
         for job in jobs:
-            m.duration.observe(elapsed, tags={"route": job.route, "stage": "inference", **model})
+            m.duration.observe(elapsed, tags={"route": job.route, "stage": "inference", "task": self.task, **model})
         m.batch_requests.observe(len(jobs), tags=model)
         m.batch_tokens.observe(real, tags=model)
         m.padding_ratio.observe(1 - real / padded if padded else 0.0, tags=model)

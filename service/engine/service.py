@@ -90,7 +90,8 @@ class EncoderService:
         else:
             tokenized = await asyncio.to_thread(engine.tokenizer.encode, texts, truncate)
         service_metrics().duration.observe(time.perf_counter() - started,
-                                           tags={"route": route, "stage": "tokenization", "model": engine.name})
+                                           tags={"route": route, "stage": "tokenization", "model": engine.name,
+                                                 "task": engine.model.task})
         total = sum(t.n_tokens for t in tokenized)
         limit = self.batching.max_batch_tokens  # the live knob (reconfigure), the one the batch queue uses
         if limit_tokens and total > limit:
@@ -106,7 +107,8 @@ class EncoderService:
         else:
             tokenized = await asyncio.to_thread(engine.tokenizer.encode_pairs, pairs, truncate)
         service_metrics().duration.observe(time.perf_counter() - started,
-                                           tags={"route": route, "stage": "tokenization", "model": engine.name})
+                                           tags={"route": route, "stage": "tokenization", "model": engine.name,
+                                                 "task": engine.model.task})
         total, limit = sum(t.n_tokens for t in tokenized), self.batching.max_batch_tokens
         if total > limit:
             raise TooLarge(f"request has {total} tokens; at most {limit} per request (send fewer documents)")
@@ -124,7 +126,8 @@ class EncoderService:
         started = time.perf_counter()
         chunks = await asyncio.to_thread(engine.tokenizer.encode_chunks, texts, tokens, overlap)
         service_metrics().duration.observe(time.perf_counter() - started,
-                                           tags={"route": route, "stage": "tokenization", "model": engine.name})
+                                           tags={"route": route, "stage": "tokenization", "model": engine.name,
+                                                 "task": engine.model.task})
         total, budget = sum(c.n_tokens for text in chunks for c in text), self.batching.max_batch_tokens
         if total > budget:
             raise TooLarge(f"request has {total} tokens in {sum(map(len, chunks))} chunks; at most {budget} per "

@@ -59,6 +59,7 @@ def model_for(svc: EncoderService, name: str | None, request: Request, required:
             f"{request.url.path} needs a model of task {task} (served: "
             + ", ".join(f"{e.name!r} ({e.model.task})" for e in svc.engines) + ")")
     request.scope["model"] = engine.name
+    request.scope["task"] = engine.model.task
     return engine
 
 

@@ -79,7 +79,7 @@ def count_refusal() -> None:
     from service.metrics import service_metrics
 
     metrics = service_metrics()
-    tags = {"route": ROUTE_REFUSED_BY_SERVE, "model": ""}
+    tags = {"route": ROUTE_REFUSED_BY_SERVE, "model": "", "task": ""}
     metrics.requests.inc(tags={**tags, "status_class": "5xx"})
     metrics.failures.inc(tags={**tags, "reason": "overloaded"})
 

@@ -89,11 +89,13 @@ class MetricsMiddleware:
             # set by the app's route dependency (or an error handler): the template, so label values stay few
             route = scope.get("route_template", "unmatched")
             model = scope.get("model", "")  # set by the route once it knows which model the request is for
-            metrics.requests.inc(tags={"route": route, "status_class": status_class(status), "model": model})
-            metrics.duration.observe(time.perf_counter() - started, tags={"route": route, "stage": "total", "model": model})
+            task = scope.get("task", "")  # and that model's task: embedding, classification
+            metrics.requests.inc(tags={"route": route, "status_class": status_class(status), "model": model, "task": task})
+            metrics.duration.observe(time.perf_counter() - started,
+                                     tags={"route": route, "stage": "total", "model": model, "task": task})
             if status >= 400:
                 reason = scope.get("failure_reason") or _REASON_BY_STATUS.get(status, "backend")
-                metrics.failures.inc(tags={"route": route, "reason": reason, "model": model})
+                metrics.failures.inc(tags={"route": route, "reason": reason, "model": model, "task": task})
             kinds: dict[str, int] = scope.get("response_kinds") or {}
             for kind, n in kinds.items():
                 if n > 0:
