@@ -81,17 +81,21 @@ class EncoderService:
                 raise InvalidRequest(f"input {i} is not valid Unicode: {exc.reason} at character {exc.start}") from None
         return texts
 
-    async def tokenize(self, engine: Engine, texts: list[str], truncate: bool, route: str,
-                       limit_tokens: bool = True) -> list[TokenizedText]:
-        """The whole request in one batch call of the tokenizer; off the event loop when it is large."""
+    async def _tokenizing(self, engine: Engine, route: str, inline: bool, encode, *args):
+        """One tokenizer call: on the event loop when the request is small (a thread hop costs more),
+        else in a worker thread; its time goes to the tokenization stage of the duration metric."""
         started = time.perf_counter()
-        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
-            tokenized = engine.tokenizer.encode(texts, truncate)
-        else:
-            tokenized = await asyncio.to_thread(engine.tokenizer.encode, texts, truncate)
+        result = encode(*args) if inline else await asyncio.to_thread(encode, *args)
         service_metrics().duration.observe(time.perf_counter() - started,
                                            tags={"route": route, "stage": "tokenization", "model": engine.name,
                                                  "task": engine.model.task})
+        return result
+
+    async def tokenize(self, engine: Engine, texts: list[str], truncate: bool, route: str,
+                       limit_tokens: bool = True) -> list[TokenizedText]:
+        """The whole request in one batch call of the tokenizer; off the event loop when it is large."""
+        inline = sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS
+        tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode, texts, truncate)
         total = sum(t.n_tokens for t in tokenized)
         limit = self.batching.max_batch_tokens  # the live knob (reconfigure), the one the batch queue uses
         if limit_tokens and total > limit:
@@ -101,14 +105,8 @@ class EncoderService:
     async def tokenize_pairs(self, engine: Engine, pairs: list[tuple[str, str]], truncate: bool,
                              route: str) -> list[TokenizedText]:
         """Text pairs as the model's tokenizer joins them; the token budget counts every pair."""
-        started = time.perf_counter()
-        if sum(len(a) + len(b) for a, b in pairs) <= INLINE_TOKENIZE_CHARS:
-            tokenized = engine.tokenizer.encode_pairs(pairs, truncate)
-        else:
-            tokenized = await asyncio.to_thread(engine.tokenizer.encode_pairs, pairs, truncate)
-        service_metrics().duration.observe(time.perf_counter() - started,
-                                           tags={"route": route, "stage": "tokenization", "model": engine.name,
-                                                 "task": engine.model.task})
+        inline = sum(len(a) + len(b) for a, b in pairs) <= INLINE_TOKENIZE_CHARS
+        tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode_pairs, pairs, truncate)
         total, limit = sum(t.n_tokens for t in tokenized), self.batching.max_batch_tokens
         if total > limit:
             raise TooLarge(f"request has {total} tokens; at most {limit} per request (send fewer documents)")
@@ -123,11 +121,7 @@ class EncoderService:
         if overlap >= tokens - engine.tokenizer.special_tokens:
             raise InvalidRequest(f"chunking.overlap {overlap} leaves no new tokens in a chunk of {tokens} "
                                  f"({engine.tokenizer.special_tokens} of them special): make it smaller")
-        started = time.perf_counter()
-        chunks = await asyncio.to_thread(engine.tokenizer.encode_chunks, texts, tokens, overlap)
-        service_metrics().duration.observe(time.perf_counter() - started,
-                                           tags={"route": route, "stage": "tokenization", "model": engine.name,
-                                                 "task": engine.model.task})
+        chunks = await self._tokenizing(engine, route, False, engine.tokenizer.encode_chunks, texts, tokens, overlap)
         total, budget = sum(c.n_tokens for text in chunks for c in text), self.batching.max_batch_tokens
         if total > budget:
             raise TooLarge(f"request has {total} tokens in {sum(map(len, chunks))} chunks; at most {budget} per "
