@@ -41,6 +41,7 @@ help:
 	@echo "make loop-stall         p50/p95/p99 of short requests alone and beside large attention responses"
 	@echo "make gpu-check          the CUDA path where a GPU is: each CUDA step, parity on CUDA vs CPU, throughput, the service"
 	@echo "make image              build the CPU image (podman or docker), report its size, smoke-test it (IMAGE_ARGS=...; minutes, GBs)"
+	@echo "make containers         the images as real containers: one, a KubeRay-shaped Ray cluster with a pod lost, the CUDA image, layer sizes"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -87,6 +88,8 @@ reliability: $(STAMP) prometheus
 	RELIABILITY_LOG=results/reliability.jsonl $(BIN)/python -m pytest -q $(RELIABILITY_TESTS)
 	@# the last `make soak` that passed, if any, keeps its row
 	@if [ -f results/soak/reliability.jsonl ]; then cat results/soak/reliability.jsonl >> results/reliability.jsonl; fi
+	@# and the last `make containers` that passed (a worker pod lost, a container stopped under load)
+	@if [ -f results/containers/reliability.jsonl ]; then cat results/containers/reliability.jsonl >> results/reliability.jsonl; fi
 	$(BIN)/python -m tests.reliability RELIABILITY.md
 
 # LOADTEST_ARGS, e.g. '--host http://10.0.0.5:8000 --users 32 --duration 2m --max-p99-ms 2000'
@@ -139,6 +142,18 @@ image:
 
 image-smoke:
 	$(PYTHON) deploy/image/build.py --smoke-only $(IMAGE_ARGS)
+
+# The images run as a cluster runs them (docs/images.md): the CPU image as one container (CMD,
+# HEALTHCHECK, uid 1000, a worker pod's limits, SIGTERM with requests in flight); a head and two
+# worker containers started as KubeRay starts deploy/k8s/rayservice-cpu.yaml's pods, its Serve config
+# deployed, a worker killed under load and started again, a real Prometheus scraping every node; the
+# CUDA image's libraries and its no-GPU line; each image's layers. Needs both images (make image, and
+# IMAGE_ARGS='--dockerfile deploy/Dockerfile.cuda'); about 10 minutes. Rows for `make reliability`.
+# CONTAINERS_ARGS, e.g. '--only cluster --phase-s 30'.
+CONTAINERS_ARGS ?=
+.PHONY: containers
+containers: $(STAMP) prometheus
+	$(BIN)/python deploy/image/containers.py $(CONTAINERS_ARGS)
 
 # What building large responses does to the replica's other requests: short requests' latency alone
 # and while other clients fetch ~60 MB attention responses (LOOP_STALL_ARGS='--seconds 30').

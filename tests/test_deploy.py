@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import re
+import socket
 import subprocess
 import sys
 from functools import cache
@@ -262,13 +264,103 @@ GPU_ARGS = {"provider": "cuda", "num_gpus": 0.25}  # all that a GPU cluster's Se
 
 @pytest.mark.parametrize("name", RAYSERVICES)
 def test_serve_config_v2_is_the_serve_config_file(name):
+    """The file, with two replicas at least in a cluster (so a lost pod leaves one serving) and, on
+    GPUs, replicas on CUDA asking Ray for a GPU share; nothing else differs."""
     embedded = yaml.safe_load(load(name)["spec"]["serveConfigV2"])
     expected = serve_config()
-    if "gpu" in name:  # the same config, with replicas on CUDA asking Ray for a GPU share
+    for app in expected["applications"]:
+        for deployment in app["deployments"]:
+            deployment["autoscaling_config"]["min_replicas"] = 2
+    if "gpu" in name:
         assert embedded == yaml.safe_load((ROOT / "deploy/serve_config.gpu.yaml").read_text())
         for app in expected["applications"]:
             app["args"].update(GPU_ARGS)
     assert embedded == expected
+    assert serve_config()["applications"][0]["deployments"][0]["autoscaling_config"]["min_replicas"] == 1  # make run
+
+
+def test_cpu_cluster_spreads_its_minimum_replicas_over_two_worker_pods():
+    manifest = load("rayservice-cpu.yaml")
+    group = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    scaling = settings_of(yaml.safe_load(manifest["spec"]["serveConfigV2"])).autoscaling
+    assert group["replicas"] == group["minReplicas"] == scaling.min_replicas == 2
+
+
+# --- the containers `make containers` runs: KubeRay's pods, rendered from the manifests ------------------
+
+
+def kuberay_pods(name: str):
+    from deploy.k8s import kuberay
+
+    manifest = load(name)
+    return manifest, kuberay.pods(manifest)
+
+
+def flag_values(script: str) -> dict[str, str]:
+    """`ray start`'s flags in KubeRay's script: {'num-cpus': '4', 'block': ''}."""
+    assert script.startswith("ulimit -n 65536; ray start "), script
+    out = {}
+    for word in script.split("ray start ", 1)[1].split():
+        key, _, value = word.removeprefix("--").partition("=")
+        out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_container_command_lines_match_the_rayservice(name):
+    """Each container `make containers` starts has its pod's image, user, resource limits, environment,
+    liveness probe and grace period, and the `ray start` line KubeRay derives from the group's
+    rayStartParams and limits, all read from the rendered manifest."""
+    from deploy.k8s.kuberay import quantity
+
+    manifest, pods = kuberay_pods(name)
+    cluster = manifest["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    assert len(pods) == 1 + sum(g["replicas"] for g in cluster["workerGroupSpecs"])
+    head_svc = f"{manifest['metadata']['name']}-head-svc"
+    for pod in pods:
+        group = groups[0] if pod.head else next(g for g in groups[1:] if g["groupName"] == pod.group)
+        spec = group["template"]["spec"]
+        container = spec["containers"][0]
+        limits = container["resources"]["limits"]
+        argv = pod.run_argv(network="net", aliases=(head_svc,) if pod.head else ())
+        options = " ".join(argv)
+        assert argv[-2] == container["image"] and argv[-1] == pod.ray_start
+        assert f"--cpus={quantity(limits['cpu']):g}" in argv and f"--memory={int(quantity(limits['memory']))}" in argv
+        assert argv[argv.index("--user") + 1] == str(spec["securityContext"]["runAsUser"]) == "1000"
+        assert argv[argv.index("--workdir") + 1] == container["workingDir"]
+        assert f"--stop-timeout={spec['terminationGracePeriodSeconds']}" in argv
+        assert "--cap-drop=ALL" in argv and "--security-opt=no-new-privileges" in argv
+        assert argv[argv.index("--health-cmd") + 1] == json.dumps(container["livenessProbe"]["exec"]["command"])
+        for env in container["env"]:
+            assert f"{env['name']}={env['value']}" in argv, env
+        assert ("--device" in argv) == ("nvidia.com/gpu" in limits)
+        flags = flag_values(pod.ray_start)
+        for key, value in group["rayStartParams"].items():
+            assert flags[key] == str(value), (pod.name, key)
+        assert flags["block"] == "" and flags["dashboard-agent-listen-port"] == "52365"  # the liveness probe's port
+        assert flags["metrics-export-port"] == "8080"
+        assert flags["memory"] == str(int(quantity(limits["memory"])))
+        assert flags["num-cpus"] == group["rayStartParams"].get("num-cpus", str(int(quantity(limits["cpu"]))))
+        if pod.head:
+            assert flags["num-cpus"] == "0" and "address" not in flags and "--network-alias=" + head_svc in options
+        else:
+            assert flags["address"] == f"{head_svc}:6379"
+            assert dict(e.split("=", 1) for e in argv[argv.index("-e") + 1::2] if "=" in e)["RAY_ADDRESS"] == flags["address"]
+
+
+def test_container_command_lines_follow_a_changed_manifest():
+    """Rendered from the manifest, not copied: change the worker's limits and the command line follows."""
+    from deploy.k8s import kuberay
+
+    manifest = copy.deepcopy(load("rayservice-cpu.yaml"))
+    worker = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    worker["template"]["spec"]["containers"][0]["resources"]["limits"] = {"cpu": "3", "memory": "5Gi"}
+    worker["rayStartParams"]["num-gpus"] = "0"
+    pod = kuberay.pods(manifest, image="localhost/x:1")[1]
+    argv = pod.run_argv()
+    assert "--cpus=3" in argv and f"--memory={5 * 2**30}" in argv and argv[-2] == "localhost/x:1"
+    assert {"num-cpus": "3", "memory": str(5 * 2**30), "num-gpus": "0"}.items() <= flag_values(pod.ray_start).items()
 
 
 def test_gpu_replicas_ask_ray_for_the_gpu_their_pod_has_and_ray_assigns_devices():
@@ -411,3 +503,23 @@ def test_what_serve_changes_live_is_in_the_deployments_entry_not_in_args():
         # Serve's limit per replica is the replica's: Serve routes only to replicas with room
         assert settings.max_ongoing_requests == encoder["max_ongoing_requests"]
         assert settings.max_queued_requests == encoder["max_queued_requests"]
+
+
+def test_image_healthcheck_says_live_and_what_the_replica_runs_on(service_url):
+    """The images' HEALTHCHECK (python -m service.healthcheck): exit 0 and one line naming the provider and,
+    on a machine without a GPU, why CUDA is not used; exit 1 with a reason where nothing answers."""
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        text = (ROOT / "deploy" / dockerfile).read_text()
+        assert 'CMD ["python", "-m", "service.healthcheck"]' in text, dockerfile
+    live = subprocess.run([sys.executable, "-m", "service.healthcheck", "--url", service_url],
+                          capture_output=True, text=True, timeout=30)
+    info = httpx.get(f"{service_url}/info", timeout=30).json()
+    assert live.returncode == 0, live.stdout + live.stderr
+    assert live.stdout.strip() == f"live; serving on {info['provider']} (CUDA not used: {info['provider_note']})"
+    assert "no GPU visible" in live.stdout or "CUDA libraries missing" in live.stdout  # this machine has no GPU
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = subprocess.run([sys.executable, "-m", "service.healthcheck", "--url", f"http://127.0.0.1:{port}", "--timeout", "2"],
+                          capture_output=True, text=True, timeout=30)
+    assert dead.returncode == 1 and dead.stdout.startswith("not live:"), dead.stdout

@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         report = {**json.loads(report_path.read_text()), "engine": engine}
     if not image_exists(engine, tag):
         fail(f"no image {tag} to smoke-test: make image first")
+    if engine == "podman" and not shutil.which("runc"):  # containers run here with runc (smoke.run_prefix)
+        install_packages(["runc"])
     outcome = smoke.smoke(engine, tag, results / f"smoke-{tag.rsplit(':', 1)[-1]}.log", say)
     report["smoke"] = outcome
     report_path.write_text(json.dumps(report, indent=2) + "\n")

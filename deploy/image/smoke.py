@@ -4,8 +4,7 @@
 then start Ray the way KubeRay does (`/bin/bash -lc -- "ray start ..."`, as uid 1000) and ask it
 the manifests' liveness probe (wget .../api/local_raylet_healthz).
 
-`podman run` (or docker run) where containers can run; where they cannot (crun fails at `setrlimit`
-in some sandboxes), a writable container filesystem (`podman create` + `podman mount`) entered with
+`podman --runtime runc run --ulimit ...` (or docker run) where containers can run; where they cannot, a writable container filesystem (`podman create` + `podman mount`) entered with
 chroot as the image's user, in a private mount namespace with /proc, /dev and /sys, on the host's
 loopback. Standard library only. Usable alone: python deploy/image/smoke.py IMAGE
 """
@@ -16,6 +15,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,11 +59,23 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 30) -
         return 0, b""
 
 
-def container_run_works(engine: str, image: str) -> bool:
-    """Whether `ENGINE run` works here (it does not where the OCI runtime cannot start a container)."""
-    probe = subprocess.run([engine, "run", "--rm", "--network", "none", "--entrypoint", "true", image],
+# A container's runtime must not raise the rlimits above the host's here (crun and runc both fail at
+# setrlimit otherwise): podman runs containers with Debian's runc and these limits (docs/images.md).
+ULIMITS = ("nofile=16384:16384", "nproc=16384:16384")
+
+
+def run_prefix(engine: str) -> list[str]:
+    """`ENGINE run` as containers run here: runc (podman's default crun failed) and explicit rlimits."""
+    runtime = ["--runtime", "runc"] if engine == "podman" and shutil.which("runc") else []
+    return [engine, *runtime, "run", *(f"--ulimit={u}" for u in ULIMITS)]
+
+
+def container_run_works(engine: str, image: str) -> tuple[bool, str]:
+    """Whether `ENGINE run` works here, and the engine's last line when it does not."""
+    probe = subprocess.run([*run_prefix(engine), "--rm", "--network", "none", "--entrypoint", "true", image],
                            capture_output=True, text=True, timeout=120)
-    return probe.returncode == 0
+    why = (probe.stderr or probe.stdout).strip().splitlines()[-1:] or [f"exit {probe.returncode}"]
+    return probe.returncode == 0, why[0]
 
 
 def processes_under(root: Path) -> list[tuple[int, str]]:
@@ -89,10 +101,11 @@ class Runner:
         self.runs = 0
         self.config = json.loads(self._engine("image", "inspect", image))[0].get("Config") or {}
         self.root: Path | None = None
-        if container_run_works(engine, image):
-            self.mode = f"{engine} run --network host"
+        works, why = container_run_works(engine, image)
+        if works:
+            self.mode = f"{' '.join(run_prefix(engine))} --network host"
         else:
-            self.mode = "chroot into the mounted image filesystem (containers cannot run here)"
+            self.mode = f"chroot into the mounted image filesystem (containers cannot run here: {why})"
             self._engine("create", "--name", self.container, image)
             self.root = Path(self._engine("mount", self.container))
 
@@ -115,7 +128,7 @@ class Runner:
         """The host command that runs argv from the image (with the image's environment and workdir)."""
         self.runs += 1
         if self.root is None:
-            return [self.engine, "run", "--rm", "--name", f"{self.container}-{self.runs}", "--network", "host",
+            return [*run_prefix(self.engine), "--rm", "--name", f"{self.container}-{self.runs}", "--network", "host",
                     *(["--user", user] if user else []), *(["--entrypoint", entrypoint] if entrypoint else []),
                     self.image, *argv]
         uid, gid, home = self.user(user or self.config.get("User") or "0")

@@ -99,6 +99,9 @@ def build_step() -> Step:
     if CUDA not in ort.get_available_providers():
         return Step("build", False, f"this onnxruntime build ({ort.__version__}) has no CUDA provider "
                                     "(install onnxruntime-gpu)")
+    if not provider_library().exists():  # the CPU image leaves it out (deploy/image/prune.py): 271 MB
+        return Step("build", False, f"this installation has no CUDA provider library ({provider_library().name}): "
+                                    "a CPU image; use the CUDA image")
     return Step("build", True, f"onnxruntime-gpu {ort.__version__}, built for CUDA {built_cuda_version() or '?'}")
 
 
@@ -176,8 +179,9 @@ def driver_step() -> tuple[Step, ctypes.CDLL | None]:
     try:
         api = ctypes.CDLL(DRIVER)
     except OSError:
-        return Step("driver", False, f"no NVIDIA driver: {DRIVER} is not installed (a node with a GPU and a driver "
-                                     f"for CUDA {built_cuda_version() or '13'} or newer)"), None
+        # in a container, the NVIDIA runtime mounts the driver only where a GPU is given to it
+        return Step("driver", False, f"no GPU visible: no NVIDIA driver ({DRIVER} is not installed; a node with a GPU "
+                                     f"and a driver for CUDA {built_cuda_version() or '13'} or newer)"), None
     version = ctypes.c_int(0)
     if api.cuDriverGetVersion(ctypes.byref(version)) != 0:
         return Step("driver", False, f"{DRIVER} loads but does not report its CUDA version"), None
