@@ -2,8 +2,8 @@
 
     python examples/attention_similarity.py [--url http://127.0.0.1:8000]
 
-/v1/attention at word level: for each word, the words it draws most from (top_k of the last
-layer, averaged over heads) and the rollout over all layers. /v1/similarity with explain: the
+/v1/attention at word level: for each word, the two words it draws most from by attention
+rollout (Abnar & Zuidema 2020: every layer's attention, heads averaged, with the residual). /v1/similarity with explain: the
 cosine of the two texts, split exactly into each word's contribution (they sum to the score).
 Fields and definitions: docs/attention.md.
 """
