@@ -179,3 +179,28 @@ def test_bench_writes_compact_headlines_between_the_readme_markers(tmp_path):
     assert "| p50 | 3.8 ms | yes |" in written and "[docs/performance.md](docs/performance.md)" in written
     assert written.split(SUMMARY_START)[0] == readme.split(SUMMARY_START)[0]
     assert written.split(SUMMARY_END)[1] == readme.split(SUMMARY_END)[1]
+
+
+def request_path(text: str) -> list[str]:
+    """The modules a request-path listing names, in order (paths under service/)."""
+    return re.findall(r"(?<![\w/.])((?:[a-z_]+/)*(?:[a-z_]+|<protocol>)\.py)", text)
+
+
+def test_the_request_path_names_real_modules_and_the_docs_page_agrees():
+    import service
+
+    doc = service.__doc__
+    listing = doc[doc.index("in order:"):]
+    named = request_path(listing)
+    for module in named:
+        if "<protocol>" in module:
+            continue
+        assert (ROOT / "service" / module).is_file(), f"service/__init__.py names {module}, which does not exist"
+    routes_line = listing[listing.index("http/routes/<protocol>.py"):].split("validated")[0]
+    routes = {p.stem for p in (ROOT / "service" / "http" / "routes").glob("*.py") if p.stem != "__init__"}
+    assert routes <= set(re.findall(r"\w+", routes_line)), f"route modules missing from the request path: {routes}"
+    page = (ROOT / "docs" / "serving.md").read_text()
+    section = page[page.index("## How a request is served"):]
+    block = section[section.index("```"):section.index("```", section.index("```") + 3)]
+    assert request_path(block) == request_path(listing[:listing.index("\nRay Serve's own answers")]), \
+        "docs/serving.md's request path differs from service/__init__.py's"
