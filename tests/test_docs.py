@@ -204,3 +204,16 @@ def test_the_request_path_names_real_modules_and_the_docs_page_agrees():
     block = section[section.index("```"):section.index("```", section.index("```") + 3)]
     assert request_path(block) == request_path(listing[:listing.index("\nRay Serve's own answers")]), \
         "docs/serving.md's request path differs from service/__init__.py's"
+
+
+def test_the_layout_page_names_every_module_and_page():
+    page = (ROOT / "docs" / "layout.md").read_text()
+    missing = []
+    for folder in ("bundle", "export", "service", "benchmarks", "loadtests", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "__init__.py" and path.parent.name != "service" and path.parent.name != "runtimes":
+                continue  # package markers, except the two that say something
+            if path.name not in page:
+                missing.append(str(path.relative_to(ROOT)))
+    missing += [f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")) if p.name not in page]
+    assert not missing, f"docs/layout.md does not name {missing}"
