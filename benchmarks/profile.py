@@ -5,7 +5,7 @@
 Starts the service on loopback (its own Ray), drives single-text requests at concurrency 32, and
 records each Serve process (the replica, and Ray's proxy actor) with py-spy: a flame graph per process
 (results/profile/*.svg) and the functions with the most samples, printed. This is how the request
-path was profiled before and after each change of the performance work (see README, Performance).
+path was profiled before and after each change of the performance work (see docs/performance.md).
 """
 
 from __future__ import annotations

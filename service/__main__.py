@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "GPUs a number declares logical ones, to see placement work (tests/test_gpu_placement.py)")
     p.add_argument("--ingress", choices=sorted(INGRESS_ENV), default=DEFAULT_INGRESS,
                    help=f"HTTP ingress of a local cluster: HAProxy (default, measured fastest) or Ray Serve's "
-                   f"proxy actor (see README, Performance); default {DEFAULT_INGRESS}")
+                   f"proxy actor (see docs/performance.md); default {DEFAULT_INGRESS}")
     p.add_argument("--metrics-port", type=int, default=8080,
                    help="Ray's Prometheus endpoint on 127.0.0.1 (every replica's metrics), for a local cluster")
     p.add_argument("--log-file", type=Path,
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.ingress != DEFAULT_INGRESS and args.address != "local":
         print("service refused to start: --ingress applies to a local cluster; on a running one set the ingress "
-              "in the environment of its Ray processes (README, Deploy)", file=sys.stderr)
+              "in the environment of its Ray processes (docs/serving.md, 'The ingress')", file=sys.stderr)
         return 2
     local = args.address == "local"
     if local:

@@ -3,7 +3,7 @@ requests do not hang behind them.
 
 A client that gives up after T seconds says so with `X-Request-Timeout-Seconds: T`, and the replica
 drops its request when T runs out, whatever the ingress in front does with the closed connection
-(Ray's proxy actor cancels the request, HAProxy not always: README, Reliability)."""
+(Ray's proxy actor cancels the request, HAProxy not always: docs/serving.md, "Overload, deadlines and clients that leave")."""
 
 from __future__ import annotations
 

@@ -171,7 +171,7 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     serve_bin = Path(sys.executable).with_name("serve")
-    # `serve run` as the README and the config's header say: the ingress switches exported first
+    # `serve run` as docs/serving.md and the config's header say: the ingress switches exported first
     env = {**service_env(), **INGRESS_ENV[DEFAULT_INGRESS], "RAY_ADDRESS": ""}
     proc = subprocess.Popen(
         [str(serve_bin), "run", "--address", "local", str(path)],

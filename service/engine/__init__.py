@@ -9,5 +9,6 @@
   runner.py        one batch: texts length-sorted into padded sub-batches, run on the runtime,
                    pooled and scattered back to their requests
   analysis.py      attention summaries (rollout, entropy) and word-level similarity
+  explain.py       why a classifier scored a text as it did, word by word (occlusion, rollout)
   errors.py        why a request cannot be served (service/http/errors.py maps them to statuses)
 """

@@ -166,7 +166,7 @@ async def v2_server() -> JSONResponse:
 @app.get("/v2/health/live")
 async def v2_live() -> JSONResponse:
     """Liveness: a replica answers. (While none is up, Serve's own /-/healthz tells whether the
-    ingress is alive; see README, Reliability.)"""
+    ingress is alive; see docs/serving.md, "Liveness and readiness".)"""
     return JSONResponse({"live": True})
 
 

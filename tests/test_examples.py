@@ -1,0 +1,118 @@
+"""The client scripts in examples/, each run as a user runs it (a subprocess of this Python) against
+the suite's running service, so that they cannot rot: the checks are on what they print.
+
+The open examples run against the default app (service_url). Rerank, auth and the load script run
+against one more app: the default model plus a cross-encoder built locally (tests/families.py),
+a bearer token required, and limits tight enough (2 requests per replica, 1 queued) that the load
+script's concurrent requests are shed with 503 + Retry-After and its retries are exercised.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
+from tests.conftest import deploy
+from tests.families import make_classifier
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "examples-token"
+PREFIX = "/examples"
+
+
+def run_example(script: str, *args: str, token: str | None = None, timeout: float = 180) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "ENCODER_API_TOKEN"}
+    if token:
+        env["ENCODER_API_TOKEN"] = token
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{script} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def secured_with_ranker(ray_serve, default_bundle, tmp_path_factory):
+    from export.pipeline import ExportOptions, build_bundle
+
+    root = tmp_path_factory.mktemp("examples")
+    checkpoint = make_classifier("bert", root / "ranker-ckpt", 1)
+    build_bundle(ExportOptions(str(checkpoint), root / "ranker", DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name="ranker"),
+                 progress=lambda _: None)
+    token_file = root / "token"
+    token_file.write_text(TOKEN + "\n")
+    deploy({"bundles": [{"path": str(default_bundle)}, {"path": str(root / "ranker"), "name": "ranker"}],
+            "auth_token_file": str(token_file), "num_cpus": 0.5, "max_ongoing_requests": 2,
+            "max_queued_requests": 1, "retry_after_s": 1}, "examples", PREFIX, default_bundle)
+    try:
+        yield ray_serve.url + PREFIX, checkpoint
+    finally:
+        from ray import serve
+
+        serve.delete("examples")
+
+
+def test_openai_example_prints_models_dimension_and_cosine(service_url):
+    out = run_example("openai_client.py", "--url", service_url)
+    assert "models all-MiniLM-L6-v2" in out
+    assert out.count("dimension 384") == 2, out
+    cosine = float(re.search(r"cosine (\S+)", out).group(1))
+    assert 0.5 < cosine < 1.0, out  # two sentences about eating: similar, not identical
+
+
+@pytest.mark.parametrize("tensors", ["binary", "json"])
+def test_tritonclient_example_gets_normalised_embeddings(service_url, tensors):
+    out = run_example("triton_http.py", "--url", service_url, *(["--json"] if tensors == "json" else []))
+    assert "server ready True model ready True" in out
+    assert "inputs [('text', 'BYTES')]" in out
+    assert "sentence_embedding shape [2, 384] norms [1.0, 1.0]" in out, out
+    tokens = [int(n) for n in re.search(r"tokens per text \[(.*)\]", out).group(1).split(",")]
+    assert tokens[0] == 9, out  # [CLS] the cat sat on the mat . [SEP]
+
+
+def test_attention_example_prints_words_and_contributions_that_sum_to_the_score(service_url):
+    out = run_example("attention_similarity.py", "--url", service_url)
+    assert "units ['[CLS]', 'Photosynthesis', 'is', 'unbelievable', '.', '[SEP]']" in out, out
+    score = float(re.search(r"similarity (\S+)", out).group(1))
+    sums = [float(s) for s in re.findall(r"sum of contributions (\S+);", out)]
+    assert len(sums) == 2 and all(abs(s - score) < 1e-3 for s in sums), out
+
+
+def test_rerank_example_ranks_as_cross_encoder_does(secured_with_ranker):
+    from sentence_transformers import CrossEncoder
+
+    from examples.rerank import DOCUMENTS, QUERY
+
+    url, checkpoint = secured_with_ranker
+    out = run_example("rerank.py", "--url", url, "--model", "ranker", token=TOKEN)
+    order = [int(i) for i in re.search(r"order \[(.*)\]", out).group(1).split(",")]
+    expected = CrossEncoder(str(checkpoint), device="cpu").predict([(QUERY, d) for d in DOCUMENTS])
+    assert order == list(np.argsort(-expected)), (out, expected)
+    printed = [float(s) for s in re.findall(r"score (\S+)", out)]
+    np.testing.assert_allclose(printed, np.sort(expected)[::-1], atol=1e-4)
+
+
+def test_auth_example_is_refused_without_the_token_and_served_with_it(secured_with_ranker):
+    url, _ = secured_with_ranker
+    out = run_example("auth.py", "--url", url, token=TOKEN)
+    assert "without a token 401 unauthorized Bearer" in out, out
+    assert "with a wrong token 401 unauthorized" in out
+    assert "with the token 200 dimension 384" in out
+    assert "readiness without a token 200" in out
+
+
+def test_async_load_example_retries_what_is_shed_and_gets_every_answer(secured_with_ranker):
+    url, _ = secured_with_ranker
+    out = run_example("async_load.py", "--url", url, "--requests", "40", "--concurrency", "12",
+                      "--texts", "8", "--words", "60", token=TOKEN, timeout=300)
+    found = re.search(r"ok (\d+) of 40; retried after 503 (\d+) \(overloaded (\d+), timeout (\d+)\)", out)
+    assert found, out
+    ok, retried, overloaded, _ = map(int, found.groups())
+    assert ok == 40, out
+    assert retried > 0 and overloaded > 0, f"12 clients on room for 3 were never shed: {out}"
