@@ -31,7 +31,7 @@ help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
 	@echo "make test    install into $(VENV) and run the whole test suite"
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
-	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes the README table"
+	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes docs/performance.md and the README's headline"
 	@echo "make profile py-spy flame graphs of the replica (and the proxy actor) under load -> results/profile/"
 	@echo "make report  make bench with a concurrency sweep, and the plot docs/performance.png"
 	@echo "make reliability        fault tests (overload, kills, shutdown, hostile input, bad bundles, auth) -> RELIABILITY.md"

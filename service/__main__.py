@@ -174,7 +174,8 @@ def summary(settings: ServiceSettings, http: dict, info: dict, args: argparse.Na
         *models,
         f"  provider   {provider}",
         *gpu_lines,
-        f"  replicas   {replicas}, each holds up to {settings.max_ongoing_requests} requests, then 503 + Retry-After",
+        f"  replicas   {replicas}, each holds up to {settings.max_ongoing_requests} requests, Serve queues "
+        f"{settings.max_queued_requests} more, then 503 + Retry-After",
         f"  metrics    {metrics} (Prometheus text, every replica on this node)",
         f"  access     {access}",
         f"  logs       {log_path} (Ray's own messages)",

@@ -7,8 +7,8 @@ Measured with `podman history` and `du` on the images (docs/images.md, "Image si
 something the service cannot reach: the CPU image never loads onnxruntime-gpu's CUDA provider (271 MB;
 service/runtimes/cuda.py then says the image has none), OpenVINO's GPU and NPU plugins and its
 non-ONNX frontends are never asked for (the service compiles ONNX on "CPU"), Ray's Java jars and RLlib
-are for other Ray libraries, and NVIDIA's wheels carry headers and static libraries for building, not
-running. Standard library only: it runs in the image before anything else is there.
+are for other Ray libraries, NVIDIA's wheels carry headers and static libraries for building, not
+running, and cuFFT serves FFT operators a Transformer encoder does not have. Standard library only: it runs in the image before anything else is there.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ BY_VARIANT = {
         "onnxruntime/capi/libonnxruntime_providers_tensorrt.so",  # TensorRT is not used (docs/gpu.md)
         "nvidia/*/include",
         "nvidia/*/lib/*.a",
-        "nvidia/cu13/lib/libcufftw.so.*",  # FFTW's interface to cuFFT; onnxruntime links cuFFT itself
+        # cuFFT (227 MB): onnxruntime's CUDA provider does not link it (its DT_NEEDED: cuBLASLt, cuBLAS, cuRAND,
+        # cudart, the driver), and onnxruntime.preload_dlls() lists it as optional: only FFT operators use it
+        "nvidia/cu13/lib/libcufft.so.*",
+        "nvidia/cu13/lib/libcufftw.so.*",
         "nvidia/cu13/lib/libnvblas.so.*",  # a BLAS drop-in for CPU programs
     ],
 }

@@ -30,7 +30,7 @@ GPU_ARGS = {"provider": "cuda", "num_gpus": 0.25}
 # `make containers`, RELIABILITY.md). `make run` on one machine keeps the file's minimum of one.
 CLUSTER_DEPLOYMENT = {"autoscaling_config": {"min_replicas": 2}}
 CPU_WORKER_PODS = 2  # the CPU worker group's replicas and minReplicas: one replica each, on two nodes
-IMAGE = "REGISTRY/mha-encoder:0.1.0"  # replace REGISTRY with yours (README, "Deploy to Kubernetes")
+IMAGE = "REGISTRY/mha-encoder:0.1.0"  # replace REGISTRY with yours (docs/deploy.md)
 RAY_VERSION = "2.60.0"
 TERMINATION_GRACE_S = 60  # > graceful_shutdown_timeout_s (20) in the Serve config: requests drain first
 
@@ -45,7 +45,7 @@ ENV = [
     {"name": "RAY_SERVE_DEFAULT_HTTP_HOST", "value": "0.0.0.0"},
     {"name": "HF_HUB_OFFLINE", "value": "1"},
     # HAProxy in front of the replicas on every node, as under `make run`: the ingress measured
-    # fastest (README, Performance). Ray Serve reads these when each Ray process starts.
+    # fastest (docs/performance.md). Ray Serve reads these when each Ray process starts.
     *({"name": k, "value": v} for k, v in INGRESS_ENV[DEFAULT_INGRESS].items()),
 ]
 # Liveness asks the raylet (is Ray alive?), never the model: a replica that is still loading
