@@ -4,8 +4,8 @@
 then start Ray the way KubeRay does (`/bin/bash -lc -- "ray start ..."`, as uid 1000) and ask it
 the manifests' liveness probe (wget .../api/local_raylet_healthz).
 
-`podman --runtime runc run --ulimit ...` (or docker run) where containers can run; where they cannot, a writable container filesystem (`podman create` + `podman mount`) entered with
-chroot as the image's user, in a private mount namespace with /proc, /dev and /sys, on the host's
+`podman --runtime runc run --ulimit ...` (or docker run) where containers can run; where they cannot,
+a writable container filesystem (`podman create` + `podman mount`) entered with chroot as the image's user, in a private mount namespace with /proc, /dev and /sys, on the host's
 loopback. Standard library only. Usable alone: python deploy/image/smoke.py IMAGE
 """
 
