@@ -54,6 +54,26 @@ class Runtime(Protocol):
     def describe_cuda(self) -> dict: ...
 
 
+class TwoGraphs:
+    """What every runtime does with its two graphs, `full` and `fast`, and its bundle's `manifest`:
+    pick the cheaper graph that has the outputs asked for, run it, and smoke-test both."""
+
+    full: Graph
+    fast: Graph
+
+    def graph_for(self, outputs: Sequence[str]) -> Graph:
+        return self.full if "attentions" in outputs else self.fast
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
+            token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """One padded batch through the graph that can produce `outputs`, the cheaper one when both can."""
+        return self.graph_for(outputs).run(input_ids, attention_mask, outputs, token_type_ids)
+
+    def smoke_test(self) -> None:
+        """A tiny inference through both graphs, every output: proves the sessions compute finite numbers."""
+        smoke_test((self.full, self.fast), self.manifest.model.vocab_size)
+
+
 def smoke_test(graphs: Sequence[Graph], vocab_size: int) -> None:
     """A tiny inference through each graph, every output: proves it computes finite numbers."""
     # BERT's "[CLS] hello [SEP]", folded into smaller vocabularies (any ids do for finite numbers)

@@ -18,6 +18,7 @@ import onnxruntime as ort
 from bundle.contract import INPUT_NAMES, encodings_output_names, output_names
 from bundle.manifest import Bundle, BundleError, load_bundle
 from service.config import ServiceSettings
+from service.runtimes import TwoGraphs
 from service.runtimes.cuda import CUDA, CudaCheck, CudaOptions, GpuAssignment, check_cuda, session_memory_limit
 
 logger = logging.getLogger("service.runtimes.onnxruntime")
@@ -134,7 +135,7 @@ def with_options(providers: list[str], options: CudaOptions | None) -> list:
     return [(p, options.provider_options()) if p == CUDA and options else p for p in providers]
 
 
-class OrtEncoder:
+class OrtEncoder(TwoGraphs):
     """Both graphs of a bundle: the full one (attention weights) and the fast encodings-only one.
 
     A run that needs attention weights goes to the full graph, every other run to the
@@ -217,20 +218,6 @@ class OrtEncoder:
             for axis, size in expected[name].items():
                 if len(shape) <= axis or (isinstance(shape[axis], int) and shape[axis] != size):
                     raise BundleError(f"graph output {name} has shape {shape}, the manifest implies {size} at axis {axis}")
-
-    def graph_for(self, outputs: Sequence[str]) -> OrtGraph:
-        return self.full if "attentions" in outputs else self.fast
-
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
-            token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """One padded batch through the graph that can produce `outputs`, the cheaper one when both can."""
-        return self.graph_for(outputs).run(input_ids, attention_mask, outputs, token_type_ids)
-
-    def smoke_test(self) -> None:
-        """A tiny inference through both graphs, every output: proves the sessions compute finite numbers."""
-        from service.runtimes import smoke_test
-
-        smoke_test((self.full, self.fast), self.manifest.model.vocab_size)
 
 
 def resolve_precision(bundle: Bundle, precision: str, provider: str) -> tuple[str, str]:

@@ -22,6 +22,7 @@ import numpy as np
 
 from bundle.contract import INPUT_NAMES, encodings_output_names, output_names
 from bundle.manifest import Bundle, BundleError
+from service.runtimes import TwoGraphs
 
 if TYPE_CHECKING:
     from service.runtimes import Graph
@@ -148,7 +149,7 @@ class OvGraph:
 
 
 
-class OvEncoder:
+class OvEncoder(TwoGraphs):
     """A bundle served with its encodings graph on OpenVINO (bf16, or f32) and its full graph (attention
     weights) as given: onnxruntime fp32, unless the bundle's bf16 attention gate passed."""
 
@@ -173,18 +174,6 @@ class OvEncoder:
         self.provider = full_provider  # the device: OpenVINO runs on the CPU, the full graph on this provider
         self.provider_note = provider_note  # why not CUDA
         self._cuda = cuda or {"usable": False, "steps": [], "device": None, "provider_options": None}
-
-    def graph_for(self, outputs: Sequence[str]) -> Graph:
-        return self.full if "attentions" in outputs else self.fast
-
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
-            token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        return self.graph_for(outputs).run(input_ids, attention_mask, outputs, token_type_ids)
-
-    def smoke_test(self) -> None:
-        from service.runtimes import smoke_test
-
-        smoke_test((self.full, self.fast), self.manifest.model.vocab_size)
 
     def describe_cuda(self) -> dict:
         """The onnxruntime side's CUDA check (why this replica is on the CPU), for /info."""
