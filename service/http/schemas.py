@@ -28,6 +28,14 @@ def check_text_list(value: Any, field: str) -> Any:
     return value
 
 
+def strings_only(value: Any, note: str = "") -> Any:
+    """`input` as a string or a list of strings (never token ids or other values), then as
+    check_text_list checks it: the OpenAI and classify requests both take texts only."""
+    if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+        raise ValueError("input must be a string or a list of strings" + note)
+    return check_text_list(value, "input")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -280,9 +288,7 @@ class OpenAIEmbeddingRequest(BaseModel):
     @field_validator("input", mode="before")
     @classmethod
     def _texts_only(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
-            raise ValueError("input must be a string or a list of strings (token arrays are not accepted)")
-        return check_text_list(value, "input")
+        return strings_only(value, " (token arrays are not accepted)")
 
 
 class OpenAIEmbedding(BaseModel):
@@ -414,9 +420,7 @@ class ClassifyRequest(BaseModel):
     @field_validator("input", mode="before")
     @classmethod
     def _texts_only(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
-            raise ValueError("input must be a string or a list of strings")
-        return check_text_list(value, "input")
+        return strings_only(value)
 
 
 class LabelScore(BaseModel):
