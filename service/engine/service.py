@@ -96,10 +96,8 @@ class EncoderService:
         """The whole request in one batch call of the tokenizer; off the event loop when it is large."""
         inline = sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS
         tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode, texts, truncate)
-        total = sum(t.n_tokens for t in tokenized)
-        limit = self.batching.max_batch_tokens  # the live knob (reconfigure), the one the batch queue uses
-        if limit_tokens and total > limit:
-            raise TooLarge(f"request has {total} tokens; at most {limit} per request (split it into smaller requests)")
+        if limit_tokens:
+            self.check_tokens(sum(t.n_tokens for t in tokenized), "split it into smaller requests")
         return tokenized
 
     async def tokenize_pairs(self, engine: Engine, pairs: list[tuple[str, str]], truncate: bool,
@@ -107,9 +105,7 @@ class EncoderService:
         """Text pairs as the model's tokenizer joins them; the token budget counts every pair."""
         inline = sum(len(a) + len(b) for a, b in pairs) <= INLINE_TOKENIZE_CHARS
         tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode_pairs, pairs, truncate)
-        total, limit = sum(t.n_tokens for t in tokenized), self.batching.max_batch_tokens
-        if total > limit:
-            raise TooLarge(f"request has {total} tokens; at most {limit} per request (send fewer documents)")
+        self.check_tokens(sum(t.n_tokens for t in tokenized), "send fewer documents")
         return tokenized
 
     async def tokenize_chunks(self, engine: Engine, texts: list[str], tokens: int, overlap: int,
@@ -122,11 +118,15 @@ class EncoderService:
             raise InvalidRequest(f"chunking.overlap {overlap} leaves no new tokens in a chunk of {tokens} "
                                  f"({engine.tokenizer.special_tokens} of them special): make it smaller")
         chunks = await self._tokenizing(engine, route, False, engine.tokenizer.encode_chunks, texts, tokens, overlap)
-        total, budget = sum(c.n_tokens for text in chunks for c in text), self.batching.max_batch_tokens
-        if total > budget:
-            raise TooLarge(f"request has {total} tokens in {sum(map(len, chunks))} chunks; at most {budget} per "
-                           "request (split it into smaller requests)")
+        self.check_tokens(sum(c.n_tokens for text in chunks for c in text), "split it into smaller requests",
+                          f" in {sum(map(len, chunks))} chunks")
         return chunks
+
+    def check_tokens(self, total: int, advice: str, counted: str = "") -> None:
+        """A request's tokens against the token budget: the live knob (reconfigure) the batch queue uses."""
+        limit = self.batching.max_batch_tokens
+        if total > limit:
+            raise TooLarge(f"request has {total} tokens{counted}; at most {limit} per request ({advice})")
 
     def check_attention_size(self, engine: Engine, tokenized: list[TokenizedText]) -> None:
         """Attention grows with n^2: refuse before inference what would fill the replica's memory."""

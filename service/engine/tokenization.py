@@ -45,35 +45,23 @@ class TextTokenizer:
 
     def encode(self, texts: list[str], truncate: bool) -> list[TokenizedText]:
         """Tokenize texts; with truncate=False, a text over max_tokens is a 413 naming it."""
-        if truncate:
-            encodings = self._truncating.encode_batch(texts)
-            return [
-                TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=bool(e.overflowing))
-                for e in encodings
-            ]
-        encodings = self._whole.encode_batch(texts)
-        for i, e in enumerate(encodings):
-            if len(e.ids) > self.max_tokens:
-                raise TooLarge(
-                    f"input {i} has {len(e.ids)} tokens; the model's limit is {self.max_tokens} "
-                    "(send truncate=true to cut it)"
-                )
-        return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=False) for e in encodings]
-
+        return self._encode(texts, truncate, "input", "send truncate=true to cut it")
 
     def encode_pairs(self, pairs: list[tuple[str, str]], truncate: bool) -> list[TokenizedText]:
         """Text pairs (query, document) as the checkpoint's tokenizer joins them: its separators and
         token types; with truncate, the longer side is cut first (`longest_first`, as transformers
         does), else a pair over max_tokens is a 413 naming it."""
-        tokenizer = self._truncating if truncate else self._whole
-        encodings = tokenizer.encode_batch(pairs)
+        return self._encode(pairs, truncate, "pair", "send truncate=true to cut the longer side")
+
+    def _encode(self, items: list, truncate: bool, what: str, advice: str) -> list[TokenizedText]:
+        """One batch call of the truncating tokenizer, or of the whole one with each item checked
+        against max_tokens (a 413 naming the first over it)."""
+        encodings = (self._truncating if truncate else self._whole).encode_batch(items)
         if not truncate:
             for i, e in enumerate(encodings):
                 if len(e.ids) > self.max_tokens:
-                    raise TooLarge(f"pair {i} has {len(e.ids)} tokens; the model's limit is {self.max_tokens} "
-                                   "(send truncate=true to cut the longer side)")
+                    raise TooLarge(f"{what} {i} has {len(e.ids)} tokens; the model's limit is {self.max_tokens} ({advice})")
         return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=bool(e.overflowing)) for e in encodings]
-
 
     def encode_chunks(self, texts: list[str], tokens: int, overlap: int) -> list[list[TokenizedText]]:
         """Each text as windows of `tokens` tokens (special tokens included), each repeating `overlap`
