@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(o.max_abs_diff for o in m.parity.outputs)
         print(f"bundle {shown}: {m.model.name}, {len(m.files)} files verified; parity "
               f"{'passed' if m.parity.passed else 'FAILED'} on {len(m.parity.probe_shapes)} probes "
-              f"(max abs diff {worst:.1e}); encodings graphs {', '.join(m.variants)}")
+              f"(max abs diff {worst:.1e}); encodings graphs {', '.join(m.variants)}{', packed' if m.packed else ''}")
         return 0
     print(
         f"bundle {shown}: model {m.model.name}, {m.model.num_layers} layers, {m.model.num_heads} heads, "
@@ -49,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
                 print("    " + line)
         if variant.quality is not None:
             print("    " + quality_line(precision, variant.quality))
+    if m.packed is not None:
+        print(f"  packed graph {m.packed.file} (several texts in one row, no padding; onnxruntime fp32 or OpenVINO):")
+        for line in parity_lines(m.packed.parity):
+            print("    " + line)
+        if m.packed.bf16 is not None:
+            print("    " + quality_line("bf16", m.packed.bf16))
     return 0
 
 

@@ -31,6 +31,28 @@ def encodings_output_names(task: str) -> tuple[str, ...]:
     return {"embedding": ENCODINGS_OUTPUT_NAMES, "classification": CLASSIFIER_ENCODINGS_OUTPUT_NAMES}[task]
 
 
+# The packed graph: several texts in one row, no padding (export.encoder.Encoder.packed). Inputs
+# are (1, tokens) but pool_weights, (texts, tokens); its one output is the pooled one, (texts, dim).
+PACKED_INPUT_NAMES: Final = ("input_ids", "token_type_ids", "position_ids", "segment_ids", "pool_weights")
+PACKED_FILE: Final = "packed-fp32.onnx"
+PACKED_POOLINGS: Final = ("mean", "cls")  # what one pooling matrix can say (max pooling cannot)
+
+
+def packed_output_names(task: str) -> tuple[str, ...]:
+    """The packed graph's output: the sentence embedding, or a classifier's logits."""
+    return encodings_output_names(task)[1:]
+
+
+PACKED_DYNAMIC_AXES: Final = {
+    "input_ids": {1: "tokens"},
+    "token_type_ids": {1: "tokens"},
+    "position_ids": {1: "tokens"},
+    "segment_ids": {1: "tokens"},
+    "pool_weights": {0: "texts", 1: "tokens"},
+    "sentence_embedding": {0: "texts"},
+    "logits": {0: "texts"},
+}
+
 DYNAMIC_AXES: Final = {
     "input_ids": {0: "batch", 1: "seq"},
     "attention_mask": {0: "batch", 1: "seq"},

@@ -14,11 +14,21 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from bundle.contract import BUNDLE_MANIFEST, INPUT_NAMES, MIN_OPSET, encodings_output_names, output_names
+from bundle.contract import (
+    BUNDLE_MANIFEST,
+    INPUT_NAMES,
+    MIN_OPSET,
+    PACKED_INPUT_NAMES,
+    PACKED_POOLINGS,
+    encodings_output_names,
+    output_names,
+    packed_output_names,
+)
 
 # 2: encodings-only graph variants (fp32 fused, int8, fp16) beside the full graph
 # 3: bf16 (OpenVINO), a variant's runtime, and the attention gate of a precision
-SCHEMA_VERSION = 3
+# 4: the packed graph (several texts in one row, no padding); schema 3 bundles are still read
+SCHEMA_VERSION = 4
 Pooling = Literal["mean", "cls", "max"]
 Precision = Literal["fp32", "int8", "fp16", "bf16"]
 RuntimeName = Literal["onnxruntime", "openvino"]
@@ -143,6 +153,27 @@ class VariantInfo(_Strict):
         return bool(gates) and all(g.passed for g in gates)
 
 
+class PackedInfo(_Strict):
+    """The packed fp32 graph: the texts of a run one after another in one row, each attending only
+    its own tokens, pooled by a matrix; the service runs texts that need only their pooled output on
+    it (on a CPU: onnxruntime fp32, or OpenVINO), so no work goes to padding."""
+
+    file: str
+    opset: int = Field(ge=MIN_OPSET)
+    inputs: list[str]
+    outputs: list[str]
+    position_offset: int = Field(ge=0, description="a text's first position id (RoBERTa's padding_idx + 1; else 0)")
+    parity: ParityReport = Field(description="its pooled output vs PyTorch's padded forward, texts packed as the "
+                                 "service packs them (strict fp32 tolerances)")
+    bf16: QualityGate | None = Field(
+        None, description="OpenVINO bf16 on this graph vs PyTorch fp32 (the bf16 variant's gate); served in bf16 "
+        "only if it passed, else bf16 runs stay padded")
+
+    @property
+    def passed(self) -> bool:
+        return self.parity.passed
+
+
 class ModelInfo(_Strict):
     name: str = Field(min_length=1, description="served model name (OpenAI `model`, v2 `{name}`)")
     architecture: str
@@ -192,7 +223,7 @@ class GraphInfo(_Strict):
 
 
 class BundleManifest(_Strict):
-    schema_version: Literal[3] = SCHEMA_VERSION
+    schema_version: Literal[3, 4] = SCHEMA_VERSION
     model: ModelInfo
     graph: GraphInfo = Field(description="the full graph: every output, attention weights included")
     tokenizer: str
@@ -202,6 +233,9 @@ class BundleManifest(_Strict):
         description="encodings-only graphs by precision; fp32 is always there, int8/fp16/bf16 when their gate "
         "passed"
     )
+    packed: PackedInfo | None = Field(
+        None, description="the packed fp32 graph; null: every run is padded (schema 3, a model pooled by max, or "
+        "a packed graph that failed its parity gate)")
     versions: dict[str, str]
     created_at: str
 
@@ -225,6 +259,10 @@ class Bundle:
 
     def variant_path(self, precision: str) -> Path:
         return self.root / self.manifest.variants[precision].file
+
+    @property
+    def packed_path(self) -> Path | None:
+        return self.root / self.manifest.packed.file if self.manifest.packed else None
 
     @property
     def tokenizer_path(self) -> Path:
@@ -333,7 +371,18 @@ def load_bundle(root: str | Path) -> Bundle:
         raise BundleError(f"{manifest_path}: the fp32 encodings graph has no strict parity report")
     if task == "classification":
         _check_classifier(manifest, manifest_path)
-    for required in (manifest.graph.file, manifest.tokenizer, *(v.file for v in manifest.variants.values())):
+    if (packed := manifest.packed) is not None:
+        if tuple(packed.inputs) != PACKED_INPUT_NAMES or tuple(packed.outputs) != packed_output_names(task):
+            raise BundleError(f"{manifest_path}: packed graph I/O {packed.inputs} -> {packed.outputs} is not the contract "
+                              f"{list(PACKED_INPUT_NAMES)} -> {list(packed_output_names(task))} of a {task} model")
+        if not packed.passed:
+            raise BundleError(f"{manifest_path}: the packed graph failed its parity gate; it must not be served")
+        if manifest.model.pooling not in PACKED_POOLINGS:
+            raise BundleError(f"{manifest_path}: a packed graph for {manifest.model.pooling} pooling (packing pools "
+                              f"by {' or '.join(PACKED_POOLINGS)} only)")
+    packed_files = [manifest.packed.file] if manifest.packed else []
+    for required in (manifest.graph.file, manifest.tokenizer, *(v.file for v in manifest.variants.values()),
+                     *packed_files):
         if required not in manifest.files:
             raise BundleError(f"{manifest_path}: {required} is used but has no hash in 'files'")
     for name, entry in sorted(manifest.files.items()):

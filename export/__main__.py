@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"published {result.out}: model {m.model.name} ({m.model.task}), opset {m.graph.opset}, "
         f"{sum(f.bytes for f in m.files.values()) / 1e6:.1f} MB, parity passed on "
-        f"{len(m.parity.probe_shapes)} probes, encodings graphs {', '.join(m.variants)}, "
+        f"{len(m.parity.probe_shapes)} probes, encodings graphs {', '.join(m.variants)}"
+        f"{', packed' if m.packed else ''}, "
         f"in {time.perf_counter() - started:.1f}s",
         flush=True,
     )

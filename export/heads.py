@@ -54,11 +54,7 @@ class SequenceClassifier(Encoder):
         self.head_config = head
         self.head = ClassificationHead(config.d_model, head)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden, first, attentions = super().forward(input_ids, attention_mask, token_type_ids)
-        return hidden, self.head(first), attentions
+    def finish(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The first token's encoding -> logits, in forward() and packed() alike (the encoder's
+        finish step: a classifier has no Dense layers and no normalisation)."""
+        return self.head(pooled)

@@ -16,8 +16,11 @@ from bundle.contract import (
     INPUT_NAMES,
     MIN_OPSET,
     OUTPUT_NAMES,
+    PACKED_DYNAMIC_AXES,
+    PACKED_INPUT_NAMES,
     encodings_output_names,
     output_names,
+    packed_output_names,
 )
 from export.encoder import Encoder
 
@@ -120,14 +123,64 @@ def export_encodings_onnx(encoder: Encoder, path: Path, opset: int) -> None:
     check_graph(path, outputs)
 
 
-def check_graph(path: Path, outputs: tuple[str, ...] = OUTPUT_NAMES) -> None:
+class Packed(nn.Module):
+    """Encoder.packed as a module's forward, for the exporter."""
+
+    def __init__(self, encoder: Encoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.reads_token_types = encoder.config.type_vocab_size > 1
+
+    def forward(self, input_ids, token_type_ids, position_ids, segment_ids, pool_weights):
+        if not self.reads_token_types:  # kept as an input all the same: see EncodingsOnly.forward
+            input_ids = input_ids + token_type_ids * 0
+        return self.encoder.packed(input_ids, token_type_ids, position_ids, segment_ids, pool_weights)
+
+
+def example_packed_inputs(encoder: Encoder) -> tuple[torch.Tensor, ...]:
+    """Two texts of 5 and 3 tokens in one row, mean-pooled (the weights' values do not shape the graph)."""
+    from service.runtimes.packing import pack
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = encoder.config.vocab_size
+    ids = [torch.randint(1, vocab, (n,), generator=generator).numpy() for n in (5, 3)]
+    feed = pack(ids, None, encoder.config.position_offset, "mean")
+    return tuple(torch.from_numpy(feed[name]) for name in PACKED_INPUT_NAMES)
+
+
+def export_packed_onnx(encoder: Encoder, path: Path, opset: int) -> None:
+    """Export the packed graph (Encoder.packed) with the TorchScript-based exporter, as the encodings
+    graph is; onnxruntime's transformer optimizer is not run on it: its attention fusion reads a
+    padding mask, not a block-diagonal one (measured: fused, it fails at run time; with only the
+    LayerNorm and Gelu fusions, no faster than onnxruntime's own load-time fusions)."""
+    encoder.eval()
+    n_bytes = sum(p.numel() * p.element_size() for p in encoder.parameters())
+    if n_bytes > _SINGLE_FILE_LIMIT:
+        raise ValueError(f"model of {n_bytes / 1e9:.1f} GB: the packed graph supports single-file models only")
+    outputs = packed_output_names(encoder.task)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
+        torch.onnx.export(
+            Packed(encoder),
+            example_packed_inputs(encoder),
+            str(path),
+            input_names=list(PACKED_INPUT_NAMES),
+            output_names=list(outputs),
+            dynamic_axes={name: PACKED_DYNAMIC_AXES[name] for name in [*PACKED_INPUT_NAMES, *outputs]},
+            opset_version=opset,
+            dynamo=False,
+        )
+    check_graph(path, outputs, PACKED_INPUT_NAMES)
+
+
+def check_graph(path: Path, outputs: tuple[str, ...] = OUTPUT_NAMES, inputs: tuple[str, ...] = INPUT_NAMES) -> None:
     """onnx.checker with shape inference, plus our I/O contract."""
     onnx.checker.check_model(str(path), full_check=True)
     model = onnx.load(str(path), load_external_data=False)
     got_inputs = [i.name for i in model.graph.input]
     got_outputs = [o.name for o in model.graph.output]
-    if tuple(got_inputs) != INPUT_NAMES or tuple(got_outputs) != outputs:
-        raise ValueError(f"{path}: graph I/O {got_inputs} -> {got_outputs}, expected {INPUT_NAMES} -> {outputs}")
+    if tuple(got_inputs) != inputs or tuple(got_outputs) != outputs:
+        raise ValueError(f"{path}: graph I/O {got_inputs} -> {got_outputs}, expected {inputs} -> {outputs}")
 
 
 def graph_opset(path: Path) -> int:

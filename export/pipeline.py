@@ -25,16 +25,22 @@ from bundle.contract import (
     GRAPH_FILE,
     INPUT_NAMES,
     OUTPUT_NAMES,
+    PACKED_FILE,
+    PACKED_INPUT_NAMES,
+    PACKED_POOLINGS,
     TOKENIZER_FILE,
     encodings_file,
     encodings_output_names,
     output_names,
+    packed_output_names,
 )
 from bundle.manifest import (
     BundleManifest,
     GraphInfo,
     ModelInfo,
+    PackedInfo,
     ParityReport,
+    QualityGate,
     VariantInfo,
     file_entry,
     load_bundle,
@@ -43,6 +49,8 @@ from bundle.manifest import (
 )
 from export import onnx_export, optimize, parity, quality
 from export.checkpoint import Checkpoint, load_checkpoint
+from export.sessions import PackedSession
+from service.runtimes.onnxruntime import OrtPackedGraph
 
 
 # the attention weights' gate at a lossy precision: probabilities within 1e-3 of PyTorch fp32
@@ -141,8 +149,10 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
             raise ExportError("parity gate failed: nothing published")
         progress(f"      ({time.perf_counter() - started:.1f}s)")
 
-        started = _step(progress, 4, total, "encodings-only fp32 graph: export, transformer optimizer, parity gate")
+        started = _step(progress, 4, total, "encodings-only fp32 graphs: fused (padded rows) and packed (texts in one "
+                        "row), parity gates")
         variants = {"fp32": _encodings_fp32(ckpt, staging, probes, options, progress)}
+        packed = _packed(ckpt, staging, probes, options, progress)
         progress(f"      ({time.perf_counter() - started:.1f}s)")
 
         if ckpt.classifier is not None:  # logits need a lossy gate of their own; until then, fp32 only
@@ -154,6 +164,9 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
             for precision in options.lossy:
                 if precision == "bf16":
                     variant = _bf16_variant(ckpt, tokenizer, staging, variants["fp32"], probes, options, progress)
+                    if variant is not None and packed is not None:
+                        packed = packed.model_copy(update={"bf16": _packed_bf16(ckpt, tokenizer, staging, packed,
+                                                                                 options, progress)})
                 else:
                     variant = _lossy_variant(precision, ckpt, tokenizer, staging, variants["fp32"], options, progress)
                 if variant is not None:
@@ -187,10 +200,12 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
             tokenizer=TOKENIZER_FILE,
             files={
                 name: file_entry(staging / name)
-                for name in [*graph_files, *(v.file for v in variants.values()), TOKENIZER_FILE]
+                for name in [*graph_files, *(v.file for v in variants.values()), *([packed.file] if packed else []),
+                             TOKENIZER_FILE]
             },
             parity=report,
             variants=variants,
+            packed=packed,
             versions={
                 "python": platform.python_version(),
                 "torch": torch.__version__,
@@ -232,6 +247,50 @@ def _encodings_fp32(ckpt: Checkpoint, staging: Path, probes, options: ExportOpti
         inputs=list(INPUT_NAMES), outputs=list(outputs), optimizer=optimize.OPTIMIZER,
         fusions=fusions, providers=["CUDAExecutionProvider", "CPUExecutionProvider"], parity=report,
     )
+
+
+def _packed(ckpt: Checkpoint, staging: Path, probes, options: ExportOptions, progress: Progress) -> PackedInfo | None:
+    """Trace the packed graph (Encoder.packed) and hold its pooled output to the strict fp32 gate, the
+    probes packed as the service packs them; None (and no file left) where packing cannot pool the
+    model's way or the gate fails: the service then pads every run, as before."""
+    cfg = ckpt.config
+    if cfg.pooling not in PACKED_POOLINGS:
+        progress(f"      packed graph: not for {cfg.pooling} pooling (a pooling matrix says mean or cls only)")
+        return None
+    target = staging / PACKED_FILE
+    onnx_export.export_packed_onnx(ckpt.encoder, target, options.opset)
+    outputs = packed_output_names(ckpt.task)
+    session = PackedSession(OrtPackedGraph(target, ckpt.task, ["CPUExecutionProvider"], _packed_options()),
+                            cfg.pooling, cfg.position_offset, ckpt.max_tokens)
+    report = parity.check_parity(ckpt.encoder, target, probes, options.atol, options.rtol, outputs=outputs,
+                                 session=session)
+    for line in parity_lines(report):
+        progress("      packed " + line)
+    if not report.passed:
+        target.unlink()
+        progress("      packed graph rejected by its gate: not published (every run is padded)")
+        return None
+    return PackedInfo(file=PACKED_FILE, opset=onnx_export.graph_opset(target), inputs=list(PACKED_INPUT_NAMES),
+                      outputs=list(outputs), position_offset=cfg.position_offset, parity=report)
+
+
+def _packed_options():
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    return options
+
+
+def _packed_bf16(ckpt: Checkpoint, tokenizer: Tokenizer, staging: Path, packed: PackedInfo, options: ExportOptions,
+                 progress: Progress) -> QualityGate:
+    """The bf16 variant's gate, on the packed graph run by OpenVINO at bf16: bf16 runs are packed only if it passes."""
+    from service.runtimes.openvino import OvPackedGraph
+
+    graph = OvPackedGraph(staging / packed.file, ckpt.task, "bf16", len(os.sched_getaffinity(0)), streams=1)
+    session = PackedSession(graph, ckpt.config.pooling, packed.position_offset, ckpt.max_tokens)
+    gate = quality.check_quality(ckpt.encoder, tokenizer, staging / packed.file, ckpt.max_tokens,
+                                 ckpt.config.pad_token_id, options.mean_cosine, options.cosine_floor, session=session)
+    progress("      packed " + quality_line("bf16", gate) + ("" if gate.passed else " (bf16 runs stay padded)"))
+    return gate
 
 
 def _lossy_variant(

@@ -50,3 +50,40 @@ class OpenVinoSession:
     def run(self, outputs: Sequence[str], feed: dict) -> list:
         got = self.graph.run(feed["input_ids"], feed["attention_mask"], outputs)
         return [got[name] for name in outputs]
+
+
+class PackedSession:
+    """The packed graph answering like an InferenceSession on padded feeds, so that the parity and
+    quality gates judge it with the code that judges every other graph: each padded batch's rows are
+    packed as the service packs them (service/runtimes/packing.py: plan_packs, then pack), so what is
+    gated is what is served."""
+
+    def __init__(self, graph, pooling: str, position_offset: int, max_tokens: int, packed_tokens: int = 256):
+        self.graph, self.pooling, self.position_offset = graph, pooling, position_offset
+        self.row_tokens = max(packed_tokens, max_tokens)  # a text longer than a row is a row alone in the service
+
+    def get_inputs(self) -> list[_Port]:
+        return [_Port(name, []) for name in INPUT_NAMES]
+
+    def get_outputs(self) -> list[_Port]:
+        return [_Port(name, shape) for name, shape in self.graph.shapes.items()]
+
+    def get_providers(self) -> list[str]:
+        return [f"{self.graph.provider}, packed ({self.graph.label})"]
+
+    def run(self, outputs: Sequence[str], feed: dict) -> list:
+        import numpy as np
+
+        from service.runtimes.packing import pack, plan_packs
+
+        lengths = [int(n) for n in feed["attention_mask"].sum(axis=1)]
+        ids = [feed["input_ids"][row, :n] for row, n in enumerate(lengths)]
+        types = [feed["token_type_ids"][row, :n] for row, n in enumerate(lengths)] if "token_type_ids" in feed else None
+        pooled = None
+        for rows in plan_packs(lengths, self.row_tokens):
+            got = self.graph.run_packed(pack([ids[r] for r in rows], [types[r] for r in rows] if types else None,
+                                             self.position_offset, self.pooling, self.graph.multiple))
+            if pooled is None:
+                pooled = np.zeros((len(ids), got.shape[1]), dtype=got.dtype)
+            pooled[rows] = got
+        return [pooled]

@@ -33,7 +33,8 @@ def test_default_bundle_is_complete_and_verified(default_bundle):
     assert (m.model.name, m.model.hidden_size, m.model.num_layers, m.model.num_heads) == ("all-MiniLM-L6-v2", 384, 6, 12)
     assert (m.model.max_tokens, m.model.pooling, m.model.normalize) == (256, "mean", True)
     assert m.graph.opset >= 17
-    assert set(m.files) == {"model.onnx", "tokenizer.json", "encodings-fp32.onnx", "encodings-int8.onnx", "encodings-fp16.onnx"}
+    assert set(m.files) == {"model.onnx", "tokenizer.json", "encodings-fp32.onnx", "encodings-int8.onnx", "encodings-fp16.onnx",
+                            "packed-fp32.onnx"}
     # bf16 is gated (and published) only where this CPU has bf16 units: a gate that ran in f32 would prove nothing
     bf16 = {"bf16"} if check_openvino().bf16_units else set()
     assert set(m.variants) == {"fp32", "int8", "fp16"} | bf16 and all(v.passed for v in m.variants.values())
@@ -79,7 +80,7 @@ def test_cli_publishes_a_bundle_and_prints_the_parity_table(tmp_path):
     for step in ("[1/7]", "[2/7]", "[3/7]", "[4/7]", "[5/7]", "[6/7]", "[7/7]"):
         assert step in result.stdout
     table = [line for line in result.stdout.splitlines() if "PASS (atol" in line]
-    assert len(table) == 5, result.stdout  # full graph: 3 outputs; fp32 encodings graph: 2
+    assert len(table) == 6, result.stdout  # full graph: 3 outputs; fp32 encodings graph: 2; packed graph: 1
     assert "int8 rejected by its gate: not published" in result.stdout
     assert "published" in result.stdout
     bundle = load_bundle(out)
@@ -144,7 +145,9 @@ def test_cli_rejects_an_opset_below_17(tmp_path):
 def test_bundle_cli_verifies_and_prints_the_table(default_bundle):
     result = subprocess.run([sys.executable, "-m", "bundle", str(default_bundle)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "files verified" in result.stdout and result.stdout.count("PASS (atol") == 5 and "int8: cosine vs pytorch fp32" in result.stdout
+    # parity rows: the full graph's 3 outputs, the fp32 encodings graph's 2, the packed graph's 1
+    assert "files verified" in result.stdout and result.stdout.count("PASS (atol") == 6 and "int8: cosine vs pytorch fp32" in result.stdout
+    assert "packed graph packed-fp32.onnx" in result.stdout
     assert json.loads((default_bundle / "bundle.json").read_text())["parity"]["passed"] is True
 
 

@@ -156,6 +156,19 @@ def check_bundle(family: str, out: Path, checkpoints: dict[str, Path], cache: di
     assert np.abs(embedding - expected).max() <= TOLERANCE
     assert np.abs(fused_embedding - expected).max() <= TOLERANCE
 
+    # the packed graph: every text one after another in one row, as the service packs them
+    from bundle.contract import PACKED_POOLINGS
+    from service.runtimes.packing import pack
+
+    if m.model.pooling not in PACKED_POOLINGS:
+        assert m.packed is None  # max pooling: no pooling matrix says it
+        return
+    assert m.packed is not None and m.packed.parity.passed
+    rows = [ids[i, : int(n)].numpy() for i, n in enumerate(mask.sum(dim=1))]
+    packed = ort.InferenceSession(str(bundle.packed_path), providers=["CPUExecutionProvider"])
+    (packed_embedding,) = packed.run(None, pack(rows, None, m.packed.position_offset, m.model.pooling))
+    assert np.abs(packed_embedding - expected).max() <= TOLERANCE
+
 
 # RoBERTa's bundle is made by `python -m export` in test_make_export_cli_exports_a_roberta_checkpoint.
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "roberta"])

@@ -208,10 +208,13 @@ def test_each_runtime_serves_the_routes_with_reference_embeddings(runtime, ray_s
             encodings = f"encodings-{precision}" + ("-openvino" if runtime == "openvino" else "")
             assert (info["runtime"], info["precision"], info["graphs"]["encodings"]) == (runtime, precision, encodings), info
             assert info["graph_providers"]["encodings"] == ("OpenVINO CPU" if runtime == "openvino" else "CPUExecutionProvider")
+            # texts that need only their embedding run on the packed graph of the same runtime and precision
+            packed = f"packed-{precision}" + ("-openvino" if runtime == "openvino" else "")
+            assert info["graphs"]["packed"] == packed, info["graphs"]
 
             def runs(f):
                 return (total(f, "ray_encoder_inference_runs_total", **app, graph=info["graphs"]["attentions"]),
-                        total(f, "ray_encoder_inference_runs_total", **app, graph=encodings))
+                        total(f, "ray_encoder_inference_runs_total", **app, graph=packed))
 
             before = runs(settled(metrics_url, runs))
             got = client.post("/v1/embeddings", json={"input": TEXTS}).json()

@@ -1,11 +1,14 @@
 """One batch of requests on a model's runtime: the work the batch queue (batcher.py) hands over.
 
 Each request (one client call, one or more texts) is one item of the queue, counted by its tokens
-(EncodeJob.cost), so a batch is bounded by a token budget, not a request count. Inside a batch, all
-texts are sorted by length and cut into sub-batches whose padded size stays under
-`sub_batch_tokens`: on a CPU, padding is the first cost. Texts whose request wants attention
-weights run on the bundle's full graph; all others on its fused encodings-only graph of the
-configured precision (the `graph` label of the inference-runs metric says which).
+(EncodeJob.cost), so a batch is bounded by a token budget, not a request count. Texts that need
+only their pooled output (an embedding, a classifier's logits) run packed where the runtime has the
+bundle's packed graph: several texts one after another in a row of up to `packed_tokens`, with no
+padding at all (service/runtimes/packing.py). All other texts are sorted by length and cut into
+sub-batches whose padded size stays under `sub_batch_tokens`: on a CPU, padding is the first cost.
+Texts whose request wants attention weights run on the bundle's full graph; the rest on its fused
+encodings-only graph of the configured precision (the `graph` label of the inference-runs metric
+says which graph ran: full, encodings-<precision>, packed-<precision>).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from service.config import BatchingSettings, ServiceSettings
 from service.metrics import service_metrics
 from service.runtimes import Runtime
 from service.runtimes.onnxruntime import available_cpus
+from service.runtimes.packing import pack, plan_packs
 
 
 @dataclass
@@ -169,7 +173,8 @@ class BatchRunner:
         self.metrics = service_metrics()
         self.counters = {"batches": 0, "requests": 0, "texts": 0, "real_tokens": 0, "padded_tokens": 0, "ort_runs": 0,
                          "compute_ms": 0.0}
-        self.runs_by_graph = {runtime.full.label: 0, runtime.fast.label: 0}
+        self.runs_by_graph = {runtime.full.label: 0, runtime.fast.label: 0,
+                              **({runtime.packed.label: 0} if runtime.packed is not None else {})}
         # what one text's pooled output is: a sentence embedding, or a classifier's logits
         self.task = manifest.model.task  # the request metrics' task label
         classifier = self.task == "classification"
@@ -187,6 +192,9 @@ class BatchRunner:
             self.runtime.run(ids, np.ones_like(ids), [self.pooled])
         ids = np.full((2, 8), token, dtype=np.int64)
         self.runtime.run(ids, np.ones_like(ids), [self.pooled, "attentions"])
+        if self.runtime.packed is not None:
+            for lengths in ([8] * 4, [self.manifest.model.max_tokens]):
+                self._run_packed([np.full(n, token, dtype=np.int64) for n in lengths], None)
 
     def compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
         """List in, list out: every job's texts, length-sorted into sub-batches."""
@@ -224,6 +232,19 @@ class BatchRunner:
         runs: dict[str, int] = {}
         for (want_attention, want_hidden), members in by_need.items():
             lengths = [int(jobs[j].ids[t].shape[0]) for j, t in members]
+            if self.runtime.packed is not None and self.batching.packed_tokens and not (want_attention or want_hidden):
+                for group in plan_packs(lengths, self.batching.packed_tokens):
+                    rows = [members[g] for g in group]
+                    types = [jobs[j].type_ids[t] if jobs[j].type_ids else None for j, t in rows]
+                    pooled, width = self._run_packed([jobs[j].ids[t] for j, t in rows], types)
+                    runs[self.runtime.packed.label] = runs.get(self.runtime.packed.label, 0) + 1
+                    real += sum(lengths[g] for g in group)
+                    padded += width
+                    for (j, t), embedding in zip(rows, pooled, strict=True):
+                        if self.pooled == "sentence_embedding" and jobs[j].normalize and not model.normalize:
+                            embedding = l2_normalize(embedding)
+                        results[j].embeddings[t] = embedding
+                continue
             outputs = [self.pooled] + (["last_hidden_state"] if want_hidden else []) + (["attentions"] if want_attention else [])
             for group in plan_sub_batches(lengths, self.batching.sub_batch_tokens, self.batching.max_sub_batch_size,
                                           self.batching.max_padding):
@@ -265,6 +286,13 @@ class BatchRunner:
             result.stats = {"batch_requests": len(jobs), "batch_texts": len(texts), "ort_runs": sum(runs.values()),
                             "padding_ratio": 1 - real / padded if padded else 0.0}
         return results
+
+    def _run_packed(self, ids: list[np.ndarray], types: list[np.ndarray | None] | None) -> tuple[np.ndarray, int]:
+        """One packed row through the runtime's packed graph: the texts' pooled outputs, and the row's
+        length in tokens (padding to the runtime's multiple included, for the padding metric)."""
+        packed = self.runtime.packed
+        feed = pack(ids, types, self.manifest.packed.position_offset, self.manifest.model.pooling, packed.multiple)
+        return packed.run_packed(feed), int(feed["input_ids"].shape[1])
 
     def _needs_hidden(self, job: EncodeJob) -> bool:
         return job.want_hidden or (self.manifest.model.normalize and not job.normalize)

@@ -31,10 +31,20 @@ class Graph(Protocol):
         ...
 
 
+class PackedGraph(Protocol):
+    label: str  # the inference-runs metric's `graph` label: packed-fp32, packed-bf16-openvino
+    multiple: int  # a row's tokens are padded to a multiple of this (service/runtimes/packing.py)
+
+    def run_packed(self, feed: dict[str, np.ndarray]) -> np.ndarray:
+        """One row of packed texts (packing.pack's feed) in, their pooled outputs (texts, dim) out."""
+        ...
+
+
 class Runtime(Protocol):
     runtime: str  # what runs the encodings graph: onnxruntime or openvino
     full: Graph
     fast: Graph
+    packed: PackedGraph | None  # the packed graph, where the bundle has one and this runtime serves it
     provider: str
     provider_note: str
     precision: str
@@ -60,6 +70,7 @@ class TwoGraphs:
 
     full: Graph
     fast: Graph
+    packed: PackedGraph | None = None
 
     def graph_for(self, outputs: Sequence[str]) -> Graph:
         return self.full if "attentions" in outputs else self.fast
@@ -70,8 +81,17 @@ class TwoGraphs:
         return self.graph_for(outputs).run(input_ids, attention_mask, outputs, token_type_ids)
 
     def smoke_test(self) -> None:
-        """A tiny inference through both graphs, every output: proves the sessions compute finite numbers."""
+        """A tiny inference through every graph, every output: proves the sessions compute finite numbers."""
         smoke_test((self.full, self.fast), self.manifest.model.vocab_size)
+        if self.packed is not None:
+            from service.runtimes.packing import pack
+
+            model = self.manifest.model
+            ids = [np.array([101, 7592, 102], dtype=np.int64) % model.vocab_size, np.array([101, 102]) % model.vocab_size]
+            pooled = self.packed.run_packed(pack(ids, None, self.manifest.packed.position_offset, model.pooling,
+                                                 self.packed.multiple))
+            if pooled.shape[0] != len(ids) or not np.all(np.isfinite(pooled)):
+                raise RuntimeError(f"smoke test: the {self.packed.label} graph returned {pooled.shape}, or values not finite")
 
 
 def smoke_test(graphs: Sequence[Graph], vocab_size: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from bundle.contract import INPUT_NAMES, encodings_output_names, output_names
+from bundle.contract import INPUT_NAMES, PACKED_INPUT_NAMES, encodings_output_names, output_names, packed_output_names
 from bundle.manifest import Bundle, BundleError, load_bundle
 from service.config import ServiceSettings
 from service.runtimes import TwoGraphs
@@ -76,19 +76,21 @@ class OrtGraph:
     libraries or the device are missing, so only the session can tell.
     """
 
-    def __init__(self, path: Path, outputs: Sequence[str], label: str, providers: list[str], options: ort.SessionOptions):
+    def __init__(self, path: Path, outputs: Sequence[str], label: str, providers: list[str], options: ort.SessionOptions,
+                 inputs: Sequence[str] = INPUT_NAMES, disabled_optimizers: Sequence[str] = ()):
         self.path, self.outputs, self.label = path, tuple(outputs), label
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=providers)
+            self.session = ort.InferenceSession(str(path), options, providers=providers,
+                                                disabled_optimizers=list(disabled_optimizers))
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
             raise BundleError(f"{path}: onnxruntime cannot load the graph: {exc}") from None
         self.provider = self.session.get_providers()[0]
-        inputs = [i.name for i in self.session.get_inputs()]
         got = tuple(o.name for o in self.session.get_outputs())
-        if tuple(inputs) != INPUT_NAMES or got != self.outputs:
+        expected, inputs = tuple(inputs), [i.name for i in self.session.get_inputs()]
+        if tuple(inputs) != expected or got != self.outputs:
             raise BundleError(
                 f"{path}: graph I/O {inputs} -> {list(got)} does not match the manifest "
-                f"{list(INPUT_NAMES)} -> {list(self.outputs)}"
+                f"{list(expected)} -> {list(self.outputs)}"
             )
         self.shapes = {o.name: o.shape for o in self.session.get_outputs()}
 
@@ -103,6 +105,22 @@ class OrtGraph:
         # would only pay with device buffers reused across runs, which varying (batch, tokens)
         # shapes defeat; an earlier binding path allocated per run and saved nothing (docs/gpu.md).
         return dict(zip(outputs, self.session.run(list(outputs), feed), strict=True))
+
+
+class OrtPackedGraph(OrtGraph):
+    """The packed graph (service/runtimes/packing.py) on onnxruntime: one row of texts in, their pooled outputs out."""
+
+    multiple = 1  # onnxruntime needs no particular row length
+
+    def __init__(self, path: Path, task: str, providers: list[str], options: ort.SessionOptions):
+        # onnxruntime fuses each residual Add and LayerNorm of this graph into SkipLayerNormalization at
+        # load time, whose CPU kernel took 4.6 ms of a 30 ms run where Add + LayerNorm take 1 (a row of
+        # 8 texts, one thread; the padded graphs are not fused so): that fusion is left out here
+        super().__init__(path, packed_output_names(task), "packed-fp32", providers, options, PACKED_INPUT_NAMES,
+                         disabled_optimizers=["SkipLayerNormFusion"])
+
+    def run_packed(self, feed: dict[str, np.ndarray]) -> np.ndarray:
+        return self.session.run(list(self.outputs), feed)[0]
 
 
 @dataclass(frozen=True)
@@ -194,6 +212,11 @@ class OrtEncoder(TwoGraphs):
             with_options(providers, self.cuda_options), options,
         )
         self._check_dims(self.fast.shapes)
+        # texts that need only their pooled output run packed, where the fp32 graph serves on the CPU
+        # (on CUDA, the fp16 graph and the GPU's own kernels are the design: docs/gpu.md)
+        self.packed = None
+        if bundle.packed_path is not None and self.precision == "fp32" and self.fast.provider == CPU:
+            self.packed = OrtPackedGraph(bundle.packed_path, task, [CPU], options)
 
     def describe_cuda(self) -> dict:
         """The CUDA side of this encoder for /info: each check step, the device, the provider options."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bundle.contract import INPUT_NAMES, encodings_output_names, output_names
+from bundle.contract import INPUT_NAMES, PACKED_INPUT_NAMES, encodings_output_names, output_names, packed_output_names
 from bundle.manifest import Bundle, BundleError
 from service.runtimes import TwoGraphs
 
@@ -148,6 +148,19 @@ class OvGraph:
         return out
 
 
+class OvPackedGraph(OvGraph):
+    """The packed graph (service/runtimes/packing.py) on OpenVINO: one row of texts in, their pooled outputs out."""
+
+    multiple = SEQ_MULTIPLE  # rows padded to a multiple of this many tokens: a shape the kernel cache has seen
+
+    def __init__(self, path: Path, task: str, precision: str, threads: int, streams: int, cache_dir: Path | None = None):
+        super().__init__(path, PACKED_INPUT_NAMES, packed_output_names(task), f"packed-{precision}-openvino", precision,
+                         threads, streams, cache_dir)
+
+    def run_packed(self, feed: dict[str, np.ndarray]) -> np.ndarray:
+        result = self._request().infer(feed)
+        return np.array(result[self._ports[self.outputs[0]]], copy=True)
+
 
 class OvEncoder(TwoGraphs):
     """A bundle served with its encodings graph on OpenVINO (bf16, or f32) and its full graph (attention
@@ -171,6 +184,11 @@ class OvEncoder(TwoGraphs):
                                 threads, streams, cache_dir)
         else:
             self.full = full
+        # texts that need only their pooled output run packed: at fp32, or at bf16 where its own gate passed
+        packed = self.manifest.packed
+        self.packed = None
+        if packed is not None and (precision == "fp32" or (packed.bf16 is not None and packed.bf16.passed)):
+            self.packed = OvPackedGraph(bundle.packed_path, task, precision, threads, streams, cache_dir)
         self.provider = full_provider  # the device: OpenVINO runs on the CPU, the full graph on this provider
         self.provider_note = provider_note  # why not CUDA
         self._cuda = cuda or {"usable": False, "steps": [], "device": None, "provider_options": None}
