@@ -19,9 +19,12 @@ a request passes through, in order:
   engine/service.py          limits; tokenization (engine/tokenization.py); the job joins its
                              model's batch queue (engine/engine.py) and waits within its deadline
   engine/batcher.py          a batch forms when a runner slot is free, up to the token budget
-  engine/runner.py           texts length-sorted into padded sub-batches, pooled, scattered back
-  runtimes/onnxruntime.py    the graph runs: the full graph for attention weights, the encodings
-    or runtimes/openvino.py  graph otherwise (which one, chosen at start by runtimes/choice.py;
+  engine/runner.py           texts that need only their pooled output packed into rows
+                             (runtimes/packing.py), the rest length-sorted into padded
+                             sub-batches; pooled, scattered back
+  runtimes/onnxruntime.py    the graph runs: the full graph for attention weights, the packed
+    or runtimes/openvino.py  graph for packed rows, the encodings graph otherwise (which, chosen
+                             at start by runtimes/choice.py;
                              runtimes/cuda.py: whether CUDA can be used, which GPU)
   engine/analysis.py         attention and similarity routes: rollout, entropy, top-k, the split
   engine/explain.py          of a cosine; rerank and classify with explain: occlusion, rollout
