@@ -79,10 +79,11 @@ class BatchingSettings(BaseModel):
         description="padding share (1 - real/padded tokens) at which a length-sorted sub-batch is cut; 1: never",
     )
     packed_tokens: int = Field(
-        256, ge=0,
+        256, ge=0, le=2048,
         description="tokens per packed run: texts that need only their pooled output run several to a row of the "
         "bundle's packed graph, with no padding (on a CPU, onnxruntime fp32 or OpenVINO); a longer text is a row "
-        "alone; 0: every run padded (measured in-process, batches of 8 texts: onnxruntime fp32 467 -> 529 texts/s, "
+        "alone; at most 2048 (a row's attention scores grow with its square: 200 MB per layer there); 0: every "
+        "run padded (measured in-process, batches of 8 texts: onnxruntime fp32 467 -> 529 texts/s, "
         "OpenVINO bf16 662 -> 861)",
     )
 

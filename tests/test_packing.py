@@ -124,3 +124,12 @@ def test_packed_tokens_is_live_and_zero_turns_packing_off(services):
         svc.reconfigure(settings)
     _, runs = run(svc, TEXTS[:3])
     assert runs == {"packed-fp32": 1}
+
+
+def test_a_packed_row_is_bounded_because_its_attention_grows_with_its_square():
+    from pydantic import ValidationError
+
+    from service.config import BatchingSettings
+
+    with pytest.raises(ValidationError, match="less than or equal to 2048"):
+        BatchingSettings(packed_tokens=4096)
