@@ -141,8 +141,12 @@ def test_normalize_false_returns_the_raw_mean_pooled_vector(client):
     raw = np.array(item["embedding"])
     assert abs(np.linalg.norm(raw) - 1.0) > 0.05, "a mean of token vectors is not unit length"
     np.testing.assert_allclose(raw, np.array(item["token_embeddings"]).mean(0), atol=1e-5)
-    unit = client.post("/v1/encode", json={"inputs": [text]}).json()["data"][0]["embedding"]
-    np.testing.assert_allclose(raw / np.linalg.norm(raw), unit, atol=1e-5)
+    unit = np.array(client.post("/v1/encode", json={"inputs": [text]}).json()["data"][0]["embedding"])
+    if client.get("/info").json()["precision"] == "fp32":
+        np.testing.assert_allclose(raw / np.linalg.norm(raw), unit, atol=1e-5)
+    else:  # bf16: the unit vector comes from the packed graph, the raw one from the padded graph's hidden
+        # states; two bf16 computations of one text agree to bf16's gate, not to fp32's 1e-5
+        assert float(raw @ unit / np.linalg.norm(raw)) >= 0.9999
 
 
 def test_tokenize_route(client):
