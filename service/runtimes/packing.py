@@ -5,7 +5,7 @@ single texts of 8-40 words, cut into sub-batches whose padding stays under 10 %,
 texts; packed, the same texts are one run with no padding at all: each token attends only its own
 text's tokens (a block-diagonal mask), and each text is pooled by one row of `pool_weights`. Measured
 in-process on this repo's 2-core AMD EPYC (all-MiniLM-L6-v2, random batches of 8 texts, two
-1-thread sessions): onnxruntime fp32 507 -> 585 texts/s, OpenVINO bf16 769 -> 947. Attention still
+1-thread runs at once): onnxruntime fp32 467 -> 529 texts/s, OpenVINO bf16 662 -> 861. Attention still
 computes every token pair of the row, so rows are capped (`packed_tokens`): past about 256 tokens
 the wasted pairs cost more than the runs saved.
 
