@@ -241,9 +241,7 @@ class BatchRunner:
                     real += sum(lengths[g] for g in group)
                     padded += width
                     for (j, t), embedding in zip(rows, pooled, strict=True):
-                        if self.pooled == "sentence_embedding" and jobs[j].normalize and not model.normalize:
-                            embedding = l2_normalize(embedding)
-                        results[j].embeddings[t] = embedding
+                        results[j].embeddings[t] = self._normalized(jobs[j], embedding)
                 continue
             outputs = [self.pooled] + (["last_hidden_state"] if want_hidden else []) + (["attentions"] if want_attention else [])
             for group in plan_sub_batches(lengths, self.batching.sub_batch_tokens, self.batching.max_sub_batch_size,
@@ -297,16 +295,21 @@ class BatchRunner:
     def _needs_hidden(self, job: EncodeJob) -> bool:
         return job.want_hidden or (self.manifest.model.normalize and not job.normalize)
 
+    def _normalized(self, job: EncodeJob, embedding: np.ndarray) -> np.ndarray:
+        """A text's pooled output as its job asks for it: L2-normalised where the job wants that and the
+        graph does not do it; logits are returned as they are (the route reads them)."""
+        if self.pooled == "sentence_embedding" and job.normalize and not self.manifest.model.normalize:
+            return l2_normalize(embedding)
+        return embedding
+
     def _scatter(self, jobs, results, rows, mask, out) -> None:
         """Copy each text's slice of a sub-batch's outputs into its job's result."""
         model = self.manifest.model
         for row, (j, t) in enumerate(rows):
             job, result = jobs[j], results[j]
             n = int(mask[row].sum())
-            embedding = out[self.pooled][row]  # logits are returned as they are; the route reads them
-            if self.pooled == "sentence_embedding" and job.normalize and not model.normalize:
-                embedding = l2_normalize(embedding)
-            elif self.pooled == "sentence_embedding" and model.normalize and not job.normalize:
+            embedding = self._normalized(job, out[self.pooled][row])
+            if self.pooled == "sentence_embedding" and model.normalize and not job.normalize:
                 # the graph normalises: pool its hidden states again
                 embedding = pool(out["last_hidden_state"][row : row + 1, :n], mask[row : row + 1, :n], model.pooling)[0]
             result.embeddings[t] = embedding
