@@ -109,11 +109,14 @@ class BreaksOnDemand(Encoder.func_or_class):  # type: ignore[misc]
     graph is onnxruntime's whichever runtime serves the encodings graph.)"""
 
     async def break_session(self) -> None:
+        self.engines.default.runtime.full.session = self.broken_session()
+
+    def broken_session(self):
         import onnxruntime as ort
 
         engine = self.engines.default
         encodings = engine.path / engine.manifest.variants["fp32"].file
-        engine.runtime.full.session = ort.InferenceSession(str(encodings), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(encodings), providers=["CPUExecutionProvider"])
 
 
 def test_health_check_detects_a_broken_session_and_serve_restarts_the_replica(ray_serve, default_bundle):
@@ -179,23 +182,28 @@ def test_health_check_detects_a_broken_session_and_serve_restarts_the_replica(ra
 
 
 class FailsHealthChecksOnDemand(BreaksOnDemand):
-    """BreaksOnDemand for one health check only: `fail_next_check()` breaks the session, and the
-    check that fails on it puts the right session back."""
+    """BreaksOnDemand for one health check only: `fail_next_check()` arms it, and the next check runs
+    on a broken session and puts the right one back. The swap happens inside the check itself:
+    Serve runs a sync check_health on a thread pool, so a swap made from another method could race
+    a check already running and leave the session broken for good."""
 
     async def __init__(self, settings) -> None:  # the ingress wrapper's __init__ is async
         await super().__init__(settings)
-        self._good = None
+        self._armed = threading.Event()
 
     async def fail_next_check(self) -> None:
-        self._good = self.engines.default.runtime.full.session
-        await self.break_session()
+        self._armed.set()
 
     def check_health(self) -> None:
+        if not self._armed.is_set():
+            return super().check_health()
+        full = self.engines.default.runtime.full
+        good, full.session = full.session, self.broken_session()
         try:
             super().check_health()
         finally:
-            if self._good is not None:  # one check failed: the session is whole again
-                self.engines.default.runtime.full.session, self._good = self._good, None
+            full.session = good
+            self._armed.clear()
 
 
 def test_readiness_follows_the_last_health_check(ray_serve, default_bundle):
