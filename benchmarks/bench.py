@@ -161,7 +161,8 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
              peer: bool = False) -> list[dict]:
         return [r for r in rows if r.get("precision") == precision and r.get("per_request") == per_request
                 and r.get("concurrency") == concurrency and r.get("short", False) == short
-                and r.get("mixed", False) == mixed and r.get("batching", True) and bool(r.get("peer")) == peer]
+                and r.get("mixed", False) == mixed and r.get("batching", True) and bool(r.get("peer")) == peer
+                and not r.get("bound")]
 
     def best(found: list[dict]) -> dict | None:
         return max(found, key=lambda r: r["texts_s"]) if found else None
@@ -196,7 +197,7 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
             if per_request == 1:
                 how += f"; {r['texts_per_batch']:.1f} texts per batch"
             peer_text = (f"{on_peer:.2f}x {peer_name} ({peer['texts_s']:.0f} texts/s)" if on_peer is not None
-                         else f"{peer_name} {peer_missing}")
+                         else f"{peer_name} {peer_missing}") + without_ray(rows, precision, per_request, concurrency, reference)
             checks = [("infinity-emb", on_peer, 2.0), (f"in-process onnxruntime {precision}", on_ort, ort_goal)]
             extra_goal = ""
             if per_request == 1 and precision == "fp32":
@@ -310,6 +311,17 @@ def rerank_targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def without_ray(rows: list[dict], precision: str, per_request: int, concurrency: int, reference: float) -> str:
+    """What the same app and engine do under plain uvicorn with no Ray (benchmarks/plain_server.py), for a
+    target's row: the bound on what any tuning of the Ray Serve side could reach in this run."""
+    found = [r for r in rows if r.get("bound") and r.get("precision") == precision and r.get("per_request") == per_request
+             and r.get("concurrency") == concurrency and not r.get("short")]
+    if not found:
+        return ""
+    r = max(found, key=lambda r: r["texts_s"])
+    return f"; the same app without Ray (plain uvicorn): {r['texts_s']:.0f} texts/s = {r['texts_s'] / reference:.2f}x"
+
+
 def bf16_targets(rows: list[dict], ort: dict, peer_name: str, peer_missing: str, best, verdict) -> list[dict]:
     """The bf16 issue's targets: the default configuration (OpenVINO bf16 where the CPU has bf16 units)
     against in-process onnxruntime fp32 and the peer, and every served precision's fidelity."""
@@ -342,7 +354,7 @@ def bf16_targets(rows: list[dict], ort: dict, peer_name: str, peer_missing: str,
                                     f"{single['texts_per_batch']:.1f} texts per batch) = {on_ort:.2f}x in-process "
                                     f"onnxruntime fp32 ({reference:.0f} texts/s); "
                                     + (f"{on_peer:.2f}x {peer_name} ({peer['texts_s']:.0f} texts/s)" if peer
-                                       else f"{peer_name} {peer_missing}"),
+                                       else f"{peer_name} {peer_missing}") + without_ray(rows, "bf16", 1, 32, reference),
                         "met": met, "column": column})
         if batches:
             on_ort = batches["texts_s"] / reference
@@ -350,7 +362,7 @@ def bf16_targets(rows: list[dict], ort: dict, peer_name: str, peer_missing: str,
             out.append({"measure": f"client batches of 32 at 4 clients, default config ({served})",
                         "target": ">= 1.6x in-process onnxruntime fp32 (sorted batches of 32)",
                         "measured": f"{batches['texts_s']:.0f} texts/s ({batches['ingress']}, httpx) = {on_ort:.2f}x "
-                                    f"in-process onnxruntime fp32 ({reference:.0f} texts/s)",
+                                    f"in-process onnxruntime fp32 ({reference:.0f} texts/s)" + without_ray(rows, "bf16", 32, 4, reference),
                         "met": met, "column": column})
         if short:
             out.append({"measure": f"p50 of one short text at 1 client, default config ({served})", "target": "<= 4 ms",
@@ -455,6 +467,8 @@ def main() -> int:
     p.add_argument("--rerank", action=argparse.BooleanOptionalAction, default=True,
                    help="the rerank rows: a MiniLM-L6 cross-encoder built locally (benchmarks/rerank.py) served beside "
                    "the default model, against sentence-transformers' CrossEncoder in-process")
+    p.add_argument("--bounds", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure the same app and engine under plain uvicorn without Ray (the bound of Ray Serve's share)")
     p.add_argument("--rerank-only", action="store_true", help="only the rerank rows (and the in-process references)")
     p.add_argument("--variants", default="",
                    help=f"Ray Serve per-request options to measure against the default, fp32 on the last ingress, "
@@ -538,6 +552,14 @@ def main() -> int:
         best = ingresses[-1]
         rows += service_phase({"label": f"echo (no model), {best}", "ingress": best, **common, "settings": settings, "echo": True,
                                "scenarios": [scenario("single texts", 1, 32)]})
+        if args.bounds:  # the same app and engine under plain uvicorn, no Ray: Ray Serve's share of a request
+            for label, extra in (("default config", {}), ("fp32", {"precision": "fp32"})):
+                rows += service_phase({"label": f"{label}, plain uvicorn without Ray (a bound, not the service)",
+                                       "ingress": "uvicorn, no Ray", "no_ray": True, **common,
+                                       "settings": {**settings, **extra},
+                                       "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
+                                                     scenario("single texts", 1, 32),
+                                                     scenario("one short text", 1, 1, short=True)]})
         if "int8_sorted" in ort:
             rows += service_phase({"label": f"int8, {best}", "ingress": best, **common, "reference": reference.tolist(),
                                    "settings": {**settings, "precision": "int8"},

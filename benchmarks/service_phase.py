@@ -13,8 +13,10 @@ import json
 import os
 import random
 import socket
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -97,6 +99,7 @@ COMPONENTS = (  # process title fragment -> component, first match wins
     ("ServeReplica:bench:", "replica"),  # any other deployment of the app
     ("ProxyActor", "proxy"),
     ("haproxy", "proxy"),
+    ("benchmarks.plain_server", "uvicorn server"),  # the no-Ray bound (benchmarks/plain_server.py)
 )
 
 
@@ -134,7 +137,7 @@ def cpu_seconds() -> dict[str, float]:
     for pid, (_, cmdline, cpu) in procs.items():
         if pid == me:
             component = "load generator"
-        elif ("ray" not in cmdline and "haproxy" not in cmdline) or not ours(pid):
+        elif not ours(pid) or ("ray" not in cmdline and not any(f in cmdline for f, _ in COMPONENTS)):
             continue
         else:
             component = next((c for fragment, c in COMPONENTS if fragment in cmdline), "ray system")
@@ -203,7 +206,9 @@ def encoder_counters(url: str, spec: dict) -> dict:
     return httpx.get(f"{url}/info", timeout=30).json()["encoder_counters"]
 
 
-def run(spec: dict) -> list[dict]:
+@contextmanager
+def ray_service(spec: dict, settings):
+    """The service under Ray Serve on loopback, as `python -m service` runs it: (url, metrics url)."""
     for key, value in {**INGRESS_ENV[spec["ingress"]], **spec.get("env", {})}.items():
         os.environ[key] = value
     # Ray Serve's own fixed ports made free ones, as python -m service does: another cluster on this
@@ -216,20 +221,56 @@ def run(spec: dict) -> list[dict]:
     from ray import serve
 
     from service.app import build_app
-    from service.config import ServiceSettings
 
     port, metrics_port = free_port(), free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR",
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
-    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    rows = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port},
                     logging_config={"enable_access_log": False, "log_level": "WARNING"})
-        settings = ServiceSettings.model_validate(spec["settings"])
         app = echo_app() if spec.get("echo") else build_app(settings)
         serve.run(app, name="bench", route_prefix="/", logging_config={"enable_access_log": False, "log_level": "WARNING"})
-        url = f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@contextmanager
+def plain_service(spec: dict, settings):
+    """The same app and engines under plain uvicorn, no Ray (benchmarks/plain_server.py): (url, None)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "benchmarks.plain_server", json.dumps(spec["settings"]), str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the plain uvicorn server exited ({server.returncode}) before it served")
+            try:
+                if httpx.get(f"{url}/info", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the plain uvicorn server did not answer /info within 180 s")
+            time.sleep(0.5)
+        yield url, None
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def run(spec: dict) -> list[dict]:
+    from service.config import ServiceSettings
+
+    rows = []
+    settings = ServiceSettings.model_validate(spec["settings"])
+    with (plain_service if spec.get("no_ray") else ray_service)(spec, settings) as (url, metrics_url):
         texts = spec["texts"]
         info = {} if spec.get("echo") else httpx.get(f"{url}/info", timeout=30).json()
         fmt = {"encoding_format": spec["encoding_format"]} if spec.get("encoding_format") else {}
@@ -275,8 +316,9 @@ def run(spec: dict) -> list[dict]:
                 # what the replica serves (auto resolves to fp32 or bf16), and on which runtime
                 "precision": "none (echo)" if spec.get("echo") else info.get("precision", settings.precision),
                 "runtime": info.get("runtime", ""),
-                "default_config": "precision" not in spec["settings"] and not spec.get("echo"),
+                "default_config": "precision" not in spec["settings"] and not spec.get("echo") and not spec.get("no_ray"),
                 "ingress": spec["ingress"],
+                "bound": bool(spec.get("no_ray")),  # a bound to compare with, not the service: no target picks it
                 "batching": settings.batching.enabled,
                 "per_request": per_request,
                 "concurrency": concurrency,
@@ -316,9 +358,6 @@ def run(spec: dict) -> list[dict]:
             print(f"  {spec['label']}: min cosine vs sentence-transformers {cosine:.5f} over {len(texts)} texts", flush=True)
             for row in rows:
                 row["cosine"] = cosine
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     return rows
 
 
