@@ -4,8 +4,8 @@ runtime and settings; no proxy, no replica wrapper, no Ray processes).
 
     python -m benchmarks.plain_server SETTINGS_JSON PORT
 
-Not a way to run the service: no health checks, no autoscaling, no metrics export (Ray's metrics
-API records nothing outside a Ray worker), one process.
+Not a way to run the service: no health checks, no autoscaling, no metrics endpoint (Ray's node
+exports the metrics, and there is no Ray node here), one process.
 """
 
 from __future__ import annotations
