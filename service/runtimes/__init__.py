@@ -87,17 +87,20 @@ class TwoGraphs:
             from service.runtimes.packing import pack
 
             model = self.manifest.model
-            ids = [np.array([101, 7592, 102], dtype=np.int64) % model.vocab_size, np.array([101, 102]) % model.vocab_size]
+            ids = [np.array(SMOKE_IDS, dtype=np.int64) % model.vocab_size, np.array(SMOKE_IDS[::2]) % model.vocab_size]
             pooled = self.packed.run_packed(pack(ids, None, self.manifest.packed.position_offset, model.pooling,
                                                  self.packed.multiple))
             if pooled.shape[0] != len(ids) or not np.all(np.isfinite(pooled)):
                 raise RuntimeError(f"smoke test: the {self.packed.label} graph returned {pooled.shape}, or values not finite")
 
 
+# BERT's "[CLS] hello [SEP]", folded into smaller vocabularies (any ids do for finite numbers)
+SMOKE_IDS = (101, 7592, 102)
+
+
 def smoke_test(graphs: Sequence[Graph], vocab_size: int) -> None:
     """A tiny inference through each graph, every output: proves it computes finite numbers."""
-    # BERT's "[CLS] hello [SEP]", folded into smaller vocabularies (any ids do for finite numbers)
-    ids = np.array([[101, 7592, 102]], dtype=np.int64) % vocab_size
+    ids = np.array([SMOKE_IDS], dtype=np.int64) % vocab_size
     for graph in graphs:
         for name, value in graph.run(ids, np.ones_like(ids), graph.outputs).items():
             if not np.all(np.isfinite(value)):
