@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import onnxruntime as ort
 
@@ -29,7 +30,19 @@ class _Port:
     shape: list
 
 
-class OpenVinoSession:
+class _GraphAsSession:
+    """The ports of an InferenceSession, read from a service graph (`self.graph`, with `shapes`)."""
+
+    graph: Any
+
+    def get_inputs(self) -> list[_Port]:
+        return [_Port(name, []) for name in INPUT_NAMES]
+
+    def get_outputs(self) -> list[_Port]:
+        return [_Port(name, shape) for name, shape in self.graph.shapes.items()]
+
+
+class OpenVinoSession(_GraphAsSession):
     """A graph compiled by OpenVINO at `precision` (fp32 or bf16), answering like an InferenceSession."""
 
     def __init__(self, path: Path, outputs: Sequence[str], precision: str, threads: int = 0):
@@ -37,12 +50,6 @@ class OpenVinoSession:
 
         threads = threads or len(os.sched_getaffinity(0))
         self.graph = OvGraph(path, INPUT_NAMES, outputs, f"openvino-{precision}", precision, threads, streams=1)
-
-    def get_inputs(self) -> list[_Port]:
-        return [_Port(name, []) for name in INPUT_NAMES]
-
-    def get_outputs(self) -> list[_Port]:
-        return [_Port(name, shape) for name, shape in self.graph.shapes.items()]
 
     def get_providers(self) -> list[str]:
         return [f"{self.graph.provider} ({self.graph.precision})"]
@@ -52,7 +59,7 @@ class OpenVinoSession:
         return [got[name] for name in outputs]
 
 
-class PackedSession:
+class PackedSession(_GraphAsSession):
     """The packed graph answering like an InferenceSession on padded feeds, so that the parity and
     quality gates judge it with the code that judges every other graph: each padded batch's rows are
     packed as the service packs them (service/runtimes/packing.py: plan_packs, then pack), so what is
@@ -61,12 +68,6 @@ class PackedSession:
     def __init__(self, graph, pooling: str, position_offset: int, max_tokens: int, packed_tokens: int = 256):
         self.graph, self.pooling, self.position_offset = graph, pooling, position_offset
         self.row_tokens = max(packed_tokens, max_tokens)  # a text longer than a row is a row alone in the service
-
-    def get_inputs(self) -> list[_Port]:
-        return [_Port(name, []) for name in INPUT_NAMES]
-
-    def get_outputs(self) -> list[_Port]:
-        return [_Port(name, shape) for name, shape in self.graph.shapes.items()]
 
     def get_providers(self) -> list[str]:
         return [f"{self.graph.provider}, packed ({self.graph.label})"]
