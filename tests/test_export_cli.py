@@ -169,6 +169,8 @@ while not os.path.exists(stop):
             open(ready, "w").close()
     except Exception as exc:
         problems.append(f"{type(exc).__name__}: {exc}")
+    sys.stderr.write("read\n")  # progress, a line per attempt: the publisher keeps pace with it
+    sys.stderr.flush()
 print(json.dumps({"reads": reads, "versions": len(versions), "problems": problems[:5], "failed": len(problems)}))
 """
 
@@ -192,12 +194,17 @@ def test_replacing_a_bundle_never_leaves_a_reader_without_a_whole_one(tmp_path):
     _publish(staged(0), out)
     stop, ready = tmp_path / "stop", tmp_path / "ready"
     reader = subprocess.Popen([sys.executable, "-c", READER, str(out), str(stop), str(ready)],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: ready.exists() or reader.poll() is not None, "the reader's first read", timeout=60,
                    interval=0.01)
+        reads = 0
         for version in range(1, 151):
             _publish(staged(version), out)
+            # at least as many reads as versions published, so that the reader reads all along the
+            # replacements on a loaded machine too (a slow reader once made 150 reads or fewer)
+            while reads < version and reader.stderr.readline():
+                reads += 1
     finally:
         stop.touch()
         result = json.loads(reader.communicate(timeout=60)[0])
