@@ -18,9 +18,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-FEED_NAMES = ("input_ids", "token_type_ids", "position_ids", "segment_ids", "pool_weights")
-
-
 def pack(ids: Sequence[np.ndarray], types: Sequence[np.ndarray | None] | None, position_offset: int, pooling: str,
          multiple: int = 1) -> dict[str, np.ndarray]:
     """The packed graph's feed for these texts (token ids each, token types each or None for all 0).
