@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import torch
 from tokenizers import Tokenizer
 
 from bundle.contract import INPUT_NAMES, output_names
 from bundle.manifest import OutputParity, ParityReport
 from export.encoder import Encoder
+from export.sessions import ort_session
 
 # Varied scripts, lengths and punctuation: the tokenizer paths that matter (accents,
 # CJK split per character, emoji to [UNK]) all reach the graph.
@@ -144,9 +144,7 @@ def check_parity(
     names = output_names(encoder.task)  # what the PyTorch module returns, in order
     outputs = tuple(outputs or names)
     if session is None:  # export.sessions.OpenVinoSession answers the same calls
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        session = ort.InferenceSession(str(graph_path), options, providers=list(providers))
+        session = ort_session(graph_path, providers)
     compare = tuple(compare or outputs)  # the outputs judged (all the graph's by default)
     tallies = {name: _Tally() for name in compare}
 

@@ -49,7 +49,7 @@ from bundle.manifest import (
 )
 from export import onnx_export, optimize, parity, quality
 from export.checkpoint import Checkpoint, load_checkpoint
-from export.sessions import PackedSession
+from export.sessions import PackedSession, quiet_options
 from service.runtimes.onnxruntime import OrtPackedGraph
 
 
@@ -260,7 +260,7 @@ def _packed(ckpt: Checkpoint, staging: Path, probes, options: ExportOptions, pro
     target = staging / PACKED_FILE
     onnx_export.export_packed_onnx(ckpt.encoder, target, options.opset)
     outputs = packed_output_names(ckpt.task)
-    session = PackedSession(OrtPackedGraph(target, ckpt.task, ["CPUExecutionProvider"], _packed_options()),
+    session = PackedSession(OrtPackedGraph(target, ckpt.task, ["CPUExecutionProvider"], quiet_options()),
                             cfg.pooling, cfg.position_offset, ckpt.max_tokens)
     report = parity.check_parity(ckpt.encoder, target, probes, options.atol, options.rtol, outputs=outputs,
                                  session=session)
@@ -272,12 +272,6 @@ def _packed(ckpt: Checkpoint, staging: Path, probes, options: ExportOptions, pro
         return None
     return PackedInfo(file=PACKED_FILE, opset=onnx_export.graph_opset(target), inputs=list(PACKED_INPUT_NAMES),
                       outputs=list(outputs), position_offset=cfg.position_offset, parity=report)
-
-
-def _packed_options():
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
-    return options
 
 
 def _packed_bf16(ckpt: Checkpoint, tokenizer: Tokenizer, staging: Path, packed: PackedInfo, options: ExportOptions,

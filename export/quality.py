@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from bundle.manifest import QualityGate
 from export.encoder import Encoder
 from export.parity import PROBE_TEXTS, _pad
+from export.sessions import ort_session
 
 # Everyday text an embedding service receives: support questions, reviews, facts, code talk,
 # several languages; short and long.
@@ -124,9 +125,7 @@ def check_quality(
     """Embed the corpus, queries and documents with PyTorch fp32 and with the candidate graph; compare.
     `session`: what runs the graph, when not onnxruntime (export.sessions.OpenVinoSession for bf16)."""
     if session is None:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        session = ort.InferenceSession(str(graph_path), options, providers=list(providers))
+        session = ort_session(graph_path, providers)
     texts = [*CORPUS, *(q for q, _ in QUERIES), *DOCUMENTS]
     reference = _unit(embed_reference(encoder, _batches(tokenizer, texts, max_tokens, pad_id)))
     candidate = _unit(embed_candidate(session, _batches(tokenizer, texts, max_tokens, pad_id)))

@@ -18,10 +18,15 @@ from bundle.contract import INPUT_NAMES
 from service.runtimes.openvino import OvGraph
 
 
-def ort_session(path: Path, providers: Sequence[str] = ("CPUExecutionProvider",)) -> ort.InferenceSession:
+def quiet_options() -> ort.SessionOptions:
+    """Session options that log errors only (onnxruntime's warnings about the graph are noise at export)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=list(providers))
+    return options
+
+
+def ort_session(path: Path, providers: Sequence[str] = ("CPUExecutionProvider",)) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), quiet_options(), providers=list(providers))
 
 
 @dataclass(frozen=True)
