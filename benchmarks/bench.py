@@ -65,10 +65,54 @@ def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
 
 
-def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: int, reference: np.ndarray) -> dict:
+def batch_rate(run, ids: list[list[int]], order: list[int], batch: int, outputs: list[str]) -> float:
+    """texts/s of `run` (a graph's run(ids, mask, outputs)) over the texts in `order`, in batches of
+    `batch`, after two batches of warm-up."""
+    from service.engine.runner import pad
+
+    for i in range(0, 2 * batch, batch):  # warm-up
+        run(*pad([ids[j] for j in order[i : i + batch]], 0), outputs)
+    started = time.perf_counter()
+    for i in range(0, len(order), batch):
+        run(*pad([ids[j] for j in order[i : i + batch]], 0), outputs)
+    return len(order) / (time.perf_counter() - started)
+
+
+class ReferenceSamples:
+    """In-process onnxruntime fp32 on the fused encodings graph, length-sorted batches: what every
+    target ratio divides by. This machine's speed moves by tens of per cent within one run (605, 485
+    and 408 texts/s in three runs), so the benchmark samples the reference again after each service
+    phase, while nothing else runs, and the ratios divide by the median of all samples."""
+
+    def __init__(self, bundle, ids: list[list[int]], by_length: list[int], batch: int, threads: int):
+        self.bundle, self.ids, self.by_length, self.batch, self.threads = bundle, ids, by_length, batch, threads
+        self.samples: list[float] = []
+
+    def add(self, rate: float) -> float:
+        self.samples.append(rate)
+        return rate
+
+    def sample(self, after: str) -> float:
+        """One more sample, in a fresh session that is closed after it (its threads then stop spinning)."""
+        from service.runtimes.onnxruntime import OrtEncoder
+
+        encoder = OrtEncoder(self.bundle, "auto", intra_op_threads=self.threads, precision="fp32")
+        rate = self.add(batch_rate(encoder.fast.run, self.ids, self.by_length, self.batch, ["sentence_embedding"]))
+        del encoder
+        print(f"  in-process onnxruntime fp32 after {after}: {rate:.0f} texts/s (median of {len(self.samples)} "
+              f"samples {self.median():.0f})", flush=True)
+        return rate
+
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+
+def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: int,
+                      reference: np.ndarray) -> tuple[dict, ReferenceSamples]:
     """texts/s of each graph on length-sorted batches (full graph also in arrival order), the time
     of one call on a short text through the fp32 encodings graph (ms), OpenVINO's f32 and bf16 on
-    the fp32 encodings graph, and each one's min cosine against sentence-transformers."""
+    the fp32 encodings graph, and each one's min cosine against sentence-transformers; and the
+    fp32 encodings graph's first reference sample."""
     from bundle.manifest import load_bundle
     from service.engine.runner import pad
     from service.runtimes.onnxruntime import OrtEncoder
@@ -78,14 +122,10 @@ def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: i
     tokenizer = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens)
     ids = [t.ids for t in tokenizer.encode(texts, True)]
     by_length = sorted(range(len(texts)), key=lambda i: len(ids[i]))
+    samples = ReferenceSamples(bundle, ids, by_length, batch, threads)
 
     def speed(run, order: list[int], outputs: list[str]) -> float:
-        for i in range(0, 64, batch):  # warm-up
-            run(*pad([ids[j] for j in order[i : i + batch]], 0), outputs)
-        started = time.perf_counter()
-        for i in range(0, len(order), batch):
-            run(*pad([ids[j] for j in order[i : i + batch]], 0), outputs)
-        return len(order) / (time.perf_counter() - started)
+        return batch_rate(run, ids, order, batch, outputs)
 
     def fidelity(run) -> float:
         got = np.zeros_like(reference, dtype=np.float64)
@@ -111,6 +151,8 @@ def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: i
                 calls.append(time.perf_counter() - started)
             out["one_call_ms"] = statistics.median(calls[10:]) * 1000
         out[f"{precision}_sorted"] = speed(encoder.fast.run, by_length, ["sentence_embedding"])
+        if precision == "fp32":
+            samples.add(out["fp32_sorted"])
         out[f"{precision}_cosine"] = fidelity(encoder.fast.run)
     from service.runtimes.openvino import OvGraph, check_openvino
 
@@ -123,7 +165,7 @@ def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: i
                         precision, threads, streams=1)
         out[f"openvino_{precision}_sorted"] = speed(graph.run, by_length, ["sentence_embedding"])
         out[f"openvino_{precision}_cosine"] = fidelity(graph.run)
-    return out
+    return out, samples
 
 
 def service_phase(spec: dict) -> list[dict]:
@@ -492,18 +534,20 @@ def main() -> int:
     print(f"benchmark: {len(texts)} texts of 8-40 words, batch {args.batch}, {args.threads} ORT threads, {where}", flush=True)
     st, reference = bench_sentence_transformers(texts, args.batch)
     print(f"  sentence-transformers: {st:.0f} texts/s", flush=True)
-    ort = bench_onnxruntime(texts, args.batch, args.bundle, args.threads, reference)
+    ort, references = bench_onnxruntime(texts, args.batch, args.bundle, args.threads, reference)
     print(f"  onnxruntime ({ort['provider']}, {ort['threads']} threads): full graph {ort['full_unsorted']:.0f} texts/s "
           f"unsorted, {ort['full_sorted']:.0f} sorted; encodings fp32 {ort['fp32_sorted']:.0f}, "
           f"int8 {ort.get('int8_sorted', float('nan')):.0f}; one short text {ort['one_call_ms']:.1f} ms; OpenVINO f32 "
           f"{ort.get('openvino_fp32_sorted', float('nan')):.0f}, bf16 {ort.get('openvino_bf16_sorted', float('nan')):.0f}"
           + ("" if ort["bf16_units"] else f" ({ort['cpu']})"), flush=True)
+    # its texts/s becomes the median of the samples taken between the service phases, at the end
+    fp32_row = {"engine": "in-process onnxruntime, fused encodings graph fp32, length-sorted", "texts_s": ort["fp32_sorted"],
+                "cosine": ort["fp32_cosine"]}
     rows = [
         {"engine": "in-process sentence-transformers (torch fp32)", "texts_s": st},
         {"engine": "in-process onnxruntime, full graph (attention weights), arrival order", "texts_s": ort["full_unsorted"]},
         {"engine": "in-process onnxruntime, full graph (attention weights), length-sorted", "texts_s": ort["full_sorted"]},
-        {"engine": "in-process onnxruntime, fused encodings graph fp32, length-sorted", "texts_s": ort["fp32_sorted"],
-         "cosine": ort["fp32_cosine"]},
+        fp32_row,
     ]
     if "int8_sorted" in ort:
         rows.append({"engine": "in-process onnxruntime, fused encodings graph int8, length-sorted", "texts_s": ort["int8_sorted"],
@@ -514,6 +558,12 @@ def main() -> int:
                          "texts_s": ort[f"openvino_{precision}_sorted"], "cosine": ort[f"openvino_{precision}_cosine"]})
 
     route = ROUTES[args.route][0]
+
+    def phase(spec: dict) -> list[dict]:
+        """One service phase, then one more sample of the in-process reference."""
+        found = service_phase(spec)
+        references.sample(after=spec["label"])
+        return found
 
     def scenario(label, per_request, concurrency, **flags):
         loadgen = args.loadgen if per_request == 1 else "httpx"
@@ -538,40 +588,41 @@ def main() -> int:
     ingresses = [i for i in args.ingress.replace(" ", "").split(",") if i]
     if args.rerank or args.rerank_only:
         rows += rerank_rows(args, ingresses[-1], settings)
+        references.sample(after="the cross-encoder phase")
     if not args.rerank_only:
         # the default configuration (runtime and precision auto: OpenVINO bf16 where the CPU has bf16 units
         # and it measures faster), on the last ingress; its embeddings of the texts against sentence-transformers'
-        rows += service_phase({"label": f"default config, {ingresses[-1]}", "ingress": ingresses[-1], **common,
+        rows += phase({"label": f"default config, {ingresses[-1]}", "ingress": ingresses[-1], **common,
                                "settings": settings, "reference": reference.tolist(),
                                "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
                                              scenario("single texts", 1, 32),
                                              scenario("one short text", 1, 1, short=True)]})
         for ingress in ingresses:
-            rows += service_phase({"label": f"fp32, {ingress}", "ingress": ingress, **common, "reference": reference.tolist(),
+            rows += phase({"label": f"fp32, {ingress}", "ingress": ingress, **common, "reference": reference.tolist(),
                                    "settings": {**settings, "precision": "fp32"}, "scenarios": fp32})
         best = ingresses[-1]
-        rows += service_phase({"label": f"echo (no model), {best}", "ingress": best, **common, "settings": settings, "echo": True,
+        rows += phase({"label": f"echo (no model), {best}", "ingress": best, **common, "settings": settings, "echo": True,
                                "scenarios": [scenario("single texts", 1, 32)]})
         if args.bounds:  # the same app and engine under plain uvicorn, no Ray: Ray Serve's share of a request
             for label, extra in (("default config", {}), ("fp32", {"precision": "fp32"})):
-                rows += service_phase({"label": f"{label}, plain uvicorn without Ray (a bound, not the service)",
+                rows += phase({"label": f"{label}, plain uvicorn without Ray (a bound, not the service)",
                                        "ingress": "uvicorn, no Ray", "no_ray": True, **common,
                                        "settings": {**settings, **extra},
                                        "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
                                                      scenario("single texts", 1, 32),
                                                      scenario("one short text", 1, 1, short=True)]})
         if "int8_sorted" in ort:
-            rows += service_phase({"label": f"int8, {best}", "ingress": best, **common, "reference": reference.tolist(),
+            rows += phase({"label": f"int8, {best}", "ingress": best, **common, "reference": reference.tolist(),
                                    "settings": {**settings, "precision": "int8"},
                                    "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
                                                  scenario("single texts", 1, 32)]})
         for name in [v for v in args.variants.replace(" ", "").split(",") if v]:
-            rows += service_phase({"label": f"fp32, {best}, {name}", "ingress": best, **common, "env": VARIANTS[name],
+            rows += phase({"label": f"fp32, {best}, {name}", "ingress": best, **common, "env": VARIANTS[name],
                                    "settings": {**settings, "precision": "fp32"},
                                    "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
                                                  scenario("single texts", 1, 32)]})
         if args.sweep:
-            rows += service_phase({"label": f"fp32, {ingresses[0]}, batching off", "ingress": ingresses[0], **common,
+            rows += phase({"label": f"fp32, {ingresses[0]}, batching off", "ingress": ingresses[0], **common,
                                    "settings": {**settings, "precision": "fp32", "batching": {"enabled": False}},
                                    "scenarios": [scenario("single texts", 1, c) for c in (1, 2, 4, 8, 16, 32)]})
 
@@ -579,10 +630,17 @@ def main() -> int:
     if "infinity" in peers:
         try:
             rows += measure_infinity(texts, SHORT_TEXT, args.batch, wrk, args.encoding_format, install=peer_installs["infinity"])
+            references.sample(after="infinity-emb")
         except (Exception, SystemExit) as exc:  # the service's rows stand; the table says the peer failed
             peer_error = f"failed: {exc}".splitlines()[0][:200]
             print(f"  peer infinity-emb {peer_error}", flush=True)
 
+    # every ratio divides by the median of the reference's samples (the first one and one after each phase)
+    ort["fp32_sorted_samples"] = [round(r, 1) for r in references.samples]
+    ort["fp32_sorted"] = fp32_row["texts_s"] = references.median()
+    if len(references.samples) > 1:
+        fp32_row["engine"] += (f" (median of {len(references.samples)} samples, one before the service and one after "
+                               f"each phase: {min(references.samples):.0f}-{max(references.samples):.0f})")
     goals = targets(rows, ort, peer_missing=f"not measured ({peer_error})" if peer_error else PEER_HINT)
     single_gen = (f"wrk {wrk_version()} (Lua script POSTing JSON bodies, {args.wrk_threads} threads, "
                   f"{args.wrk_duration:.0f} s after {args.wrk_warmup:.0f} s of warm-up)" if args.loadgen == "wrk"
@@ -601,7 +659,9 @@ def main() -> int:
               f"{args.encoding_format}, the service's rows through {route}{peer_text}. Load generators, on the same "
               f"machine: {single_gen} for single-text rows; the Python httpx client (asyncio) for client-batch rows. "
               f"Target ratios are against in-process onnxruntime (fused encodings graph, length-sorted batches of "
-              f"{args.batch}){' and the peer' if peers else ''} in the same run; 'vs ST' is against in-process "
+              f"{args.batch}; the median of {len(references.samples)} samples taken between the phases, "
+              f"{min(references.samples):.0f}-{max(references.samples):.0f} texts/s){' and the peer' if peers else ''} "
+              f"in the same run; 'vs ST' is against in-process "
               f"sentence-transformers ({st:.0f} texts/s).")
     table = render(rows, goals, header)
     print()
