@@ -354,14 +354,28 @@ def rerank_targets(rows: list[dict]) -> list[dict]:
 
 
 def without_ray(rows: list[dict], precision: str, per_request: int, concurrency: int, reference: float) -> str:
-    """What the same app and engine do under plain uvicorn with no Ray (benchmarks/plain_server.py), for a
-    target's row: the bound on what any tuning of the Ray Serve side could reach in this run."""
-    found = [r for r in rows if r.get("bound") and r.get("precision") == precision and r.get("per_request") == per_request
-             and r.get("concurrency") == concurrency and not r.get("short")]
-    if not found:
-        return ""
-    r = max(found, key=lambda r: r["texts_s"])
-    return f"; the same app without Ray (plain uvicorn): {r['texts_s']:.0f} texts/s = {r['texts_s'] / reference:.2f}x"
+    """What the same app and engine do under plain uvicorn with no Ray (benchmarks/plain_server.py), and
+    for client batches what the engine alone does with no HTTP either (benchmarks/engine_alone.py), for a
+    target's row: the bounds on what any tuning of the Ray Serve side, then of the HTTP side, could reach."""
+    out = ""
+    for alone, what in ((False, "the same app without Ray (plain uvicorn)"), (True, "the engine alone (no HTTP, no Ray)")):
+        found = [r for r in rows if r.get("bound") and bool(r.get("engine_alone")) == alone and r.get("precision") == precision
+                 and r.get("per_request") == per_request and r.get("concurrency") == concurrency and not r.get("short")]
+        if found:
+            r = max(found, key=lambda r: r["texts_s"])
+            out += f"; {what}: {r['texts_s']:.0f} texts/s = {r['texts_s'] / reference:.2f}x"
+    return out
+
+
+def engine_alone(bundle: Path, precisions: list[str], seconds: float) -> list[dict]:
+    """The engine with client batches, no HTTP and no Ray, in a process of its own (benchmarks/engine_alone.py)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "rows.json"
+        result = subprocess.run([sys.executable, "-m", "benchmarks.engine_alone", "--bundle", str(bundle), "--seconds",
+                                 str(seconds), "--precision", ",".join(precisions), "--json", str(out)], timeout=600)
+        if result.returncode != 0 or not out.exists():
+            raise SystemExit(f"the engine-alone phase failed (exit {result.returncode})")
+        return json.loads(out.read_text())
 
 
 def bf16_targets(rows: list[dict], ort: dict, peer_name: str, peer_missing: str, best, verdict) -> list[dict]:
@@ -604,6 +618,8 @@ def main() -> int:
         rows += phase({"label": f"echo (no model), {best}", "ingress": best, **common, "settings": settings, "echo": True,
                                "scenarios": [scenario("single texts", 1, 32)]})
         if args.bounds:  # the same app and engine under plain uvicorn, no Ray: Ray Serve's share of a request
+            rows += engine_alone(args.bundle, ["auto", "fp32"], seconds=args.wrk_duration)
+            references.sample(after="the engine alone")
             for label, extra in (("default config", {}), ("fp32", {"precision": "fp32"})):
                 rows += phase({"label": f"{label}, plain uvicorn without Ray (a bound, not the service)",
                                        "ingress": "uvicorn, no Ray", "no_ray": True, **common,
