@@ -524,7 +524,8 @@ def main() -> int:
                    help="the rerank rows: a MiniLM-L6 cross-encoder built locally (benchmarks/rerank.py) served beside "
                    "the default model, against sentence-transformers' CrossEncoder in-process")
     p.add_argument("--bounds", action=argparse.BooleanOptionalAction, default=True,
-                   help="also measure the same app and engine under plain uvicorn without Ray (the bound of Ray Serve's share)")
+                   help="also measure the same app and engine under plain uvicorn without Ray (the bound of Ray Serve's "
+                   "share), and the engine alone with client batches, no HTTP and no Ray (the bound of any server)")
     p.add_argument("--rerank-only", action="store_true", help="only the rerank rows (and the in-process references)")
     p.add_argument("--variants", default="",
                    help=f"Ray Serve per-request options to measure against the default, fp32 on the last ingress, "
