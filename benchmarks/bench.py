@@ -80,9 +80,10 @@ def batch_rate(run, ids: list[list[int]], order: list[int], batch: int, outputs:
 
 class ReferenceSamples:
     """In-process onnxruntime fp32 on the fused encodings graph, length-sorted batches: what every
-    target ratio divides by. This machine's speed moves by tens of per cent within one run (605, 485
-    and 408 texts/s in three runs), so the benchmark samples the reference again after each service
-    phase, while nothing else runs, and the ratios divide by the median of all samples."""
+    target ratio divides by. One reading moved by a quarter between runs (605, 485, 408 texts/s), and the
+    first of a run, in the process that has just run sentence-transformers and OpenVINO, reads low
+    (504-577 against 550-627 after), so the benchmark samples it again after each service phase,
+    while nothing else runs, and the ratios divide by the median of all samples."""
 
     def __init__(self, bundle, ids: list[list[int]], by_length: list[int], batch: int, threads: int):
         self.bundle, self.ids, self.by_length, self.batch, self.threads = bundle, ids, by_length, batch, threads
@@ -608,49 +609,49 @@ def main() -> int:
         # the default configuration (runtime and precision auto: OpenVINO bf16 where the CPU has bf16 units
         # and it measures faster), on the last ingress; its embeddings of the texts against sentence-transformers'
         rows += phase({"label": f"default config, {ingresses[-1]}", "ingress": ingresses[-1], **common,
-                               "settings": settings, "reference": reference.tolist(),
-                               "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
-                                             scenario("single texts", 1, 32),
-                                             scenario("one short text", 1, 1, short=True)]})
+                       "settings": settings, "reference": reference.tolist(),
+                       "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
+                                     scenario("single texts", 1, 32),
+                                     scenario("one short text", 1, 1, short=True)]})
         for ingress in ingresses:
             rows += phase({"label": f"fp32, {ingress}", "ingress": ingress, **common, "reference": reference.tolist(),
-                                   "settings": {**settings, "precision": "fp32"}, "scenarios": fp32})
+                           "settings": {**settings, "precision": "fp32"}, "scenarios": fp32})
         best = ingresses[-1]
         rows += phase({"label": f"echo (no model), {best}", "ingress": best, **common, "settings": settings, "echo": True,
-                               "scenarios": [scenario("single texts", 1, 32)]})
-        if args.bounds:  # the same app and engine under plain uvicorn, no Ray: Ray Serve's share of a request
+                       "scenarios": [scenario("single texts", 1, 32)]})
+        if args.bounds:  # the engine alone (no HTTP, no Ray), and the same app under plain uvicorn (no Ray)
             rows += engine_alone(args.bundle, ["auto", "fp32"], seconds=args.wrk_duration)
             references.sample(after="the engine alone")
             for label, extra in (("default config", {}), ("fp32", {"precision": "fp32"})):
                 rows += phase({"label": f"{label}, plain uvicorn without Ray (a bound, not the service)",
-                                       "ingress": "uvicorn, no Ray", "no_ray": True, **common,
-                                       "settings": {**settings, **extra},
-                                       "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
-                                                     scenario("single texts", 1, 32),
-                                                     scenario("one short text", 1, 1, short=True)]})
+                               "ingress": "uvicorn, no Ray", "no_ray": True, **common,
+                               "settings": {**settings, **extra},
+                               "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
+                                             scenario("single texts", 1, 32),
+                                             scenario("one short text", 1, 1, short=True)]})
         if "int8_sorted" in ort:
             rows += phase({"label": f"int8, {best}", "ingress": best, **common, "reference": reference.tolist(),
-                                   "settings": {**settings, "precision": "int8"},
-                                   "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
-                                                 scenario("single texts", 1, 32)]})
+                           "settings": {**settings, "precision": "int8"},
+                           "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
+                                         scenario("single texts", 1, 32)]})
         for name in [v for v in args.variants.replace(" ", "").split(",") if v]:
             rows += phase({"label": f"fp32, {best}, {name}", "ingress": best, **common, "env": VARIANTS[name],
-                                   "settings": {**settings, "precision": "fp32"},
-                                   "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
-                                                 scenario("single texts", 1, 32)]})
+                           "settings": {**settings, "precision": "fp32"},
+                           "scenarios": [scenario(f"client batches of {args.batch}", args.batch, 4),
+                                         scenario("single texts", 1, 32)]})
         if args.sweep:
             rows += phase({"label": f"fp32, {ingresses[0]}, batching off", "ingress": ingresses[0], **common,
-                                   "settings": {**settings, "precision": "fp32", "batching": {"enabled": False}},
-                                   "scenarios": [scenario("single texts", 1, c) for c in (1, 2, 4, 8, 16, 32)]})
+                           "settings": {**settings, "precision": "fp32", "batching": {"enabled": False}},
+                           "scenarios": [scenario("single texts", 1, c) for c in (1, 2, 4, 8, 16, 32)]})
 
     peer_error = None
     if "infinity" in peers:
         try:
             rows += measure_infinity(texts, SHORT_TEXT, args.batch, wrk, args.encoding_format, install=peer_installs["infinity"])
-            references.sample(after="infinity-emb")
         except (Exception, SystemExit) as exc:  # the service's rows stand; the table says the peer failed
             peer_error = f"failed: {exc}".splitlines()[0][:200]
             print(f"  peer infinity-emb {peer_error}", flush=True)
+        references.sample(after="infinity-emb")
 
     # every ratio divides by the median of the reference's samples (the first one and one after each phase)
     ort["fp32_sorted_samples"] = [round(r, 1) for r in references.samples]
