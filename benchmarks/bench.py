@@ -81,8 +81,8 @@ def batch_rate(run, ids: list[list[int]], order: list[int], batch: int, outputs:
 class ReferenceSamples:
     """In-process onnxruntime fp32 on the fused encodings graph, length-sorted batches: what every
     target ratio divides by. One reading moved by a quarter between runs (605, 485, 408 texts/s), and the
-    first of a run, in the process that has just run sentence-transformers and OpenVINO, reads low
-    (504-577 against 550-627 after), so the benchmark samples it again after each service phase,
+    first of a run, in the process that has just run sentence-transformers and OpenVINO, tends to
+    read low (504 and 545 in two runs, against 550-627 after), so the benchmark samples it again after each service phase,
     while nothing else runs, and the ratios divide by the median of all samples."""
 
     def __init__(self, bundle, ids: list[list[int]], by_length: list[int], batch: int, threads: int):
