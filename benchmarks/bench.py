@@ -85,8 +85,13 @@ class ReferenceSamples:
     read low (504 and 545 in two runs, against 550-627 after), so the benchmark samples it again after each service phase,
     while nothing else runs, and the ratios divide by the median of all samples."""
 
-    def __init__(self, bundle, ids: list[list[int]], by_length: list[int], batch: int, threads: int):
-        self.bundle, self.ids, self.by_length, self.batch, self.threads = bundle, ids, by_length, batch, threads
+    def __init__(self, bundle, texts: list[str], batch: int, threads: int):
+        from service.engine.tokenization import TextTokenizer
+
+        self.bundle, self.batch, self.threads = bundle, batch, threads
+        self.tokenizer = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens)
+        self.ids = [t.ids for t in self.tokenizer.encode(texts, True)]
+        self.by_length = sorted(range(len(texts)), key=lambda i: len(self.ids[i]))
         self.samples: list[float] = []
 
     def add(self, rate: float) -> float:
@@ -117,13 +122,9 @@ def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: i
     from bundle.manifest import load_bundle
     from service.engine.runner import pad
     from service.runtimes.onnxruntime import OrtEncoder
-    from service.engine.tokenization import TextTokenizer
 
-    bundle = load_bundle(bundle_dir)
-    tokenizer = TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens)
-    ids = [t.ids for t in tokenizer.encode(texts, True)]
-    by_length = sorted(range(len(texts)), key=lambda i: len(ids[i]))
-    samples = ReferenceSamples(bundle, ids, by_length, batch, threads)
+    samples = ReferenceSamples(load_bundle(bundle_dir), texts, batch, threads)
+    bundle, tokenizer, ids, by_length = samples.bundle, samples.tokenizer, samples.ids, samples.by_length
 
     def speed(run, order: list[int], outputs: list[str]) -> float:
         return batch_rate(run, ids, order, batch, outputs)

@@ -74,19 +74,14 @@ def main() -> int:
     from service.runtimes.onnxruntime import available_cpus
 
     texts = sentences(512)
-    bundle = load_bundle(args.bundle)
-    engine_for_ids, rows = None, []
+    reference = ReferenceSamples(load_bundle(args.bundle), texts, 32, available_cpus())
+    reference.sample(after="start-up")
+    rows = []
     for precision in [p.strip() for p in args.precision.split(",") if p.strip()]:
         settings = ServiceSettings(bundle=str(args.bundle.resolve()), precision=precision)
         engine = load_engine(settings.bundles[0], settings)
         svc = EncoderService(settings, EngineTable([engine]))
         svc.warm_up()
-        if engine_for_ids is None:  # the reference's token ids, from the service's own tokenizer
-            engine_for_ids = engine
-            ids = [t.ids for t in engine.tokenizer.encode(texts, True)]
-            by_length = sorted(range(len(texts)), key=lambda i: len(ids[i]))
-            reference = ReferenceSamples(bundle, ids, by_length, 32, available_cpus())
-            reference.sample(after="start-up")
         got = asyncio.run(measure(svc, engine, texts, args.seconds))
         reference.sample(after=f"the engine, {precision}")
         print(f"engine alone, {engine.runtime.runtime} {engine.runtime.precision} ({precision}), {CLIENTS} clients x "
