@@ -27,8 +27,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmarks.service_phase import free_port, load, process_group_cpu
+from benchmarks.service_phase import load, process_group_cpu
 from benchmarks.wrk_load import run_wrk
+from service.processes import free_port
 
 PEERS = ("infinity",)
 ROOT = Path("results/peers")

@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 
 from benchmarks.corpus import sentences
-from benchmarks.service_phase import INGRESS_ENV, free_port, load
+from benchmarks.service_phase import INGRESS_ENV, load
 from service.config import DEFAULT_INGRESS
-from service.processes import local_cluster_ports
+from service.processes import free_port, local_cluster_ports
 
 PROCESSES = {"Encoder": "replica", "ProxyActor": "proxy"}  # HAProxy is not Python: /proc CPU columns cover it
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +22,7 @@ import numpy as np
 
 from benchmarks.wrk_load import run_wrk
 from service.config import INGRESS_ENV as SERVICE_INGRESS_ENV
-from service.processes import local_cluster_ports
+from service.processes import free_port, local_cluster_ports
 
 # Ray Serve switches per ingress choice (environment of the Ray processes, set before ray starts):
 # the service's own choices, and Ray's throughput-optimized mode (ingress replicas listen
@@ -33,34 +31,6 @@ INGRESS_ENV = {**SERVICE_INGRESS_ENV, "direct": {"RAY_SERVE_THROUGHPUT_OPTIMIZED
 
 # the service's routes the load can go to: (path, the request's texts field)
 ROUTES = {"native": ("/v1/encode", "inputs"), "openai": ("/v1/embeddings", "input")}
-
-
-_taken: set[int] = set()
-
-
-def free_port() -> int:
-    """A free TCP port on loopback, below the kernel's ephemeral range: between choosing it and
-    binding it (Ray, HAProxy, a peer take seconds to start), a port the kernel hands out to any
-    process that binds port 0 (Ray's workers on a shared machine do) could be taken by another."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
-        if port in _taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _taken.add(port)  # never handed out twice by this process
-        return port
-    with socket.socket() as s:  # fall back to one the kernel picks
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -13,7 +13,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from service.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,12 +60,6 @@ def summarize(stats_csv: Path) -> list[Row]:
     if not rows:
         raise ValueError(f"{stats_csv}: no rows")
     return rows
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_service(extra: list[str]) -> tuple[subprocess.Popen, str]:

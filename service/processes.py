@@ -11,8 +11,37 @@ import time
 from pathlib import Path
 
 
+# free_port's ports lie above what free_port_range hands out (20000-30000) and Ray Serve's default
+# replica ports (30000-31000), and below the kernel's ephemeral range
+FREE_PORT_LOW = 31000
+_taken: set[int] = set()  # ports free_port handed out in this process: never twice
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on every interface right now (the kernel's choice)."""
+    """A TCP port free on every interface right now, below the kernel's ephemeral range. Between
+    choosing a port and binding it (Ray and HAProxy take seconds to start), the kernel may hand a
+    port of that range to any process that binds port 0 or connects out, as Ray's workers do; HAProxy
+    then fails to start ("cannot bind socket (Address already in use)"). The kernel's own choice only
+    where that range leaves no room below it."""
+    rng, high = random.Random(), _ephemeral_low()
+    for _ in range(200 if high - FREE_PORT_LOW >= 100 else 0):
+        port = rng.randrange(FREE_PORT_LOW, high)
+        if port in _taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        _taken.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

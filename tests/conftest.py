@@ -10,7 +10,7 @@ import pytest
 
 from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
 from service.config import DEFAULT_INGRESS, INGRESS_ENV
-from service.processes import local_cluster_ports
+from service.processes import free_port, local_cluster_ports  # noqa: F401 - the tests import free_port from here
 from tests.waiting import wait_until  # noqa: F401 - the tests import it from here
 
 # The test cluster runs as `make run` does: HAProxy in front (the default ingress), every Ray
@@ -40,14 +40,6 @@ def default_bundle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundles") / "all-MiniLM-L6-v2"
     build_bundle(ExportOptions("default", out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL), progress=lambda _: None)
     return out
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,6 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
+from service.processes import free_port
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,12 +50,6 @@ def _rules_module():
 def write_rules(directory: Path) -> Path:
     """The bare rule groups of deploy/prometheus-rules.yaml, as DIR/rules.yaml."""
     return _rules_module().write_rules(directory)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape_config(targets: dict[str, str], interval: str, rule_files: list[Path]) -> dict:
