@@ -9,7 +9,10 @@ use them). These two have none:
   address alone loses nothing: 127.0.0.1 on a local cluster, the pod IP on Kubernetes.
 - HAProxy's stats page and Prometheus endpoint (`bind *:PORT` in Ray's config template): Ray runs
   the HAProxy binary that RAY_SERVE_HAPROXY_BINARY_PATH names, so a local cluster runs
-  service/bin/haproxy, which moves them to the HTTP frontend's host and runs the real one.
+  service/bin/haproxy, which moves them to the HTTP frontend's host (IPv4 or IPv6; it refuses to
+  start HAProxy, saying why, when a bind line it must move is missing) and runs the real one. The
+  KubeRay pods run it too (deploy/k8s/render.py): it also buffers each request, so that HAProxy
+  can send a request again when the replica it reached vanishes (docs/serving.md, "The ingress").
 """
 
 from __future__ import annotations

