@@ -142,3 +142,130 @@ def test_in_a_pod_it_runs_the_wheels_haproxy(tmp_path):
                             timeout=60)
     assert result.returncode == 0 and "Configuration file is valid" in result.stdout + result.stderr, result
     assert time.monotonic() - started < 30
+
+
+# --- the retry policy, on Ray's config with a backend of two replicas --------------------------------
+
+
+class Replica:
+    """A stand-in replica on 127.0.0.1 that answers health checks and handles each POST as `mode`
+    says: "answer" 200, "vanish" (closes the connection without a byte, as a replica killed with the
+    request in flight), or "busy" (503, as a replica whose queue is full or whose deadline passed)."""
+
+    def __init__(self, mode: str) -> None:
+        import http.server
+        import threading
+
+        self.mode, self.posts = mode, 0
+        replica = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                replica.posts += 1
+                if replica.mode == "vanish":
+                    self.close_connection = True
+                    return
+                status, body = (200, b'{"by": "answer"}') if replica.mode == "answer" else (503, b'{"error": {}}')
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def post_in_two_packets(port: int, body: bytes) -> int:
+    """POST whose body leaves 0.2 s after its headers, as a client's second write: the status."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/embeddings")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders()
+        time.sleep(0.2)
+        conn.send(body)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def haproxy_with(tmp_path: Path, replicas: list[Replica]):
+    """HAProxy through the shim on Ray's config for one application served by `replicas`, with the
+    retry policy the service sets (service/config.py); yields (http port, metrics port)."""
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
+    from ray.serve.config import HTTPOptions
+
+    from service.config import INGRESS_ENV
+
+    ports = {"http": free_port(), "stats": free_port(), "metrics": free_port()}
+    cfg = HAProxyConfig(http_options=HTTPOptions(host="127.0.0.1", port=ports["http"]), stats_port=ports["stats"],
+                        metrics_port=ports["metrics"], socket_path=str(tmp_path / "admin.sock"),
+                        server_state_base=str(tmp_path), server_state_file=str(tmp_path / "state"),
+                        metrics_enabled=False, retry_on=INGRESS_ENV["haproxy"]["RAY_SERVE_HAPROXY_RETRY_ON"])
+    backend = BackendConfig(name="http-test", path_prefix="/", app_name="test",
+                            servers=[ServerConfig(f"replica{i}", "127.0.0.1", r.port) for i, r in enumerate(replicas)])
+    config = tmp_path / "haproxy.cfg"
+    HAProxyApi(cfg, backend_configs={"test": backend}, config_file_path=str(config))._generate_config_file_internal()
+    proc = subprocess.Popen([str(HAPROXY_SHIM), "-db", "-f", str(config)], env={**os.environ, "ENCODER_HAPROXY_BINARY": HAPROXY},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def all_up() -> bool:
+        stats = httpx.get(f"http://127.0.0.1:{ports['stats']}/stats;csv", timeout=5).text
+        rows = [line.split(",") for line in stats.splitlines() if line.startswith("http-test,replica")]
+        return len(rows) == len(replicas) and all(r[17] == "UP" for r in rows)
+
+    wait_until(all_up, "HAProxy to see every replica up", timeout=30, interval=0.1)
+    return proc, ports
+
+
+def retried(metrics_port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("haproxy_backend_retry_warnings_total{") and 'proxy="http-test"' in line)
+
+
+def test_a_request_whose_replica_vanished_is_sent_again_to_another_and_counted(tmp_path):
+    """Of two replicas, one closes every connection it gets a POST on without answering. Every
+    request is answered 200 by the other, also one whose body came in a second packet (HAProxy
+    replays only a request it held whole: before the shim buffered requests, that one was a 500),
+    each one the vanishing replica lost was sent once more, and HAProxy's counter says how many."""
+    vanishing, answering = Replica("vanish"), Replica("answer")
+    proc, ports = haproxy_with(tmp_path, [vanishing, answering])
+    try:
+        statuses = [post_in_two_packets(ports["http"], b'{"input": "sent again"}') for _ in range(6)]
+        assert statuses == [200] * 6, statuses
+        assert vanishing.posts >= 1, "the balancer never picked the vanishing replica: nothing was tested"
+        assert answering.posts == 6  # each request ran to an answer once
+        assert retried(ports["metrics"]) == vanishing.posts
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_an_answer_is_never_sent_again(tmp_path):
+    """A 503 (a full replica, or a request past its deadline) is an answer: the client gets it, and
+    the other replica never sees the request."""
+    busy, answering = Replica("busy"), Replica("answer")
+    proc, ports = haproxy_with(tmp_path, [busy, answering])
+    try:
+        statuses = [post_in_two_packets(ports["http"], b'{"input": "once"}') for _ in range(6)]
+        assert busy.posts >= 1 and statuses.count(503) == busy.posts, (statuses, busy.posts)
+        assert answering.posts == statuses.count(200)
+        assert retried(ports["metrics"]) == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
