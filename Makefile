@@ -147,8 +147,9 @@ image-smoke:
 # HEALTHCHECK, uid 1000, a worker pod's limits, SIGTERM with requests in flight); a head and two
 # worker containers started as KubeRay starts deploy/k8s/rayservice-cpu.yaml's pods, its Serve config
 # deployed, a worker killed under load and started again, a real Prometheus scraping every node; the
-# CUDA image's libraries and its no-GPU line; each image's layers. Needs both images (make image, and
-# IMAGE_ARGS='--dockerfile deploy/Dockerfile.cuda'); about 10 minutes. Rows for `make reliability`.
+# CUDA image's libraries and its no-GPU line; each image's layers. Builds each image that is not here
+# first, as `make image` does (podman installed when missing; about 5 minutes each), then about 5
+# minutes; rebuild a stale one with `make image`. Rows for `make reliability`.
 # CONTAINERS_ARGS, e.g. '--only cluster --phase-s 30'.
 CONTAINERS_ARGS ?=
 .PHONY: containers

