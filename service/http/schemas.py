@@ -8,9 +8,9 @@ serialised with orjson, since validating megabytes of floats on the way out buys
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 # Schema-level caps; the configured (smaller) limits are checked in the routes, with 413.
 SCHEMA_MAX_INPUTS = 4096
@@ -312,13 +312,44 @@ class OpenAIEmbeddingResponse(BaseModel):
 # --- Open Inference Protocol v2 --------------------------------------------------------------
 
 
+def _null_as_empty(value: Any) -> Any:
+    """`"parameters": null` reads as no parameters, as it always has."""
+    return {} if value is None else value
+
+
+class _V2Parameters(BaseModel):
+    """The v2 parameters this server reads, typed strictly: the binary tensor data extension's flags are
+    JSON booleans (tritonclient sends `true`/`false`), so the string "false" is a 422 that names the
+    parameter, never read as true. Parameters this server does not read (Triton's sequence_id,
+    priority, timeout, a client's own) are ignored, as the protocol allows."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class V2InferParameters(_V2Parameters):
+    truncate: bool = Field(True, description="Cut a text past the model's limit; false refuses it (413). "
+                                             "This server's own parameter.")
+    binary_data_output: bool = Field(False, description="Return every output as binary data, unless its own "
+                                                        "`binary_data` says otherwise (binary tensor data extension).")
+
+
+class V2InputParameters(_V2Parameters):
+    binary_data_size: int | None = Field(None, ge=0, description="Bytes of this input in the binary tail after "
+                                                                 "the JSON; left out, the input's `data` is JSON.")
+
+
+class V2OutputParameters(_V2Parameters):
+    binary_data: bool | None = Field(None, description="This output as binary data (true) or JSON (false); left "
+                                                       "out, the request's `binary_data_output` decides.")
+
+
 class V2Tensor(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: str
     shape: list[int]
     datatype: str
-    parameters: dict[str, Any] | None = None
+    parameters: Annotated[V2InputParameters, BeforeValidator(_null_as_empty)] = Field(default_factory=V2InputParameters)
     data: list[Any] | None = None
 
 
@@ -326,14 +357,14 @@ class V2RequestedOutput(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     name: str
-    parameters: dict[str, Any] | None = None
+    parameters: Annotated[V2OutputParameters, BeforeValidator(_null_as_empty)] = Field(default_factory=V2OutputParameters)
 
 
 class V2InferRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     id: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Annotated[V2InferParameters, BeforeValidator(_null_as_empty)] = Field(default_factory=V2InferParameters)
     inputs: list[V2Tensor] = Field(min_length=1, max_length=8)
     outputs: list[V2RequestedOutput] | None = Field(None, max_length=16)
 

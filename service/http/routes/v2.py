@@ -1,11 +1,19 @@
 """The Open Inference Protocol v2 (KServe / Triton): server and model metadata, health, and
 inference with JSON or binary tensors (the binary tensor data extension `tritonclient` uses).
 
+An inference request is read in three steps, the same for every task: the body is split into its
+JSON header and binary tail (`_parse_v2_body`), the outputs to return are chosen with their binary
+flags (`_select_outputs`), and each input's texts are read from JSON data or from its own slice of
+the tail (`_v2_texts`). Then `_v2_embed` or `_v2_classify` runs the model, and `_v2_response` writes
+JSON or binary outputs.
+
 No `from __future__ import annotations` (see http/routes/native.py).
 """
 
 import asyncio
 import struct
+from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -14,6 +22,7 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from service.engine.engine import Engine
 from service.engine.errors import InvalidRequest
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.service import EncoderService
@@ -21,14 +30,32 @@ from service.engine.tokenization import TokenizedText
 from service.http.app import ERROR_RESPONSES, SERVER_NAME, SERVER_VERSION, app, describe
 from service.http.context import infer, model_for, service
 from service.http.responses import JSON_FLOAT_BYTES, OFF_LOOP_BYTES, JSONResponse, KindCounter
-from service.http.schemas import V2InferRequest, V2ModelMetadata
+from service.http.schemas import V2InferRequest, V2ModelMetadata, V2Tensor
 
+V2_ROUTE = "/v2/models/{name}/infer"
 V2_INPUT = "text"
 V2_OUTPUTS = ("sentence_embedding", "last_hidden_state", "attention_mask", "attentions")
 V2_DEFAULT_OUTPUTS = ("sentence_embedding", "last_hidden_state", "attention_mask")
 # a classification model: texts, or text pairs (query, document) with `text_pair`; logits and scores
 V2_PAIR_INPUT = "text_pair"
 V2_CLASSIFIER_OUTPUTS = ("logits", "scores")
+
+
+@dataclass(frozen=True)
+class TaskOutputs:
+    """What a task can return on v2: every output, those returned when a request lists none, and
+    how an unknown output's error names the ones there are."""
+
+    names: tuple[str, ...]
+    default: tuple[str, ...]
+    listing: str
+
+
+OUTPUTS_BY_TASK = {
+    "embedding": TaskOutputs(V2_OUTPUTS, V2_DEFAULT_OUTPUTS, "available: " + ", ".join(V2_OUTPUTS)),
+    "classification": TaskOutputs(V2_CLASSIFIER_OUTPUTS, V2_CLASSIFIER_OUTPUTS,
+                                  "a classification model has " + ", ".join(V2_CLASSIFIER_OUTPUTS)),
+}
 
 
 def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, bytes]:
@@ -45,58 +72,98 @@ def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, 
         raise InvalidRequest(describe(list(exc.errors()))) from None
 
 
+def _select_outputs(req: V2InferRequest, task: str) -> dict[str, bool]:
+    """The outputs to return, in the order asked, each with whether it goes as binary data: the
+    output's own `binary_data` when it says, else the request's `binary_data_output`."""
+    outputs, everything_binary = OUTPUTS_BY_TASK[task], req.parameters.binary_data_output
+    if not req.outputs:
+        return dict.fromkeys(outputs.default, everything_binary)
+    selected = {}
+    for asked in req.outputs:
+        if asked.name not in outputs.names:
+            raise InvalidRequest(f"unknown output {asked.name!r}; {outputs.listing}")
+        own = asked.parameters.binary_data
+        selected[asked.name] = everything_binary if own is None else own
+    return selected
+
+
 def _v2_texts(req: V2InferRequest, binary: bytes, names: tuple[str, ...] = (V2_INPUT,),
               optional: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """The texts of each BYTES input, by name, from JSON data or binary length-prefixed strings (the
-    binary tail holds each binary input's bytes in the order the inputs are listed)."""
+    """The texts of each BYTES input, by name, from its JSON data or its slice of the binary tail."""
     given = [t.name for t in req.inputs]
     required = [n for n in names if n not in optional]
     if not set(required) <= set(given) or not set(given) <= set(names) or len(set(given)) != len(given):
         wanted = " and ".join(repr(n) for n in required) + "".join(f", optionally {n!r}" for n in optional)
         raise InvalidRequest(f"expected inputs {wanted} (BYTES, shape [n]); got {given}")
-    out, offset = {}, 0
-    for tensor in req.inputs:
-        name = tensor.name
-        if tensor.datatype != "BYTES":
-            raise InvalidRequest(f"input {name!r} must have datatype BYTES, got {tensor.datatype}")
-        count = int(np.prod(tensor.shape)) if tensor.shape else 0
-        if len(tensor.shape) not in (1, 2) or (len(tensor.shape) == 2 and tensor.shape[1] != 1) or count < 1:
-            raise InvalidRequest(f"input {name!r} must have shape [n] or [n, 1] with n >= 1, got {tensor.shape}")
-        binary_size = (tensor.parameters or {}).get("binary_data_size")
-        if binary_size is not None:
-            if not isinstance(binary_size, int) or binary_size < 0 or offset + binary_size > len(binary):
-                raise InvalidRequest(f"binary_data_size {binary_size} does not fit the {len(binary)} bytes sent")
-            items, end = [], offset + binary_size
-            while offset < end:
-                if offset + 4 > end:
-                    raise InvalidRequest("truncated BYTES element in binary data")
-                (length,) = struct.unpack_from("<I", binary, offset)
-                offset += 4
-                if offset + length > end:
-                    raise InvalidRequest("truncated BYTES element in binary data")
-                items.append(binary[offset : offset + length])
-                offset += length
-        else:
-            flat = []
-            for item in tensor.data or []:  # JSON data may be nested per shape
-                flat.extend(item if isinstance(item, list) else [item])
-            items = flat
-        if len(items) != count:
-            raise InvalidRequest(f"input {name!r} has shape {tensor.shape} but {len(items)} elements")
-        texts = []
-        for i, item in enumerate(items):
-            if isinstance(item, bytes):
-                try:
-                    item = item.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise InvalidRequest(f"element {i} of {name!r} is not valid UTF-8") from None
-            if not isinstance(item, str):
-                raise InvalidRequest(f"element {i} of {name!r} must be a string")
-            texts.append(item)
-        out[name] = texts
-    if offset != len(binary):
-        raise InvalidRequest(f"binary_data_size {offset} does not match the {len(binary)} bytes sent")
-    return out
+    counts = [_element_count(tensor) for tensor in req.inputs]
+    slices = _binary_slices(req.inputs, binary)
+    return {tensor.name: _input_texts(tensor, count, part) for tensor, count, part in zip(req.inputs, counts, slices, strict=True)}
+
+
+def _element_count(tensor: V2Tensor) -> int:
+    """How many texts an input declares: a BYTES tensor of shape [n] or [n, 1], n >= 1."""
+    if tensor.datatype != "BYTES":
+        raise InvalidRequest(f"input {tensor.name!r} must have datatype BYTES, got {tensor.datatype}")
+    shape = tensor.shape
+    count = int(np.prod(shape)) if shape else 0
+    if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1) or count < 1:
+        raise InvalidRequest(f"input {tensor.name!r} must have shape [n] or [n, 1] with n >= 1, got {shape}")
+    return count
+
+
+def _binary_slices(inputs: list[V2Tensor], binary: bytes) -> list[memoryview | None]:
+    """Each input's bytes in the binary tail, None for an input sent as JSON. The tail holds the binary
+    inputs one after another in the order they are listed, each `binary_data_size` bytes long, and
+    nothing else."""
+    sizes = [tensor.parameters.binary_data_size for tensor in inputs]
+    ends = list(accumulate(size or 0 for size in sizes))
+    for size, end in zip(sizes, ends, strict=True):
+        if size is not None and end > len(binary):
+            raise InvalidRequest(f"binary_data_size {size} does not fit the {len(binary)} bytes sent")
+    if ends[-1] != len(binary):
+        raise InvalidRequest(f"binary_data_size {ends[-1]} does not match the {len(binary)} bytes sent")
+    tail = memoryview(binary)
+    return [None if size is None else tail[end - size : end] for size, end in zip(sizes, ends, strict=True)]
+
+
+def _length_prefixed(part: memoryview) -> list[bytes]:
+    """The elements of one binary BYTES input: each a 4-byte little-endian length, then its bytes."""
+    items, at = [], 0
+    while at < len(part):
+        if at + 4 > len(part):
+            raise InvalidRequest("truncated BYTES element in binary data")
+        (length,) = struct.unpack_from("<I", part, at)
+        start, at = at + 4, at + 4 + length
+        if at > len(part):
+            raise InvalidRequest("truncated BYTES element in binary data")
+        items.append(bytes(part[start:at]))
+    return items
+
+
+def _json_elements(tensor: V2Tensor) -> list[Any]:
+    """The elements of a JSON input, its data flattened one level (JSON data may be nested per shape)."""
+    flat = []
+    for item in tensor.data or []:
+        flat.extend(item if isinstance(item, list) else [item])
+    return flat
+
+
+def _input_texts(tensor: V2Tensor, count: int, part: memoryview | None) -> list[str]:
+    """One input's texts: exactly `count` of them, each a string or UTF-8 bytes."""
+    items = _json_elements(tensor) if part is None else _length_prefixed(part)
+    if len(items) != count:
+        raise InvalidRequest(f"input {tensor.name!r} has shape {tensor.shape} but {len(items)} elements")
+    texts = []
+    for i, item in enumerate(items):
+        if isinstance(item, bytes):
+            try:
+                item = item.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidRequest(f"element {i} of {tensor.name!r} is not valid UTF-8") from None
+        if not isinstance(item, str):
+            raise InvalidRequest(f"element {i} of {tensor.name!r} must be a string")
+        texts.append(item)
+    return texts
 
 
 def _v2_tensors(result: EncodeResult, tokenized: list[TokenizedText], requested: list[str], T: int) -> dict[str, np.ndarray]:
@@ -230,81 +297,65 @@ async def v2_infer(name: str, request: Request, version: str = "1", svc: Encoder
     Supports the binary tensor data extension that tritonclient uses by default.
     """
     engine = model_for(svc, name, request, task=None)
-    raw = await request.body()
-    header_len = request.headers.get("inference-header-content-length")
-    req, binary = _parse_v2_body(raw, header_len)
-    params = req.parameters or {}
-    truncate = params.get("truncate", True)
-    if not isinstance(truncate, bool):
-        raise InvalidRequest("parameters.truncate must be a boolean")
+    req, binary = _parse_v2_body(await request.body(), request.headers.get("inference-header-content-length"))
+    outputs = _select_outputs(req, engine.model.task)
     if engine.model.task == "classification":
-        return await _v2_classify(svc, engine, req, binary, truncate, request)
+        return await _v2_classify(svc, engine, req, binary, outputs, request)
+    return await _v2_embed(svc, engine, req, binary, outputs, request)
+
+
+def _v2_head(engine: Engine, req: V2InferRequest) -> dict[str, str]:
+    return {"model_name": engine.name, "model_version": "1", "id": req.id or ""}
+
+
+async def _v2_embed(svc: EncoderService, engine: Engine, req: V2InferRequest, binary: bytes,
+                    outputs: dict[str, bool], request: Request) -> Response:
+    """An embedding model on v2: `text` in; the sentence embedding, token states, mask and attentions
+    out, as `outputs` selects them, after the response's size is checked."""
     texts = svc.texts(_v2_texts(req, binary)[V2_INPUT])
-    requested = [o.name for o in req.outputs] if req.outputs else list(V2_DEFAULT_OUTPUTS)
-    unknown = [n for n in requested if n not in V2_OUTPUTS]
-    if unknown:
-        raise InvalidRequest(f"unknown output {unknown[0]!r}; available: {', '.join(V2_OUTPUTS)}")
-    binary_out = {
-        o.name: bool((o.parameters or {}).get("binary_data", params.get("binary_data_output", False)))
-        for o in (req.outputs or [])
-    }
-    for n in requested:
-        binary_out.setdefault(n, bool(params.get("binary_data_output", False)))
-    tokenized = await svc.tokenize(engine, texts, truncate, "/v2/models/{name}/infer")
+    tokenized = await svc.tokenize(engine, texts, req.parameters.truncate, V2_ROUTE)
     n, T = len(tokenized), max(t.n_tokens for t in tokenized)
     d, L, H = engine.model.hidden_size, engine.model.num_layers, engine.model.num_heads
-    if "attentions" in requested:
+    if "attentions" in outputs:
         svc.check_attention_size(engine, tokenized)
     sizes = {"sentence_embedding": n * engine.model.sentence_dim, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
-    estimate = sum(sizes[k] * (4 if binary_out[k] else JSON_FLOAT_BYTES) for k in requested)
+    estimate = sum(sizes[name] * (4 if as_binary else JSON_FLOAT_BYTES) for name, as_binary in outputs.items())
     svc.check_response_size(estimate)
     job = EncodeJob(
-        route="/v2/models/{name}/infer",
+        route=V2_ROUTE,
         ids=[t.ids for t in tokenized],
         normalize=engine.model.normalize,
-        want_hidden="last_hidden_state" in requested,
-        attention=(tuple(range(L)), tuple(range(H))) if "attentions" in requested else None,
+        want_hidden="last_hidden_state" in outputs,
+        attention=(tuple(range(L)), tuple(range(H))) if "attentions" in outputs else None,
     )
     result = await infer(svc, engine, job, request)
-    head = {"model_name": engine.name, "model_version": "1", "id": req.id or ""}
 
     def build() -> Response:
-        return _v2_response(head, _v2_tensors(result, tokenized, requested, T), binary_out, request)
+        return _v2_response(_v2_head(engine, req), _v2_tensors(result, tokenized, list(outputs), T), outputs, request)
 
     # a large response is built in a worker thread, not on the event loop other requests wait on
     return build() if estimate <= OFF_LOOP_BYTES else await asyncio.to_thread(build)
 
 
-async def _v2_classify(svc: EncoderService, engine, req: V2InferRequest, binary: bytes, truncate: bool,
-                       request: Request) -> Response:
+async def _v2_classify(svc: EncoderService, engine: Engine, req: V2InferRequest, binary: bytes,
+                       outputs: dict[str, bool], request: Request) -> Response:
     """A classification model on v2: `text` (and `text_pair` for query-document pairs, one each) in;
     `logits` and `scores` out, scores read as /v1/classify reads them (the checkpoint's problem_type)."""
     from service.http.routes.heads import read_logits
 
     inputs = _v2_texts(req, binary, (V2_INPUT, V2_PAIR_INPUT), optional=(V2_PAIR_INPUT,))
-    texts = svc.texts(inputs[V2_INPUT])
-    route = "/v2/models/{name}/infer"
+    texts, truncate = svc.texts(inputs[V2_INPUT]), req.parameters.truncate
     if V2_PAIR_INPUT in inputs:
         pairs = svc.texts(inputs[V2_PAIR_INPUT])
         if len(pairs) != len(texts):
             raise InvalidRequest(f"{V2_PAIR_INPUT!r} has {len(pairs)} elements, {V2_INPUT!r} {len(texts)}: one pair each")
-        tokenized = await svc.tokenize_pairs(engine, list(zip(texts, pairs, strict=True)), truncate, route)
+        tokenized = await svc.tokenize_pairs(engine, list(zip(texts, pairs, strict=True)), truncate, V2_ROUTE)
         types = [t.type_ids for t in tokenized]
     else:
-        tokenized, types = await svc.tokenize(engine, texts, truncate, route), None
-    requested = [o.name for o in req.outputs] if req.outputs else list(V2_CLASSIFIER_OUTPUTS)
-    unknown = [n for n in requested if n not in V2_CLASSIFIER_OUTPUTS]
-    if unknown:
-        raise InvalidRequest(f"unknown output {unknown[0]!r}; a classification model has {', '.join(V2_CLASSIFIER_OUTPUTS)}")
-    params = req.parameters or {}
-    binary_out = {o.name: bool((o.parameters or {}).get("binary_data", params.get("binary_data_output", False)))
-                  for o in (req.outputs or [])}
-    for n in requested:
-        binary_out.setdefault(n, bool(params.get("binary_data_output", False)))
-    job = EncodeJob(route=route, ids=[t.ids for t in tokenized], normalize=False, type_ids=types)
+        tokenized, types = await svc.tokenize(engine, texts, truncate, V2_ROUTE), None
+    job = EncodeJob(route=V2_ROUTE, ids=[t.ids for t in tokenized], normalize=False, type_ids=types)
     result = await infer(svc, engine, job, request)
     logits = np.ascontiguousarray(result.embeddings, dtype=np.float32)
     computed = {"logits": logits,
                 "scores": np.ascontiguousarray(read_logits(logits, engine.model.problem_type), dtype=np.float32)}
-    head = {"model_name": engine.name, "model_version": "1", "id": req.id or ""}
-    return _v2_response(head, {n: computed[n] for n in requested}, binary_out, request)
+    return _v2_response(_v2_head(engine, req), {name: computed[name] for name in outputs}, outputs, request)
