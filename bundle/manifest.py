@@ -27,14 +27,18 @@ from bundle.contract import (
 
 # 2: encodings-only graph variants (fp32 fused, int8, fp16) beside the full graph
 # 3: bf16 (OpenVINO), a variant's runtime, and the attention gate of a precision
-# 4: the packed graph (several texts in one row, no padding); schema 3 bundles are still read
-SCHEMA_VERSION = 4
+# 4: the packed graph (several texts in one row, no padding)
+# 5: a classifier's score activation (CrossEncoder.predict's); schema 3 and 4 embedding bundles are still read,
+#    a classifier of schema 3 or 4 must be exported again (its rerank scores assumed a sigmoid)
+SCHEMA_VERSION = 5
 Pooling = Literal["mean", "cls", "max"]
 Precision = Literal["fp32", "int8", "fp16", "bf16"]
 RuntimeName = Literal["onnxruntime", "openvino"]
 Task = Literal["embedding", "classification"]
 # transformers' config.problem_type: how the logits are read (softmax, sigmoid per label, a value)
 ProblemType = Literal["single_label_classification", "multi_label_classification", "regression"]
+# what sentence-transformers' CrossEncoder.predict applies to the logits: its activation_fn, saved with the model
+ScoreActivation = Literal["sigmoid", "identity", "tanh"]
 
 
 class BundleError(Exception):
@@ -199,14 +203,20 @@ class ModelInfo(_Strict):
     problem_type: ProblemType | None = Field(
         None, description="classification: how the logits are read (config.json's problem_type, or transformers' "
         "rule: regression for one label, else single_label_classification)")
+    score_activation: ScoreActivation | None = Field(
+        None, description="classification: what sentence-transformers' CrossEncoder.predict applies to the logits, "
+        "and so /v1/rerank's relevance_score (the activation_fn saved with the model; none saved: sigmoid for one "
+        "label, identity otherwise)")
 
     @model_validator(mode="after")
     def _task_fields(self) -> ModelInfo:
-        """labels and problem_type belong to classifiers, and every classifier has both."""
+        """labels, problem_type and score_activation belong to classifiers, and every classifier has them."""
         classifier = self.task == "classification"
-        if classifier != (self.labels is not None) or classifier != (self.problem_type is not None):
-            raise ValueError(f"task {self.task!r} with labels {self.labels!r} and problem_type "
-                             f"{self.problem_type!r}: a classifier has both, an embedding model neither")
+        fields = (self.labels, self.problem_type, self.score_activation)
+        if any(classifier != (f is not None) for f in fields):
+            raise ValueError(f"task {self.task!r} with labels {self.labels!r}, problem_type {self.problem_type!r} "
+                             f"and score_activation {self.score_activation!r}: a classifier has all three, an "
+                             "embedding model none")
         return self
 
     @property
@@ -223,7 +233,7 @@ class GraphInfo(_Strict):
 
 
 class BundleManifest(_Strict):
-    schema_version: Literal[3, 4] = SCHEMA_VERSION
+    schema_version: Literal[3, 4, 5] = SCHEMA_VERSION
     model: ModelInfo
     graph: GraphInfo = Field(description="the full graph: every output, attention weights included")
     tokenizer: str

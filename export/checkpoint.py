@@ -533,9 +533,41 @@ def _labels(raw: dict, config_path: Path) -> tuple[str, ...]:
     return tuple(by_id[i] for i in range(len(by_id)))
 
 
+# sentence-transformers' activation_fn paths (torch classes, as `fullname` writes them) -> what the service applies
+_SCORE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity", "torch.nn.Identity": "identity",
+    "torch.nn.modules.activation.Tanh": "tanh", "torch.nn.Tanh": "tanh",
+}
+
+
+def _score_activation(raw: dict, directory: Path, num_labels: int) -> str:
+    """What CrossEncoder.predict applies to the logits, looked up where sentence-transformers 6 looks, in
+    its order: config_sentence_transformers.json's activation_fn (read only for a model saved with its
+    modules.json, as CrossEncoder.save writes it), config.json's sentence_transformers.activation_fn,
+    the older sbert_ce_default_activation_function; none saved: sigmoid for one label, identity
+    otherwise. One we cannot apply is refused by name."""
+    st_config = directory / "config_sentence_transformers.json"
+    saved = st_config.is_file() and (directory / "modules.json").is_file()
+    candidates = [
+        (st_config, (_read_json(st_config) if saved else {}).get("activation_fn")),
+        (directory / "config.json", (raw.get("sentence_transformers") or {}).get("activation_fn")),
+        (directory / "config.json", raw.get("sbert_ce_default_activation_function")),
+    ]
+    where, path = next(((w, p) for w, p in candidates if p), (None, None))
+    if path is None:
+        return "sigmoid" if num_labels == 1 else "identity"
+    if path not in _SCORE_ACTIVATIONS:
+        known = sorted({p for p in _SCORE_ACTIVATIONS if p.count(".") > 2})
+        raise CheckpointError(f"{where}: activation_fn {path!r} is not supported; the scores can be served with "
+                              f"{', '.join(known)}")
+    return _SCORE_ACTIVATIONS[path]
+
+
 def _classifier_config(raw: dict, family: Family, config_path: Path) -> ClassifierConfig:
     """The head of a *ForSequenceClassification config: labels, problem_type (transformers' rule when
-    absent: regression for one label, else single-label classification), activation, dropout."""
+    absent: regression for one label, else single-label classification), activation, dropout, and the
+    activation sentence-transformers' CrossEncoder applies to its scores."""
     labels = _labels(raw, config_path)
     problem_type = raw.get("problem_type") or (
         "regression" if len(labels) == 1 else "single_label_classification")
@@ -543,7 +575,8 @@ def _classifier_config(raw: dict, family: Family, config_path: Path) -> Classifi
     if problem_type not in allowed:
         raise CheckpointError(f"{config_path}: problem_type {problem_type!r} is not one of {', '.join(allowed)}")
     dropout = next((raw[k] for k in family.head.dropout_keys if raw.get(k) is not None), 0.1)
-    return ClassifierConfig(labels, problem_type, family.head.activation, dropout, family.head.input_dropout)
+    return ClassifierConfig(labels, problem_type, family.head.activation, dropout, family.head.input_dropout,
+                            _score_activation(raw, config_path.parent, len(labels)))
 
 
 def load_checkpoint(spec: str | Path, name: str | None = None) -> Checkpoint:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from bundle.manifest import ScoreActivation
+
 Activation = Literal["gelu", "gelu_tanh", "relu"]
 # what a sentence-transformers Dense module applies after its linear map
 DenseActivation = Literal["identity", "tanh", "relu", "gelu", "sigmoid"]
@@ -38,6 +40,7 @@ class ClassifierConfig:
     activation: HeadActivation
     dropout: float = 0.1  # before out_proj, training only
     input_dropout: bool = False  # RoBERTa and ELECTRA also drop the first token's encoding before dense
+    score_activation: ScoreActivation = "sigmoid"  # CrossEncoder.predict's activation_fn on the logits (not in the graph)
 
     def __post_init__(self) -> None:
         if not self.labels:

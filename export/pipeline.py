@@ -121,7 +121,8 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
     if ckpt.classifier is not None:
         head = ckpt.classifier
         progress(f"      task classification: {head.num_labels} label(s) {list(head.labels)}, "
-                 f"problem_type {head.problem_type}, head {head.activation} on the first token")
+                 f"problem_type {head.problem_type}, head {head.activation} on the first token, "
+                 f"scores {head.score_activation} of the logits (CrossEncoder.predict's)")
     else:
         progress("      task embedding")
     for name in ckpt.ignored:
@@ -193,6 +194,7 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
                 task=ckpt.task,
                 labels=list(ckpt.classifier.labels) if ckpt.classifier else None,
                 problem_type=ckpt.classifier.problem_type if ckpt.classifier else None,
+                score_activation=ckpt.classifier.score_activation if ckpt.classifier else None,
             ),
             graph=GraphInfo(
                 file=GRAPH_FILE, opset=opset, inputs=list(INPUT_NAMES), outputs=list(output_names(ckpt.task))

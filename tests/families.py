@@ -113,11 +113,13 @@ def classifier_labels(num_labels: int) -> list[str]:
     return [f"label_{i}" for i in range(num_labels)]
 
 
-def make_classifier(family: str, out: Path, num_labels: int, problem_type: str | None = None, seed: int = 0) -> Path:
+def make_classifier(family: str, out: Path, num_labels: int, problem_type: str | None = None, seed: int = 0,
+                    max_tokens: int = MAX_TOKENS) -> Path:
     """Write a small random <Family>ForSequenceClassification checkpoint of `family` into `out`; return `out`.
 
     As make_checkpoint, with transformers' classifier class, an id2label of `num_labels` names
-    (classifier_labels), problem_type in config.json when given, and no sentence-transformers
+    (classifier_labels), problem_type in config.json when given, `max_tokens` positions (a
+    cross-encoder of 512 reaches the service's token budget with explain), and no sentence-transformers
     embedding modules: sentence-transformers' CrossEncoder loads it as it is. The head's weights are
     drawn wider than transformers' init (std 0.02 leaves tanh nearly linear and every logit near 0),
     so that a wrong activation, a missing bias or swapped layers move the logits by far more than
@@ -134,7 +136,7 @@ def make_classifier(family: str, out: Path, num_labels: int, problem_type: str |
     tokenizer_json, names = _tokenizer(FAMILIES[family][1])
     tokenizer = Tokenizer.from_str(tokenizer_json)
     config = _config(family, vocab_size=tokenizer.get_vocab_size(),
-                     specials={role: tokenizer.token_to_id(token) for role, token in names.items()})
+                     specials={role: tokenizer.token_to_id(token) for role, token in names.items()}, max_tokens=max_tokens)
     config.id2label = dict(enumerate(classifier_labels(num_labels)))
     config.label2id = {label: i for i, label in config.id2label.items()}
     config.problem_type = problem_type
@@ -147,11 +149,11 @@ def make_classifier(family: str, out: Path, num_labels: int, problem_type: str |
                 if not name.startswith(base) or ".pooler." in name:  # the head (BERT's pooler is part of it)
                     parameter.normal_(std=0.3)
     model.save_pretrained(out, safe_serialization=True)
-    _write_tokenizer(out, tokenizer_json, names, token_types=family in ("bert", "electra"))
+    _write_tokenizer(out, tokenizer_json, names, token_types=family in ("bert", "electra"), max_tokens=max_tokens)
     return out
 
 
-def _config(family: str, vocab_size: int, specials: dict[str, int]):
+def _config(family: str, vocab_size: int, specials: dict[str, int], max_tokens: int = MAX_TOKENS):
     """The transformers config of a tiny model of `family`."""
     import transformers
 
@@ -160,7 +162,7 @@ def _config(family: str, vocab_size: int, specials: dict[str, int]):
         intermediate_size=_FFN, pad_token_id=specials["pad"],
     )
     if family == "bert":
-        return transformers.BertConfig(**bert_like, max_position_embeddings=MAX_TOKENS)
+        return transformers.BertConfig(**bert_like, max_position_embeddings=max_tokens)
     if family in ("roberta", "xlm-roberta", "camembert"):
         config_class = {
             "roberta": transformers.RobertaConfig,
@@ -169,17 +171,17 @@ def _config(family: str, vocab_size: int, specials: dict[str, int]):
         }[family]
         # positions run from pad_token_id + 1, so the table holds pad_token_id + 1 more rows
         return config_class(
-            **bert_like, max_position_embeddings=MAX_TOKENS + specials["pad"] + 1, type_vocab_size=1,
+            **bert_like, max_position_embeddings=max_tokens + specials["pad"] + 1, type_vocab_size=1,
             bos_token_id=specials["bos"], eos_token_id=specials["eos"],
         )
     if family.startswith("distilbert"):
         return transformers.DistilBertConfig(
             vocab_size=vocab_size, dim=_HIDDEN, n_layers=_LAYERS, n_heads=_HEADS, hidden_dim=_FFN,
-            max_position_embeddings=MAX_TOKENS, pad_token_id=specials["pad"],
+            max_position_embeddings=max_tokens, pad_token_id=specials["pad"],
             sinusoidal_pos_embds=family == "distilbert-sinusoidal",
         )
     if family == "electra":
-        return transformers.ElectraConfig(**bert_like, embedding_size=16, max_position_embeddings=MAX_TOKENS)
+        return transformers.ElectraConfig(**bert_like, embedding_size=16, max_position_embeddings=max_tokens)
     raise AssertionError(family)
 
 
@@ -264,14 +266,15 @@ def _tokenizer(kind: str) -> tuple[str, dict[str, str]]:
     return tokenizer.to_str(), names
 
 
-def _write_tokenizer(out: Path, tokenizer_json: str, names: dict[str, str], token_types: bool) -> None:
+def _write_tokenizer(out: Path, tokenizer_json: str, names: dict[str, str], token_types: bool,
+                     max_tokens: int = MAX_TOKENS) -> None:
     """tokenizer.json, and a tokenizer_config.json naming the generic fast class so that
     transformers and sentence-transformers use exactly tokenizer.json (a model-specific class
     would re-derive normalizer and post-processor settings of its own)."""
     (out / "tokenizer.json").write_text(tokenizer_json)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": MAX_TOKENS,
+        "model_max_length": max_tokens,
         "padding_side": "right",
         "model_input_names": ["input_ids", "token_type_ids", "attention_mask"] if token_types
         else ["input_ids", "attention_mask"],

@@ -88,3 +88,36 @@ def test_every_chunk_counts_toward_the_token_budget(client):
     r = client.post("/v1/encode", json={"inputs": text, "chunking": SPEC})
     assert r.status_code == 413, r.text
     assert f"at most {budget} per request" in r.json()["error"]["message"] and "chunks" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("kind", ["default", "roberta", "xlm-roberta"])
+def test_window_counts_are_the_windows_the_tokenizer_makes(kind, default_bundle, tmp_path):
+    """The budget is checked on counts taken before any window exists: they must be the windows and
+    tokens the tokenizer's own truncation with a stride makes, for WordPiece, byte-level BPE and Unigram."""
+    import random
+
+    from service.engine.tokenization import TextTokenizer
+    from tests.families import FAMILIES, _tokenizer
+
+    path = default_bundle / "tokenizer.json"
+    if kind != "default":
+        path = tmp_path / "tokenizer.json"
+        path.write_text(_tokenizer(FAMILIES[kind][1])[0])
+    tokenizer = TextTokenizer(path, 64)
+    rng = random.Random(0)
+    vocabulary = WORDS + ["über", "東京", "café", "unbelievably", "."]
+    texts = [" ".join(rng.choice(vocabulary) for _ in range(n)) for n in (0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 300)]
+    for tokens, overlap in [(8, 0), (8, 5), (16, 3), (10, 7), (64, 16)]:
+        windows = tokenizer.encode_chunks(texts, tokens, overlap)
+        expected = [(len(w), sum(c.n_tokens for c in w)) for w in windows]
+        assert tokenizer.chunk_counts(texts, tokens, overlap, stop_above=10**9) == expected, (tokens, overlap)
+
+
+def test_a_request_of_a_quarter_million_windows_is_refused_at_once(client):
+    """The request that took a worker's memory (16 texts of 100k characters, windows of 8 tokens with an
+    overlap of 5): a 413 that counts the chunks of the texts it read before passing the budget."""
+    text = ((" ".join(WORDS) + " ") * 600)[:100_000]
+    r = client.post("/v1/embeddings", json={"input": [text] * 16, "chunking": {"tokens": 8, "overlap": 5}})
+    assert r.status_code == 413, r.text
+    message = r.json()["error"]["message"]
+    assert "chunks of its first 1 of 16 texts" in message and "per request (split it into smaller requests)" in message

@@ -10,7 +10,7 @@ import pytest
 
 from service.config import BundleRef, ServiceSettings
 from service.engine.engine import EngineTable, load_engine
-from service.engine.errors import ClientGone, InvalidRequest, NotFound, Timeout, TooLarge
+from service.engine.errors import BackendError, ClientGone, InvalidRequest, NotFound, Timeout, TooLarge
 from service.engine.runner import EncodeJob
 from service.engine.service import EncoderService
 
@@ -91,3 +91,135 @@ def test_limits_are_checked_before_any_inference(svc):
     tokenized = asyncio.run(svc.tokenize(engine, long, True, "/v1/attention"))
     with pytest.raises(TooLarge, match="attention of this request"):
         svc.check_attention_size(engine, tokenized)
+
+
+def peak_rss_mb() -> float:
+    """This process's resident high-water mark since the last reset_peak_rss()."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as refs:  # 5: reset the peak RSS (Linux's proc(5))
+        refs.write("5")
+
+
+def test_a_chunked_request_past_the_budget_is_refused_before_any_window_exists(svc):
+    """16 texts of 100k characters in windows of 8 tokens, 5 of them repeated: a quarter of a million
+    windows. Windowed before the budget was checked, this request took 13 s and 3 GB of a worker;
+    counted first, it is refused at its first text, and no memory to speak of."""
+    engine = svc.engines.default
+    words = "the committee will vote on the proposal next thursday after a public consultation".split()
+    texts = [((" ".join(words) + " ") * 1300)[:100_000]] * 16
+    reset_peak_rss()
+    before = peak_rss_mb()
+    with pytest.raises(TooLarge, match=r"in \d+ chunks of its first 1 of 16 texts; at most 16384 per request"):
+        asyncio.run(svc.tokenize_chunks(engine, texts, 8, 5, "/v1/embeddings"))
+    assert peak_rss_mb() - before < 200, f"peak RSS grew {peak_rss_mb() - before:.0f} MB"
+
+
+def test_jobs_of_one_request_are_all_cancelled_when_one_fails(svc):
+    """infer_all (explain's jobs): every cost is checked before any job queues, and the first failure
+    cancels the jobs still waiting or running, so a failed request does not go on computing."""
+    engine = svc.engines.default
+    tokenized = asyncio.run(svc.tokenize(engine, TEXTS[:4], True, "/v1/embeddings"))
+    doomed = EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized[:2]], normalize=True)
+    sibling = EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized[2:]], normalize=True)
+    batching = svc.batching
+    release = asyncio.Event()
+
+    async def scenario():
+        original = engine.batcher.run
+        ran: list[EncodeJob] = []
+
+        async def run(jobs):  # a session that breaks on the doomed job; the sibling's batch is held
+            if any(job is doomed for job in jobs):
+                raise RuntimeError("the session broke")
+            ran.extend(jobs)
+            await release.wait()
+            return await original(jobs)
+
+        engine.batcher.run = run
+        try:
+            counted = engine.runner.counters["requests"]
+            too_big = EncodeJob(route="/v1/embeddings", ids=[np.zeros(batching.max_batch_tokens + 1, np.int64)],
+                                normalize=True)
+            with pytest.raises(TooLarge):  # refused before the sibling before it was queued
+                await svc.infer_all(engine, [sibling, too_big], 30.0)
+            assert ran == [] and engine.batcher.queued == 0
+            with pytest.raises(BackendError, match="can be retried"):
+                await asyncio.wait_for(svc.infer_all(engine, [doomed, sibling], 30.0), 10)
+            await asyncio.sleep(0)
+            assert engine.batcher.queued == 0 and engine.runner.counters["requests"] == counted
+        finally:
+            release.set()
+            engine.batcher.run = original
+
+    # one batch each: the budget holds either job, not both
+    svc.reconfigure(batching.model_copy(update={"max_batch_tokens": max(doomed.n_tokens, sibling.n_tokens)}))
+    try:
+        asyncio.run(scenario())
+    finally:
+        svc.reconfigure(batching)
+
+
+def test_one_disconnect_from_rays_receive_proxy_cancels_every_job_of_a_request(svc):
+    """Ray Serve hands a replica's handler `receive()` through a queue (ASGIDIReceiveProxy behind HAProxy,
+    ASGIReceiveProxy behind its proxy actor) that delivers `http.disconnect` once: of two callers waiting
+    on it, one wakes and the other waits on. So explain's jobs share one watcher (context.infer_all):
+    the client leaving cancels all of them before they run."""
+    from ray.serve._private.direct_ingress_http_util import ASGIDIReceiveProxy
+    from starlette.requests import Request
+
+    from service.http.context import _disconnected, infer_all
+
+    engine = svc.engines.default
+    tokenized = asyncio.run(svc.tokenize(engine, TEXTS[:4], True, "/v1/embeddings"))
+    jobs = [EncodeJob(route="/v1/embeddings", ids=[t.ids], normalize=True) for t in tokenized]
+    release = asyncio.Event()
+
+    async def scenario():
+        def request() -> tuple[Request, ASGIDIReceiveProxy]:
+            scope = {"type": "http", "method": "POST", "path": "/v1/rerank", "headers": [], "query_string": b""}
+            proxy = ASGIDIReceiveProxy(scope, None, asyncio.get_running_loop())
+            return Request(scope, proxy), proxy
+
+        # Ray's semantics, as found: two watchers, one disconnect, one of them still waiting
+        req, proxy = request()
+        watchers = [asyncio.ensure_future(_disconnected(req)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        proxy.put_message({"type": "http.disconnect"})
+        done, pending = await asyncio.wait(watchers, timeout=1)
+        assert (len(done), len(pending)) == (1, 1)
+        for w in pending:
+            w.cancel()
+
+        original = engine.batcher.run
+
+        async def held(batch):  # the runner is busy with someone else's batch until released
+            await release.wait()
+            return await original(batch)
+
+        engine.batcher.run = held
+        try:
+            busy = asyncio.ensure_future(svc.infer(engine, EncodeJob(route="/v1/embeddings", ids=[tokenized[0].ids],
+                                                                     normalize=True), 30.0))
+            while engine.batcher.running == 0:
+                await asyncio.sleep(0.001)
+            computed = engine.runner.counters["requests"]
+            req, proxy = request()
+            leaving = asyncio.ensure_future(infer_all(svc, engine, jobs, req))
+            while engine.batcher.queued < len(jobs):
+                await asyncio.sleep(0.001)
+            proxy.put_message({"type": "http.disconnect"})
+            with pytest.raises(ClientGone):
+                await asyncio.wait_for(leaving, 10)
+            assert engine.batcher.queued == 0
+            release.set()
+            await busy
+            assert engine.runner.counters["requests"] == computed + 1  # the busy one only
+        finally:
+            release.set()
+            engine.batcher.run = original
+
+    asyncio.run(scenario())

@@ -212,6 +212,53 @@ def test_one_label_bert_is_what_sentence_transformers_cross_encoder_predicts(cla
         torch.testing.assert_close(again.encoder(ids, mask, types)[1], logits, atol=0, rtol=0)
 
 
+def save_with_identity(directory: Path) -> None:
+    """As people save an MS MARCO-style model: CrossEncoder(..., activation_fn=Identity()).save()."""
+    from sentence_transformers import CrossEncoder
+
+    CrossEncoder(str(directory), device="cpu", activation_fn=torch.nn.Identity()).save(str(directory))
+
+
+def edit_config(**entries):
+    def edit(directory: Path) -> None:
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps(config | entries))
+    return edit
+
+
+@pytest.mark.parametrize(("save", "expected"), [
+    (save_with_identity, "identity"),
+    (edit_config(sentence_transformers={"activation_fn": "torch.nn.modules.activation.Tanh"}), "tanh"),
+    (edit_config(sbert_ce_default_activation_function="torch.nn.modules.linear.Identity"), "identity"),
+    (lambda directory: None, "sigmoid"),
+], ids=["saved-by-cross-encoder", "config-sentence-transformers", "config-sbert-ce-default", "none-saved"])
+def test_the_score_activation_is_the_one_cross_encoder_applies(save, expected, classifiers, tmp_path):
+    """Wherever sentence-transformers 6 reads a CrossEncoder's activation_fn, the export reads it too, and
+    CrossEncoder.predict is that activation of our logit (MS MARCO cross-encoders save Identity)."""
+    from sentence_transformers import CrossEncoder
+
+    directory = shutil.copytree(classifiers["bert", 1], tmp_path / "ce")
+    save(directory)
+    ckpt = load_checkpoint(directory)
+    assert ckpt.classifier.score_activation == expected
+    ids, mask, types = encode(ckpt.tokenizer_path, ckpt.config.pad_token_id, PAIRS)
+    with torch.no_grad():
+        logit = ckpt.encoder(ids, mask, types)[1][:, 0]
+    ours = {"identity": logit, "tanh": torch.tanh(logit), "sigmoid": torch.sigmoid(logit)}[expected]
+    predicted = CrossEncoder(str(directory), device="cpu").predict(PAIRS, batch_size=len(PAIRS), convert_to_tensor=True)
+    torch.testing.assert_close(predicted, ours, atol=PYTORCH_TOLERANCE, rtol=0)
+
+
+def test_an_activation_the_service_cannot_apply_is_refused_by_name(classifiers, tmp_path):
+    directory = shutil.copytree(classifiers["bert", 1], tmp_path / "ce")
+    save_with_identity(directory)
+    st_config = directory / "config_sentence_transformers.json"
+    st_config.write_text(json.dumps(json.loads(st_config.read_text()) | {"activation_fn": "torch.nn.modules.activation.Softplus"}))
+    with pytest.raises(CheckpointError, match=r"config_sentence_transformers.json: activation_fn "
+                                              r"'torch.nn.modules.activation.Softplus' is not supported; .*Identity"):
+        load_checkpoint(directory)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_missing_head_tensor_is_an_error_naming_it(family, classifiers, tmp_path):
     directory = shutil.copytree(classifiers[family, 3], tmp_path / family)
@@ -271,13 +318,17 @@ def classifier_bundle(classifiers, tmp_path_factory) -> Path:
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda m: m["model"].update(labels=["a", "b"]),
      r"2 label\(s\) \['a', 'b'\], but the graph's logits have 3 column\(s\)"),
-    (lambda m: m["model"].update(labels=None), "a classifier has both, an embedding model neither"),
-    (lambda m: m["model"].update(task="embedding"), "a classifier has both, an embedding model neither"),
+    (lambda m: m["model"].update(labels=None), "a classifier has all three, an embedding model none"),
+    (lambda m: m["model"].update(task="embedding"), "a classifier has all three, an embedding model none"),
+    (lambda m: m["model"].update(score_activation="softplus"), "score_activation"),
+    (lambda m: m.update(schema_version=4) or m["model"].pop("score_activation"),
+     "manifest schema 4, this service reads 5; export the bundle again"),
     (lambda m: m["graph"].update(outputs=["last_hidden_state", "sentence_embedding", "attentions"]),
      "is not the contract .* of a classification model"),
     (lambda m: m["variants"].update(int8=m["variants"]["fp32"] | {"precision": "int8"}),
      r"variant\(s\) \['int8'\] of a classifier"),
-], ids=["labels-vs-logits", "no-labels", "task-embedding", "embedding-outputs", "lossy-variant"])
+], ids=["labels-vs-logits", "no-labels", "task-embedding", "unknown-activation", "schema-4-classifier",
+        "embedding-outputs", "lossy-variant"])
 def test_loader_refuses_a_classifier_manifest_that_does_not_fit(edit, message, classifier_bundle, tmp_path):
     copy = shutil.copytree(classifier_bundle, tmp_path / "bundle")
     load_bundle(copy)

@@ -20,14 +20,29 @@ TEXTS = ["I loved it", "it broke after a day and nobody answered", "fine"]
 PREFIX = "/heads"
 
 
+def make_msmarco_like(out):
+    """A cross-encoder shaped as the MS MARCO ones people deploy: 512 tokens, and Identity saved as its
+    activation (config.json's sentence_transformers.activation_fn), so CrossEncoder.predict gives the
+    logit itself. 512 tokens is what lets one explained pair pass the service's token budget."""
+    import json
+
+    make_classifier("bert", out, 1, seed=3, max_tokens=512)
+    config = json.loads((out / "config.json").read_text())
+    config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 @pytest.fixture(scope="module")
 def heads(ray_serve, default_bundle, tmp_path_factory):
-    """The app: the default embedding model first, then a BERT cross-encoder and a RoBERTa classifier."""
+    """The app: the default embedding model first, then a BERT cross-encoder, a RoBERTa classifier and
+    an MS MARCO-like cross-encoder (512 tokens, Identity as its saved activation)."""
     from export.pipeline import ExportOptions, build_bundle
 
     root = tmp_path_factory.mktemp("heads")
     checkpoints = {"ranker": make_classifier("bert", root / "ranker-ckpt", 1),
-                   "sentiment": make_classifier("roberta", root / "sentiment-ckpt", 3)}
+                   "sentiment": make_classifier("roberta", root / "sentiment-ckpt", 3),
+                   "msmarco": make_msmarco_like(root / "msmarco-ckpt")}
     bundles = []
     for name, checkpoint in checkpoints.items():
         build_bundle(ExportOptions(str(checkpoint), root / name, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name=name),
@@ -120,13 +135,15 @@ def test_a_route_that_does_not_fit_the_model_says_which_routes_it_serves(heads, 
 def test_models_and_info_say_each_models_task(heads, metrics_url):
     client, _ = heads
     listed = {m["id"]: m["task"] for m in client.get("/v1/models").json()["data"]}
-    assert listed == {"all-MiniLM-L6-v2": "embedding", "ranker": "classification", "sentiment": "classification"}
+    assert listed == {"all-MiniLM-L6-v2": "embedding", "ranker": "classification", "sentiment": "classification",
+                      "msmarco": "classification"}
     info = client.get("/info").json()
     assert info["task"] == "embedding"
     models = {m["model"]: m for m in info["models"]}
     assert models["sentiment"]["labels"] == classifier_labels(3)
     assert models["sentiment"]["problem_type"] == "single_label_classification"
     assert models["ranker"]["problem_type"] == "regression" and len(models["ranker"]["labels"]) == 1
+    assert models["all-MiniLM-L6-v2"]["score_activation"] is None
     # the embedding model still serves embeddings in the same app (OpenAI's route wants the model named
     # when several are served)
     r = client.post("/v1/embeddings", json={"input": "still here", "model": "all-MiniLM-L6-v2"})
@@ -246,12 +263,79 @@ def test_classify_explains_the_top_label(heads):
     assert all(np.isfinite(w["occlusion"]) and 0 <= w["rollout"] <= 1 for w in explanation["words"])
 
 
+def ranker_requests(client, name: str) -> int:
+    """Requests the model's runner has computed in the (one) replica, from /info."""
+    info = client.get("/info").json()
+    return next(m for m in info["models"] if m["model"] == name)["encoder_counters"]["requests"]
+
+
 def test_explain_counts_words_before_any_inference(heads):
     client, _ = heads
     documents = ["one two three four five"] * 60
+    before = ranker_requests(client, "ranker")
     r = client.post("/v1/rerank", json={"model": "ranker", "query": "a query", "documents": documents, "explain": True})
     assert r.status_code == 413, r.text
     assert r.json()["error"]["message"].startswith("explain: 420 words to occlude") and "at most 256" in r.text
+    assert ranker_requests(client, "ranker") == before  # nothing ran for the refused request
+
+
+def test_explain_of_a_long_pair_runs_its_variants_in_jobs_under_the_token_budget(heads):
+    """A query and a 120-word document on a 512-token cross-encoder: its 130 occlusion variants are about
+    17k tokens, more than one batch's budget (16384), yet under max_explain_words (256). They go in as
+    several jobs, and each word's occlusion is still the score of the pair without it, as transformers
+    computes it; nothing is refused for a budget the client cannot see."""
+    from tokenizers import Tokenizer
+
+    client, checkpoints = heads
+    words = (DOCUMENTS[0] + " " + DOCUMENTS[2] + " ").split()
+    document = " ".join(words[i % len(words)] for i in range(120))
+    budget = client.get("/info").json()["limits"]["max_request_tokens"]
+    tokenizer = Tokenizer.from_file(str(checkpoints["msmarco"] / "tokenizer.json"))
+    encoding = tokenizer.encode(QUERY, document)
+    assert len(encoding.ids) <= 512 and (len(QUERY.split()) + 120) * (len(encoding.ids) - 1) > budget
+    r = client.post("/v1/rerank", json={"model": "msmarco", "query": QUERY, "documents": [document], "explain": True})
+    assert r.status_code == 200, r.text
+    result = r.json()["results"][0]
+    explained = result["explanation"]["words"]
+    assert len(explained) == len(QUERY.split()) + 120
+    word_ids = list(zip(encoding.sequence_ids, encoding.word_ids, strict=True))
+    rows, types = [encoding.ids], [encoding.type_ids]
+    for w in explained:
+        keep = [k for k, key in enumerate(word_ids) if key[0] != w["sequence"] or key[1] is None
+                or encoding.offsets[k][0] < w["start"] or encoding.offsets[k][1] > w["end"]]
+        rows.append([encoding.ids[k] for k in keep])
+        types.append([encoding.type_ids[k] for k in keep])
+    logits, _ = hf_scores(str(checkpoints["msmarco"]), rows, types)
+    assert abs(result["relevance_score"] - logits[0, 0]) < 1e-4  # Identity: the score is the logit
+    np.testing.assert_allclose([w["occlusion"] for w in explained], logits[0, 0] - logits[1:, 0], atol=1e-4)
+
+
+def test_explain_past_the_word_limit_on_a_long_model_runs_nothing(heads):
+    """The same refusal on the model whose variants would fill several batches: no job of it ran."""
+    client, _ = heads
+    document = " ".join(["password"] * 300)
+    before = ranker_requests(client, "msmarco")
+    r = client.post("/v1/rerank", json={"model": "msmarco", "query": QUERY, "documents": [document], "explain": True})
+    assert r.status_code == 413 and "explain: 306 words to occlude" in r.text, r.text
+    assert ranker_requests(client, "msmarco") == before
+
+
+def test_rerank_scores_use_the_activation_saved_with_the_model(heads):
+    """An MS MARCO-like cross-encoder saves Identity: CrossEncoder.predict gives the logit, unbounded, and
+    so does /v1/rerank (it applied a sigmoid whatever the model said); /info says which activation."""
+    from sentence_transformers import CrossEncoder
+
+    client, checkpoints = heads
+    cross_encoder = CrossEncoder(str(checkpoints["msmarco"]), device="cpu")
+    expected = cross_encoder.predict([(QUERY, d) for d in DOCUMENTS])
+    assert type(cross_encoder.activation_fn).__name__ == "Identity"
+    assert np.abs(1 / (1 + np.exp(-expected)) - expected).min() > 1e-2  # a sigmoid would be told apart
+    r = client.post("/v1/rerank", json={"model": "msmarco", "query": QUERY, "documents": DOCUMENTS})
+    assert r.status_code == 200, r.text
+    got = np.array([x["relevance_score"] for x in sorted(r.json()["results"], key=lambda x: x["index"])])
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+    models = {m["model"]: m for m in client.get("/info").json()["models"]}
+    assert models["msmarco"]["score_activation"] == "identity" and models["ranker"]["score_activation"] == "sigmoid"
 
 
 def test_rerank_explorer_shows_the_ranked_list_coloured_by_attribution(heads, ray_serve):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -51,6 +51,11 @@ class EncodeJob:
         if self.attention is None:
             return 0
         return len(self.attention[0]) * len(self.attention[1]) * sum(int(a.shape[0]) ** 2 for a in self.ids)
+
+    def texts(self, start: int, end: int) -> EncodeJob:
+        """The same work for texts start..end-1 only (a job too large for one batch, cut)."""
+        return replace(self, ids=self.ids[start:end],
+                       type_ids=self.type_ids[start:end] if self.type_ids is not None else None)
 
     def cost(self, batching: BatchingSettings) -> int:
         """Its share of a batch's budget: its tokens, plus its attention weights at the rate that makes

@@ -117,10 +117,14 @@ class EncoderService:
         if overlap >= tokens - engine.tokenizer.special_tokens:
             raise InvalidRequest(f"chunking.overlap {overlap} leaves no new tokens in a chunk of {tokens} "
                                  f"({engine.tokenizer.special_tokens} of them special): make it smaller")
-        chunks = await self._tokenizing(engine, route, False, engine.tokenizer.encode_chunks, texts, tokens, overlap)
-        self.check_tokens(sum(c.n_tokens for text in chunks for c in text), "split it into smaller requests",
-                          f" in {sum(map(len, chunks))} chunks")
-        return chunks
+        # counted first, windowed only within the budget: building the windows of a request past it
+        # would cost the memory the budget is there to bound
+        counts = await self._tokenizing(engine, route, False, engine.tokenizer.chunk_counts, texts, tokens, overlap,
+                                        self.batching.max_batch_tokens)
+        counted = "" if len(counts) == len(texts) else f" of its first {len(counts)} of {len(texts)} texts"
+        self.check_tokens(sum(n for _, n in counts), "split it into smaller requests",
+                          f" in {sum(w for w, _ in counts)} chunks{counted}")
+        return await self._tokenizing(engine, route, False, engine.tokenizer.encode_chunks, texts, tokens, overlap)
 
     def check_tokens(self, total: int, advice: str, counted: str = "") -> None:
         """A request's tokens against the token budget: the live knob (reconfigure) the batch queue uses."""
@@ -165,6 +169,57 @@ class EncoderService:
             raise InvalidRequest(f"{what}s: an empty list selects nothing; leave it out (or null) for all {count}")
         return tuple(requested)
 
+    def check_cost(self, job: EncodeJob) -> None:
+        """A job that could never join a batch (its cost past the budget) is refused before it queues."""
+        cost = job.cost(self.batching)
+        if cost > self.batching.max_batch_tokens:
+            raise TooLarge(
+                f"this request's {job.n_tokens} tokens and {job.attention_values} attention values count as "
+                f"{cost} of one batch's {self.batching.max_batch_tokens} (attention at "
+                f"{self.batching.max_batch_attention_values} values per batch): send fewer or shorter texts, or "
+                "fewer layers or heads"
+            )
+
+    def split_to_budget(self, job: EncodeJob, what: str, advice: str) -> list[EncodeJob]:
+        """The job's texts, in order, as jobs that each fit one batch's budget: for work the service
+        itself derives from a request (explain's occlusion variants), which the client cannot split.
+        The jobs still batch together through the queue. A text that alone cannot fit is a 413 naming
+        it (`what` and its index)."""
+        budget = self.batching.max_batch_tokens
+        parts: list[EncodeJob] = []
+        start = 0
+        for end in range(1, len(job.ids) + 1):
+            piece = job.texts(start, end)
+            if piece.cost(self.batching) <= budget:
+                continue
+            if end - start == 1:
+                raise TooLarge(f"{what} {start} alone counts as {piece.cost(self.batching)} of one batch's {budget} "
+                               f"(its {piece.n_tokens} tokens and {piece.attention_values} attention values): {advice}")
+            parts.append(job.texts(start, end - 1))
+            start = end - 1
+        parts.append(job.texts(start, len(job.ids)))
+        return parts
+
+    async def infer_all(self, engine: Engine, jobs: list[EncodeJob], timeout: float,
+                        gone: asyncio.Future | None = None) -> list[EncodeResult]:
+        """Several jobs of one request, batched like any others: every cost is checked before any job
+        is queued, and the first failure (or the caller leaving) cancels the rest, so a refused
+        request computes nothing more."""
+        for job in jobs:
+            self.check_cost(job)
+        tasks = [asyncio.ensure_future(self.infer(engine, job, timeout, gone)) for job in jobs]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # the cancelled ones have left their queue
+        failed = next((t for t in tasks if not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()
+        return [t.result() for t in tasks]
+
     async def infer(self, engine: Engine, job: EncodeJob, timeout: float,
                     gone: asyncio.Future | None = None) -> EncodeResult:
         """One request's job through its engine's batch queue, within `timeout` seconds.
@@ -173,14 +228,7 @@ class EncoderService:
         is cancelled: it leaves the batch queue before a batch forms, so nothing is computed for
         nobody.
         """
-        cost = job.cost(self.batching)
-        if cost > self.batching.max_batch_tokens:  # it could never join a batch
-            raise TooLarge(
-                f"this request's {job.n_tokens} tokens and {job.attention_values} attention values count as "
-                f"{cost} of one batch's {self.batching.max_batch_tokens} (attention at "
-                f"{self.batching.max_batch_attention_values} values per batch): send fewer or shorter texts, or "
-                "fewer layers or heads"
-            )
+        self.check_cost(job)  # it could never join a batch
         job.enqueued = time.perf_counter()
         alone = not self.batching.enabled  # fixed now: the knob may change while this job waits
         if alone:  # every request alone: for comparison

@@ -63,6 +63,21 @@ class TextTokenizer:
                     raise TooLarge(f"{what} {i} has {len(e.ids)} tokens; the model's limit is {self.max_tokens} ({advice})")
         return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=bool(e.overflowing)) for e in encodings]
 
+    def chunk_counts(self, texts: list[str], tokens: int, overlap: int, stop_above: int) -> list[tuple[int, int]]:
+        """(windows, tokens) per text that encode_chunks would make, from a stride-free tokenization
+        without offsets, text by text until their tokens pass `stop_above` (the token budget: such a
+        request is refused, the texts after need no tokenizing). No window exists yet: 16 texts of 100k
+        characters in windows of 8 tokens were 250k Encoding objects, 3 GB, when windowed first."""
+        counts: list[tuple[int, int]] = []
+        total = 0
+        for text in texts:
+            n = len(self._whole.encode_batch_fast([text])[0].ids) - self.special_tokens
+            counts.append(chunk_count(n, tokens - self.special_tokens, overlap, self.special_tokens))
+            total += counts[-1][1]
+            if total > stop_above:
+                break
+        return counts
+
     def encode_chunks(self, texts: list[str], tokens: int, overlap: int) -> list[list[TokenizedText]]:
         """Each text as windows of `tokens` tokens (special tokens included), each repeating `overlap`
         tokens of the one before: the tokenizer's own truncation with a stride, so every window has the
@@ -81,6 +96,14 @@ class TextTokenizer:
                     self._windowing.popitem(last=False)
             self._windowing.move_to_end(key)
             return self._windowing[key]
+
+
+def chunk_count(n: int, room: int, overlap: int, special: int) -> tuple[int, int]:
+    """The windows of a text of `n` tokens (special ones not counted) as the tokenizer's truncation with
+    a stride cuts it: `room` tokens a window, each starting `room - overlap` after the one before, the
+    last ending at the text's end; and their tokens, the repeated and the special ones included."""
+    windows = 1 if n <= room else 1 + -(-(n - room) // (room - overlap))
+    return windows, n + (windows - 1) * overlap + windows * special
 
 
 def char_span(encoding: Encoding) -> tuple[int, int]:

@@ -94,6 +94,18 @@ async def infer(svc: EncoderService, engine: Engine, job: EncodeJob, request: Re
         gone.cancel()
 
 
+async def infer_all(svc: EncoderService, engine: Engine, jobs: list[EncodeJob], request: Request) -> list[EncodeResult]:
+    """Several jobs of one request at once (EncoderService.infer_all), with one disconnect watcher
+    for all of them: `receive()` hands the one `http.disconnect` message to one caller, so a watcher
+    per job could leave the others computing for a client that left."""
+    timeout = deadline(request, svc)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        return await svc.infer_all(engine, jobs, timeout, gone)
+    finally:
+        gone.cancel()
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client has closed the connection (the request's body is already read)."""
     while (await request.receive())["type"] != "http.disconnect":

@@ -405,7 +405,8 @@ class RerankRequest(BaseModel):
     model: str | None = Field(None, description="a served classification model (GET /v1/models); left out: the first")
     top_n: int | None = Field(None, ge=1, description="return the N best documents; null: all")
     return_documents: bool = Field(False, description="include each document's text in its result")
-    raw_scores: bool = Field(False, description="the logit itself instead of its sigmoid (CrossEncoder.predict's default)")
+    raw_scores: bool = Field(False, description="the logit itself instead of the model's score activation "
+                             "(score_activation in GET /info; a sigmoid unless the model saved another)")
     truncate: bool = Field(True, description="cut the longer side of a pair past the model's limit; false: 413")
     explain: bool = Field(False, description="per result, every word of query and document with its occlusion "
                           "(the score minus the score without it) and its share of the first token's attention "
@@ -425,7 +426,9 @@ class RerankDocument(BaseModel):
 
 class RerankResult(BaseModel):
     index: int
-    relevance_score: float
+    relevance_score: float = Field(description="what sentence-transformers' CrossEncoder.predict gives: the logit "
+                                   "through the activation saved with the model (score_activation in GET /info), "
+                                   "or the logit itself with raw_scores")
     document: RerankDocument | None = None
 
 

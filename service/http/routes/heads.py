@@ -6,9 +6,8 @@ the Jina/Cohere shape) and POST /v1/classify (every label's probability, as text
 No `from __future__ import annotations` (see http/routes/native.py).
 """
 
-import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from fastapi import Depends, Request
@@ -20,13 +19,21 @@ from service.engine.runner import EncodeJob
 from service.engine.service import EncoderService
 from service.engine.tokenization import TokenizedText
 from service.http.app import ERROR_RESPONSES, app
-from service.http.context import infer, model_for, service
+from service.http.context import infer, infer_all, model_for, service
 from service.http.responses import JSONResponse
 from service.http.schemas import ClassifyRequest, ClassifyResponse, RerankRequest, RerankResponse
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+
+
+# the manifest's score_activation: what CrossEncoder.predict applies to a cross-encoder's logit
+SCORE_ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "sigmoid": sigmoid,
+    "identity": lambda x: x.astype(np.float64),
+    "tanh": lambda x: np.tanh(x.astype(np.float64)),
+}
 
 
 def read_logits(logits: np.ndarray, problem_type: str) -> np.ndarray:
@@ -63,33 +70,37 @@ class Explaining:
 async def run_classifier(svc: EncoderService, engine: Engine, tokenized: list[TokenizedText],
                          texts: list, explain: bool, route: str, request: Request) -> tuple[np.ndarray, Explaining | None]:
     """The logits of every input (texts, or (query, document) pairs); with explain, also every word's
-    occlusion variant (word count checked before any inference) and the inputs' attention weights."""
+    occlusion variant and the inputs' attention weights. Explain's limits (words, attention size, each
+    job's share of a batch) are all checked before anything runs; its variants, which the client cannot
+    split, go in as as many jobs as the token budget needs, batched like any others."""
     pairs = isinstance(texts[0], tuple)
-    types = [t.type_ids for t in tokenized] if pairs else None
-    ids = [t.ids for t in tokenized]
+    job = EncodeJob(route=route, ids=[t.ids for t in tokenized], normalize=False,
+                    type_ids=[t.type_ids for t in tokenized] if pairs else None)
     if not explain:
-        result = await infer(svc, engine, EncodeJob(route=route, ids=ids, normalize=False, type_ids=types), request)
-        return result.embeddings, None
+        return (await infer(svc, engine, job, request)).embeddings, None
     occluded = [occlusions(t, x) for t, x in zip(tokenized, texts, strict=True)]
     svc.check_explain(sum(len(o.words) for o in occluded))
     svc.check_attention_size(engine, tokenized)
     everything = (tuple(range(engine.model.num_layers)), tuple(range(engine.model.num_heads)))
-    jobs = [infer(svc, engine, EncodeJob(route=route, ids=ids, normalize=False, type_ids=types,
-                                         attention=everything), request)]
-    variant_ids = [v for o in occluded for v in o.ids]
-    if variant_ids:
-        variant_types = [v for o in occluded for v in o.type_ids] if pairs else None
-        jobs.append(infer(svc, engine, EncodeJob(route=route, ids=variant_ids, normalize=False, type_ids=variant_types),
-                          request))
-    results = await asyncio.gather(*jobs)
-    variants = results[1].embeddings if variant_ids else np.zeros((0, len(engine.model.labels or [])), np.float32)
-    return results[0].embeddings, Explaining(occluded, variants, results[0].attentions)
+    originals = svc.split_to_budget(replace(job, attention=everything), "explain: input",
+                                    "its attention from every layer and head is what rollout reads; send a shorter text")
+    variants = EncodeJob(route=route, ids=[v for o in occluded for v in o.ids], normalize=False,
+                         type_ids=[v for o in occluded for v in o.type_ids] if pairs else None)
+    parts = svc.split_to_budget(variants, "explain: occlusion variant", "send a shorter text") if variants.ids else []
+    results = await infer_all(svc, engine, originals + parts, request)
+    scored, varied = results[: len(originals)], results[len(originals) :]
+    logits = np.concatenate([r.embeddings for r in scored])
+    attentions = [a for r in scored for a in r.attentions]
+    width = len(engine.model.labels or [])
+    variant_logits = np.concatenate([r.embeddings for r in varied]) if varied else np.zeros((0, width), np.float32)
+    return logits, Explaining(occluded, variant_logits, attentions)
 
 
 @app.post("/v1/rerank", response_model=RerankResponse, responses=ERROR_RESPONSES)
 async def rerank(body: RerankRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
-    """Documents ranked by a cross-encoder's score for the query: sigmoid of its one logit, as
-    sentence-transformers' CrossEncoder.predict gives it (raw_scores: the logit)."""
+    """Documents ranked by a cross-encoder's score for the query, as sentence-transformers'
+    CrossEncoder.predict gives it: its one logit through the activation saved with the model (the
+    manifest's score_activation: a sigmoid unless the model says otherwise); raw_scores: the logit."""
     engine = model_for(svc, body.model, request, task="classification")
     labels = engine.model.labels or []
     if len(labels) != 1:
@@ -100,8 +111,10 @@ async def rerank(body: RerankRequest, request: Request, svc: EncoderService = De
     pairs = [(body.query, d) for d in documents]
     tokenized = await svc.tokenize_pairs(engine, pairs, body.truncate, "/v1/rerank")
 
+    activation = SCORE_ACTIVATIONS["identity" if body.raw_scores else engine.model.score_activation]
+
     def score(logits: np.ndarray, _: int = 0) -> np.ndarray:  # per row: the relevance of its pair
-        return logits[:, 0].astype(np.float64) if body.raw_scores else sigmoid(logits[:, 0])
+        return activation(logits[:, 0])
 
     logits, explaining = await run_classifier(svc, engine, tokenized, pairs, body.explain, "/v1/rerank", request)
     scores = score(logits)

@@ -79,6 +79,7 @@ def describe_model(m, state: dict) -> dict:
         "task": model.task,  # embedding, or classification (/v1/classify, /v1/rerank)
         "labels": model.labels,
         "problem_type": model.problem_type,
+        "score_activation": model.score_activation,  # what /v1/rerank applies to the logit (CrossEncoder.predict's)
         "architecture": model.architecture,
         "hidden_size": model.hidden_size,
         "embedding_dim": model.sentence_dim,  # the sentence embedding's size (a Dense projection may change it)
