@@ -4,8 +4,9 @@
 
 The service must serve a sequence-classification bundle with one label (a cross-encoder), e.g.
 `python -m service --bundle bundles/all-MiniLM-L6-v2 --bundle ranker=bundles/my-cross-encoder`.
-relevance_score is what sentence-transformers' CrossEncoder.predict gives (the sigmoid of the
-logit); results come best first, each with its document's index. Details: docs/heads.md.
+relevance_score is what sentence-transformers' CrossEncoder.predict gives (the logit through the
+activation saved with the model: a sigmoid unless it saved another, as MS MARCO models save Identity);
+results come best first, each with its document's index. Details: docs/heads.md.
 """
 
 from __future__ import annotations
