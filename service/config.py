@@ -62,7 +62,9 @@ class BatchingSettings(BaseModel):
         2, ge=1,
         description="batches one replica runs at once; 2 overlaps one batch's onnxruntime run with the next "
         "one's (measured on 2 cores with the engine's batch queue, 2026-11-24: 2 batches of 1-thread sessions "
-        "306 single texts/s and 453 in client batches, against 257 and 413 for 1 batch of 2 threads)",
+        "306 single texts/s and 453 in client batches, against 257 and 413 for 1 batch of 2 threads). A live "
+        "change rebuilds the sessions with the threads it implies (intra_op_threads 0; OpenVINO: streams) "
+        "before the next batch",
     )
     sub_batch_tokens: int = Field(
         4096, ge=1, description="padded tokens per onnxruntime run; texts are length-sorted into sub-batches"
@@ -192,8 +194,8 @@ class ServiceSettings(BaseModel):
     intra_op_threads: int = Field(
         0, ge=0,
         description="0: the CPUs this replica may use (affinity, cgroup quota) divided by batching."
-        "max_concurrent_batches, so the batches running at once fill the CPUs without oversubscribing them; "
-        "set it when replicas share a node",
+        "max_concurrent_batches (recomputed when that changes live), so the batches running at once fill the "
+        "CPUs without oversubscribing them; set it when replicas share a node",
     )
     inter_op_threads: int = Field(1, ge=1)
     runtime: RuntimePreference = Field(

@@ -21,7 +21,7 @@ import time
 from ray import serve
 
 from service.config import BatchingSettings, ServiceSettings
-from service.engine.engine import EngineTable, load_engine
+from service.engine.engine import EngineTable, load_engine, resize_runtimes
 from service.engine.service import EncoderService
 from service.http.app import app
 from service.http.context import serve_with
@@ -86,10 +86,14 @@ class Encoder:
 
     # ---- Serve's hooks ----
 
-    def reconfigure(self, user_config: dict) -> None:
-        """The batching knobs of the Serve config's user_config, applied without a restart."""
+    async def reconfigure(self, user_config: dict) -> None:
+        """The batching knobs of the Serve config's user_config, applied without a restart. A new
+        max_concurrent_batches changes each batch's share of the CPUs: the sessions are rebuilt with
+        that many threads off the event loop first, then knobs and sessions apply to the next batch."""
         merged = self.svc.settings.batching.model_dump() | (user_config or {})
-        self.svc.reconfigure(BatchingSettings(**merged))
+        batching = BatchingSettings(**merged)
+        await resize_runtimes(self.engines, self.svc.settings.model_copy(update={"batching": batching}))
+        self.svc.reconfigure(batching)
 
     def check_health(self) -> None:
         """Called by Serve periodically: a tiny real inference per model, so a broken session restarts the replica."""

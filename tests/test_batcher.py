@@ -1,12 +1,20 @@
 """The batch queue on its own (no Ray, no HTTP): a batch forms only when a runner slot is free and
-then takes everything queued up to the token budget; abandoned requests leave before it forms."""
+then takes everything queued up to the token budget; abandoned requests leave before it forms; a knob
+changed through the replica's reconfigure applies to the next batch at once."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
+import numpy as np
+
+from service.config import BatchingSettings, BundleRef, ServiceSettings
+from service.engine import runner as runner_module
 from service.engine.batcher import Batcher
-from service.config import BatchingSettings
+from service.engine.engine import EngineTable, load_engine
+from service.engine.runner import EncodeJob
+from service.engine.service import EncoderService
 
 
 class Runner:
@@ -117,21 +125,54 @@ def test_a_failed_batch_fails_each_of_its_requests_and_the_next_batch_runs():
     assert all(isinstance(f, RuntimeError) for f in failed) and after == 30
 
 
-def test_concurrency_and_budget_change_live():
-    async def scenario():
-        runner = Runner()
-        b, live = batcher(runner, max_concurrent_batches=1, max_batch_tokens=1000)
-        one = asyncio.ensure_future(b.submit(1))
-        await until(lambda: b.running == 1, "one batch running")
-        two = asyncio.ensure_future(b.submit(2))
-        await until(lambda: b.queued == 1, "the second waiting for a slot")
-        live["settings"] = BatchingSettings(max_concurrent_batches=2, max_batch_tokens=1000)
-        b._changed.set()  # what the next arrival or finished batch does; here, nothing else would
-        await until(lambda: b.running == 2, "a second slot used once the knob changed")
-        runner.finish.set()
-        return await asyncio.gather(one, two)
+def test_a_raised_concurrency_starts_the_queued_batch_through_reconfigure_alone(default_bundle, monkeypatch):
+    """Serve's reconfigure hook (the deployment's own method, on a replica's real engine) raising
+    max_concurrent_batches starts the batch queued behind a busy runner at once: no arrival, no finished
+    batch, nothing woken by hand. It runs on sessions resized for two batches at once (half the threads)."""
+    from service.deployment import Encoder
 
-    assert asyncio.run(scenario()) == [10, 20]
+    monkeypatch.setattr(runner_module, "available_cpus", lambda: 4)  # the replica's CPUs, as the process sees them
+    settings = ServiceSettings.model_validate({"bundle": str(default_bundle), "num_cpus": 4,
+                                               "batching": {"max_concurrent_batches": 1}})
+    engines = EngineTable([load_engine(BundleRef(path=default_bundle), settings)])
+    replica = SimpleNamespace(svc=EncoderService(settings, engines), engines=engines)  # what reconfigure uses
+    engine = engines.default
+    old = engine.runtime
+    assert old.threads == 4
+
+    def job() -> EncodeJob:
+        return EncodeJob(route="/v1/embeddings", ids=[np.array([101, 7592, 2088, 102])], normalize=True)
+
+    async def scenario():
+        gate, ran_on = asyncio.Event(), []
+        compute = engine.batcher.run
+
+        async def first_held(jobs):  # the first batch holds its slot until the test lets it go
+            ran_on.append(engine.runtime)
+            if len(ran_on) == 1:
+                await gate.wait()
+            return await compute(jobs)
+
+        engine.batcher.run = first_held
+        first = asyncio.ensure_future(engine.batcher.submit(job()))
+        await until(lambda: engine.batcher.running == 1, "the first batch holding the only slot")
+        second = asyncio.ensure_future(engine.batcher.submit(job()))
+        await until(lambda: engine.batcher.queued == 1, "the second request queued behind it")
+        await asyncio.sleep(0.05)
+        assert engine.batcher.queued == 1 and not second.done()  # one slot: it waits
+        await Encoder.func_or_class.reconfigure(replica, {"max_concurrent_batches": 2})
+        done, _ = await asyncio.wait({second}, timeout=20)  # the first batch still holds its slot
+        assert second in done, "the queued request did not start after max_concurrent_batches was raised"
+        assert not first.done()
+        gate.set()
+        return (await first).embeddings, second.result().embeddings, ran_on
+
+    first, second, ran_on = asyncio.run(scenario())
+    assert ran_on[0] is old and ran_on[1] is engine.runtime is engine.runner.runtime and engine.runtime is not old
+    assert engine.runtime.threads == 2 and {g.threads for g in (engine.runtime.full, engine.runtime.fast)} == {2}
+    assert old.threads == 4  # the sessions a running batch holds are left as they were
+    assert replica.svc.batching.max_concurrent_batches == 2 and engine.runner.batching.max_concurrent_batches == 2
+    np.testing.assert_allclose(second, first, atol=1e-5)
 
 
 def test_the_first_request_waits_for_company_only_when_asked():

@@ -156,6 +156,28 @@ def test_compiled_models_are_cached_so_a_restart_does_not_compile_again(default_
     assert {p: p.stat().st_mtime_ns for p in cache.iterdir()} == stamps
 
 
+def test_a_resized_openvino_runtime_is_compiled_for_the_new_streams_and_threads(default_bundle, tmp_path):
+    """A live max_concurrent_batches recompiles OpenVINO's graphs for that many streams (threads x streams
+    in all), as the compiled models themselves report, and the onnxruntime full graph beside them gets the
+    new thread count; the old runtime keeps its compiled models for the batches still running on it."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    old = runtime_for(default_bundle, tmp_path, runtime="openvino")  # 1 thread per run, 2 streams
+    new = old.resized(2, 1)
+    assert old.runtime == new.runtime == "openvino" and new is not old and new.fast is not old.fast
+    compiled = lambda graph: (graph.compiled.get_property("NUM_STREAMS"), graph.compiled.get_property("INFERENCE_NUM_THREADS"))  # noqa: E731
+    assert compiled(old.fast) == (2, min(2, cpus)) and (old.fast.streams, old.threads) == (2, 1)
+    assert compiled(new.fast) == (1, min(2, cpus)) and (new.fast.streams, new.threads) == (1, min(2, cpus))
+    if new.packed is not None:
+        assert compiled(new.packed) == (1, min(2, cpus))
+    if new.full.label == "full":  # attention weights on onnxruntime: its session resized too
+        assert (old.full.threads, new.full.threads) == (1, 2)
+    bundle = load_bundle(default_bundle)
+    np.testing.assert_allclose(encode(new, bundle.tokenizer_path), encode(old, bundle.tokenizer_path), atol=1e-4)
+    assert new.resized(2, 1) is new
+
+
 def test_a_bundle_without_a_gated_bf16_graph_never_serves_bf16(default_bundle, tmp_path):
     copy = tmp_path / "no-bf16"
     shutil.copytree(default_bundle, copy)

@@ -102,3 +102,49 @@ def test_threads_come_from_the_replica_cpu_share_not_the_machine(monkeypatch):
     assert batching.intra_op_threads(ServiceSettings(num_cpus=0, batching=one)) == 4  # no share: the process's
     assert batching.intra_op_threads(ServiceSettings(num_cpus=0.5, batching=one)) == 1
     assert batching.intra_op_threads(ServiceSettings(num_cpus=1, intra_op_threads=3)) == 3
+
+
+def test_resized_sessions_run_with_the_new_threads_while_the_old_keep_theirs(default_bundle):
+    """A live max_concurrent_batches resizes a replica's sessions: every graph in a new session of the
+    new thread count (read back from the sessions), the old encoder untouched for batches still on it,
+    the same numbers from both; asked again for the same size, nothing is rebuilt."""
+    old = OrtEncoder(load_bundle(default_bundle), preference="cpu", intra_op_threads=2)
+    new = old.resized(1, 2)
+    graphs = lambda e: [g for g in (e.full, e.fast, e.packed) if g is not None]  # noqa: E731
+    assert new is not old and new.threads == 1 and old.threads == 2
+    assert [g.threads for g in graphs(new)] == [1] * len(graphs(old)) and {g.threads for g in graphs(old)} == {2}
+    assert all(a.session is not b.session for a, b in zip(graphs(old), graphs(new), strict=True))
+    assert [g.label for g in graphs(new)] == [g.label for g in graphs(old)]  # the runs-by-graph counters carry on
+    ids = np.array([[101, 7592, 2088, 102], [101, 2023, 102, 0]])
+    mask = (ids > 0).astype(np.int64)
+    for outputs in (["sentence_embedding"], ["sentence_embedding", "attentions"]):
+        np.testing.assert_allclose(new.run(ids, mask, outputs)["sentence_embedding"],
+                                   old.run(ids, mask, outputs)["sentence_embedding"], atol=1e-5)
+    assert new.resized(1, 3) is new  # onnxruntime has no streams: the same threads need no new sessions
+
+
+def test_the_runtime_table_decides_every_configuration_the_settings_accept():
+    """choice.RULES is read top to bottom: every combination of the six factors that the settings
+    accept has a row, and the table /info shows is those rows."""
+    from itertools import product
+    from types import SimpleNamespace
+
+    from service.config import ServiceSettings
+    from service.runtimes import choice
+
+    for runtime, precision, cuda, bf16 in product(("auto", "onnxruntime", "openvino"), ("auto", "fp32", "bf16", "int8", "fp16"),
+                                                  (False, True), (False, True)):
+        try:
+            ServiceSettings(runtime=runtime, precision=precision)
+        except ValueError:
+            continue  # refused at start-up (a runtime that cannot run the precision)
+        found = SimpleNamespace(runtime=runtime, precision=precision, cuda=cuda, bf16=bf16)
+        rows = [r for r in choice.RULES if r.matches(found)]
+        assert rows, f"no row for {found}"
+        if cuda:
+            assert rows[0].serves == "onnxruntime", (found, rows[0])  # CUDA is onnxruntime's
+        if precision in ("int8", "fp16"):
+            assert rows[0].serves == "onnxruntime", (found, rows[0])  # OpenVINO runs fp32 and bf16 here
+        if rows[0].precision_served == "bf16":
+            assert bf16, (found, rows[0])  # never bf16 where it cannot run
+    assert choice.TABLE == [r.line() for r in choice.RULES] and len(set(choice.TABLE)) == len(choice.RULES)

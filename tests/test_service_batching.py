@@ -147,3 +147,54 @@ def test_a_batch_of_large_attention_requests_is_split_by_its_attention_bound(ray
     batches = after["counters"]["batches"] - before["counters"]["batches"]
     requests = after["counters"]["requests"] - before["counters"]["requests"]
     assert (requests, batches) == (5, 5), (requests, batches)  # the held one, then one per large request
+
+
+def test_a_live_max_concurrent_batches_starts_queued_work_and_resizes_the_threads(ray_serve, default_bundle):
+    """Serve applies a new user_config (max_concurrent_batches 1 -> 2) to the running replica, with no
+    restart: the request queued behind a held batch starts its own at once, nothing else happening, and /info
+    shows the threads its sessions now have (the replica's 2 CPUs shared by 2 batches: 1 each), and the
+    row of the runtime table that chose its runtime."""
+    import os
+
+    from ray import cloudpickle, serve
+
+    import tests.holding as holding
+    from service.app import compose
+    from service.config import ServiceSettings
+
+    cloudpickle.register_pickle_by_value(holding)
+    # a fixed code version, as a Serve config file gives one (serve.run makes a new one per call, which
+    # restarts every replica): so that the second run changes only user_config, applied by reconfigure
+    encoder = serve.deployment(holding.HoldsTheFirstBatch, name="Encoder").options(version="live-threads", _internal=True)
+    name, url = "live-threads", f"{ray_serve.url}/live-threads"
+    base = {"bundle": str(default_bundle), "num_cpus": 2, "runtime": "onnxruntime"}
+
+    def run(concurrent: int) -> None:
+        settings = ServiceSettings.model_validate({**base, "batching": {"max_concurrent_batches": concurrent}})
+        serve.run(compose(settings, encoder), name=name, route_prefix=f"/{name}", logging_config={"enable_access_log": False})
+
+    cpus = min(2, len(os.sched_getaffinity(0)))
+    run(1)
+    handle = serve.get_deployment_handle("Encoder", name)
+    try:
+        before = httpx.get(f"{url}/info", timeout=30).json()
+        assert (before["intra_op_threads"], before["batching"]["max_concurrent_batches"]) == (cpus, 1), before
+        choice = before["runtime_choice"]
+        assert choice["matched"] == choice["table"][choice["rule"]] and choice["matched"].startswith("runtime onnxruntime")
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            held = pool.submit(lambda: httpx.post(f"{url}/v1/encode", json={"inputs": ["held"]}, timeout=120))
+            wait_until(lambda: handle.held.remote().result() == 1, "the first request's batch to hold the only slot")
+            queued = pool.submit(lambda: httpx.post(f"{url}/v1/encode", json={"inputs": ["queued"]}, timeout=120))
+            wait_until(lambda: handle.info.remote().result()["load"]["requests_queued"] == 1, "a request queued behind it")
+            run(2)  # user_config only: Serve calls reconfigure on the running replica
+            # the queued request forms a batch in the new slot at once (the holding replica holds it too)
+            wait_until(lambda: handle.held.remote().result() == 2, "the queued request's batch to start", timeout=20)
+            assert handle.info.remote().result()["load"]["requests_queued"] == 0 and not held.done()
+            after = httpx.get(f"{url}/info", timeout=30).json()
+            handle.release.remote().result()
+            assert [f.result(timeout=60).status_code for f in (held, queued)] == [200, 200]
+    finally:
+        serve.delete(name)
+    assert (after["replica"]["replica_id"], after["replica"]["pid"]) == (before["replica"]["replica_id"], before["replica"]["pid"])
+    assert after["batching"]["max_concurrent_batches"] == 2
+    assert after["intra_op_threads"] == max(1, cpus // 2), after["intra_op_threads"]

@@ -8,7 +8,8 @@ a batch held 2.5 texts. text-embeddings-inference's batching task does it the ot
 and so does this one: wait for a free slot, then for work, then take what queued meanwhile.
 Requests whose caller gave up (cancelled: a deadline passed, the client left) leave the queue
 before a batch forms, so nothing is computed for nobody. The knobs are read on every batch, so
-a new budget, wait or concurrency (Serve's user_config) applies to the next batch.
+a new budget, wait or concurrency (Serve's user_config) applies to the next batch; `knobs_changed()`
+wakes the former, since a raised concurrency frees a slot that no arrival or finished batch announces.
 """
 
 from __future__ import annotations
@@ -51,6 +52,25 @@ class Batcher(Generic[Job, Result]):
         self._queue.append((job, future))
         self._changed.set()
         return await future
+
+    def knobs_changed(self) -> None:
+        """New knobs (reconfigure): the former looks at the queue again now. Raising
+        max_concurrent_batches frees a slot that no arrival or finished batch would announce, so jobs
+        queued behind a busy runner would otherwise wait for the next event. Safe from any thread."""
+        former = self._former
+        if former is None or former.done():
+            return  # no former yet: the next submit starts one, which reads the knobs first
+        loop = former.get_loop()
+        if loop.is_closed():
+            return
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            self._changed.set()
+        else:  # asyncio.Event is not thread-safe: set it on its own loop
+            loop.call_soon_threadsafe(self._changed.set)
 
     async def _form_batches(self) -> None:
         while True:

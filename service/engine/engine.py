@@ -40,9 +40,23 @@ class Engine:
         return self.manifest.model
 
     def reconfigure(self, batching: BatchingSettings) -> None:
-        """New batching knobs, live (Serve's user_config): the batcher reads them for its next batch."""
+        """New batching knobs, live (Serve's user_config): the batcher reads them for its next batch, and
+        is woken now (a raised max_concurrent_batches frees a slot that nothing else would announce)."""
         self.runner.batching = batching
+        self.batcher.knobs_changed()
 
+    def sized_runtime(self, settings: ServiceSettings) -> Runtime:
+        """The runtime sized for `settings`' threads and concurrent batches: a copy with new sessions that
+        passed a smoke test, or the one in use when its sizes already match. Blocking: off the event loop."""
+        runtime = self.runtime.resized(intra_op_threads(settings), settings.batching.max_concurrent_batches)
+        if runtime is not self.runtime:
+            runtime.smoke_test()  # never swap in sessions that do not compute
+        return runtime
+
+    def use_runtime(self, runtime: Runtime) -> None:
+        """Serve from `runtime` from the next run on; runs in flight finish on the sessions they hold."""
+        self.runtime = runtime
+        self.runner.runtime = runtime
 
     async def compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
         """One batch computed off the event loop (the runtime releases the GIL): where the batch
@@ -74,6 +88,17 @@ def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | 
         batcher=Batcher(compute, lambda: runner.batching, lambda job: job.cost(runner.batching)),
     )
     return engine
+
+
+async def resize_runtimes(engines: EngineTable, settings: ServiceSettings) -> None:
+    """Every engine's sessions sized for `settings` (a live max_concurrent_batches: each batch's share of
+    the replica's CPUs changes): built in a worker thread while the old ones serve, then swapped in
+    together on the event loop. The caller applies the new knobs right after, in the same loop step,
+    so that no batch forms between the new concurrency and the new threads. A failure swaps nothing."""
+    sized = await asyncio.to_thread(lambda: [engine.sized_runtime(settings) for engine in engines])
+    for engine, runtime in zip(engines, sized, strict=True):
+        if runtime is not engine.runtime:
+            engine.use_runtime(runtime)
 
 
 class EngineTable:

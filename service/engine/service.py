@@ -267,6 +267,7 @@ class EncoderService:
             "precision": runtime.precision,
             "precision_requested": runtime.precision_requested,
             "precision_note": runtime.precision_note,
+            "runtime_choice": runtime.choice,  # the row of service/runtimes/choice.py's table that chose it, and the table
             "cuda": runtime.describe_cuda(),
             "graphs": {"attentions": runtime.full.label, "encodings": runtime.fast.label,
                        "packed": runtime.packed.label if runtime.packed is not None else None},

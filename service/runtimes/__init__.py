@@ -2,15 +2,17 @@
 
 The engine (service/engine/) sees only `Runtime`: two graphs (`full`, with attention weights, and
 `fast`, the fused encodings graph of the served precision), `graph_for(outputs)` to pick one, a
-`smoke_test()` for health checks, and what it runs on (`runtime`, `provider`, `precision`,
-`threads`, the notes that say why, `describe_cuda()`). `load_runtime` builds one from the settings
-(service/runtimes/choice.py). Implementations: onnxruntime (service/runtimes/onnxruntime.py) on CUDA
+`smoke_test()` for health checks, what it runs on (`runtime`, `provider`, `precision`, `threads`,
+the notes that say why, `choice`, `describe_cuda()`), and `resized(threads, streams)`: the same
+graphs in sessions sized for another number of concurrent batches (a live max_concurrent_batches).
+`load_runtime` builds one from the settings (service/runtimes/choice.py, whose table says why). Implementations: onnxruntime (service/runtimes/onnxruntime.py) on CUDA
 or CPU, which owns its probing (service/runtimes/cuda.py), its session options and the start-up
 preflight of bundles; OpenVINO (service/runtimes/openvino.py) for bf16 on CPUs with bf16 units.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -24,15 +26,20 @@ if TYPE_CHECKING:  # not at run time: `python -m service.runtimes.cuda` must fin
 
 class Graph(Protocol):
     label: str  # the inference-runs metric's `graph` label: full, encodings-fp32, ...
+    threads: int  # threads one run uses, as the session or compiled model was made
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
             token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """One padded batch: (batch, tokens) int64 ids, mask and token types (None: all 0) in, the named outputs out."""
         ...
 
+    def resized(self, threads: int, streams: int) -> Graph:
+        """This graph sized for `threads` per run and `streams` runs at once: a new session (blocking),
+        or itself when nothing would change."""
+        ...
 
-class PackedGraph(Protocol):
-    label: str  # the inference-runs metric's `graph` label: packed-fp32, packed-bf16-openvino
+
+class PackedGraph(Graph, Protocol):
     multiple: int  # a row's tokens are padded to a multiple of this (service/runtimes/packing.py)
 
     def run_packed(self, feed: dict[str, np.ndarray]) -> np.ndarray:
@@ -50,9 +57,15 @@ class Runtime(Protocol):
     precision: str
     precision_requested: str
     precision_note: str
-    threads: int
+    choice: dict | None  # the row of service/runtimes/choice.py's table that chose it, for /info
+    threads: int  # per run of the encodings graph
 
     def graph_for(self, outputs: Sequence[str]) -> Graph: ...
+
+    def resized(self, threads: int, streams: int) -> Runtime:
+        """The same graphs and precision sized for `threads` per run and `streams` batches at once (a copy:
+        batches running on this one finish on its sessions), or itself when nothing would change."""
+        ...
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
             token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -71,9 +84,27 @@ class TwoGraphs:
     full: Graph
     fast: Graph
     packed: PackedGraph | None = None
+    choice: dict | None = None  # set by service/runtimes/choice.py
+
+    @property
+    def threads(self) -> int:
+        """Threads one run of the encodings graph uses, read from its session or compiled model."""
+        return self.fast.threads
 
     def graph_for(self, outputs: Sequence[str]) -> Graph:
         return self.full if "attentions" in outputs else self.fast
+
+    def resized(self, threads: int, streams: int):
+        """A copy whose graphs are sized for `threads` per run and `streams` runs at once, or self when
+        every graph already is. Blocking (sessions load, OpenVINO compiles): call it off the event loop."""
+        graphs = {"full": self.full, "fast": self.fast, "packed": self.packed}
+        sized = {name: graph.resized(threads, streams) for name, graph in graphs.items() if graph is not None}
+        if all(sized[name] is graphs[name] for name in sized):
+            return self
+        runtime = copy.copy(self)
+        for name, graph in sized.items():
+            setattr(runtime, name, graph)
+        return runtime
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
             token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:

@@ -1,23 +1,24 @@
-"""Which runtime and precision a replica serves, and why (one line, shown in /info and at start-up).
+"""Which runtime and precision a replica serves, and why: one table, RULES, read top to bottom by
+`choose_runtime` and shown in /info (`runtime_choice`), so the whole decision reads at a glance.
 
-- CUDA usable (and not runtime openvino): onnxruntime, as service/runtimes/onnxruntime.py decides
-  (fp16 where gated).
-- On CPU, `runtime: auto, precision: auto`: if the CPU has bf16 units and the bundle's bf16 gate
-  passed, both OpenVINO bf16 and onnxruntime fp32 run the same probe batch and the faster serves
-  (per replica: machines differ). Otherwise onnxruntime fp32. int8 is never picked by `auto`: its
-  cosine loss is two orders of magnitude above bf16's (docs/performance.md).
-- `precision: bf16`: OpenVINO bf16; on a CPU without bf16 units, fp32 (OpenVINO's with runtime
-  openvino, else onnxruntime's), with one warning line.
+A row matches the settings (`runtime`, `precision` as asked) and what this replica finds: whether
+onnxruntime got CUDA, and whether OpenVINO bf16 can run here (openvino installed, a CPU with bf16
+units, a bundle whose bf16 gate passed). The first row that matches says what serves and the reason
+(`precision_note`). Two things happen outside the table, each in one place:
+- a precision the bundle does not have is never served: bf16 asked for without a gated bf16 graph
+  is an error here, int8 and fp16 in onnxruntime's resolve_precision;
 - OpenVINO that cannot start (not installed, a graph it cannot compile) falls back to onnxruntime
   fp32 with one warning line; a cache directory that cannot be written costs a compile, not the replica.
-A precision the bundle does not have (its gate failed, or the export CPU had no bf16 units) is
-never served: asked for explicitly, it is an error, as for int8 and fp16.
+int8 is never picked by `auto`: its cosine loss is two orders of magnitude above bf16's
+(docs/performance.md).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -31,11 +32,116 @@ from service.runtimes.openvino import OvEncoder, check_openvino, usable_cache_di
 logger = logging.getLogger("service.runtimes.choice")
 
 PROBE_SHAPE = (8, 32)  # the batch both candidates run at start-up: 8 texts of 32 tokens, a typical batch
+ANY = None  # a column a row does not look at
+ORT = "as resolved"  # by onnxruntime's resolve_precision (fp16 on CUDA where gated, ...)
+FASTER = "faster"  # OpenVINO bf16 and onnxruntime fp32 both run a probe batch; the faster serves
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row: the configuration it matches (ANY: whatever it is) -> what serves, and why.
+
+    `note` becomes the runtime's precision_note, with {ort} (onnxruntime's own note), {why} (why not
+    OpenVINO bf16) and {gate} (the bf16 gate's figure) filled in; `warning`, where set, is logged once."""
+
+    runtime: tuple[str, ...] | None  # settings.runtime
+    precision: tuple[str, ...] | None  # settings.precision, as asked
+    cuda: bool | None  # onnxruntime's session got CUDA
+    bf16: bool | None  # OpenVINO bf16 can run here: installed, bf16 units, the bundle's bf16 gate passed
+    serves: str  # onnxruntime | openvino | faster
+    precision_served: str  # fp32 | bf16 | as resolved (by onnxruntime's resolve_precision)
+    note: str
+    warning: str = ""
+
+    def matches(self, found: Found) -> bool:
+        """Lazily: OpenVINO is probed (imported) only when a row that looks at it is reached."""
+        return ((self.runtime is ANY or found.runtime in self.runtime)
+                and (self.precision is ANY or found.precision in self.precision)
+                and (self.cuda is ANY or found.cuda == self.cuda)
+                and (self.bf16 is ANY or found.bf16 == self.bf16))
+
+    def line(self) -> str:
+        """The row as /info shows it."""
+        def column(name: str, values) -> str:
+            return f"{name} {'|'.join(values)}" if values is not ANY else f"any {name}"
+
+        found = [column("runtime", self.runtime), column("precision", self.precision)]
+        found += [] if self.cuda is ANY else ["CUDA" if self.cuda else "no CUDA"]
+        found += [] if self.bf16 is ANY else ["OpenVINO bf16 can run" if self.bf16 else "OpenVINO bf16 cannot run"]
+        if self.serves == FASTER:
+            serves = "the faster on a probe batch of openvino bf16 and onnxruntime fp32"
+        elif self.precision_served == ORT:
+            serves = "onnxruntime, precision as resolved (fp16 on CUDA where gated, int8/fp16 where meant for the device, else fp32)"
+        else:
+            serves = f"{self.serves} {self.precision_served}"
+        return f"{', '.join(found)} -> {serves}"
+
+
+# First match wins. Columns: settings.runtime, settings.precision (as asked), CUDA, OpenVINO bf16 can
+# run -> what serves the encodings graph, its precision, the reason (precision_note), a warning line.
+OV, BF16_ASKED_NOT_SERVED = "openvino", "precision bf16: {why}; serving fp32"
+RULES: tuple[Rule, ...] = (
+    Rule(("onnxruntime",), ANY, ANY, ANY, "onnxruntime", ORT, "{ort}"),
+    Rule(ANY, ("int8", "fp16"), ANY, ANY, "onnxruntime", ORT, "{ort}"),
+    Rule(ANY, ("bf16",), True, ANY, "onnxruntime", ORT,
+         "bf16 runs on OpenVINO (CPU); this replica runs on CUDA: {ort}", "precision bf16: {note}"),
+    Rule(ANY, ANY, True, ANY, "onnxruntime", ORT, "{ort}"),
+    Rule(("auto",), ("fp32",), False, ANY, "onnxruntime", "fp32", "{ort}"),
+    Rule(("auto",), ("auto",), False, False, "onnxruntime", "fp32", "{ort}; not OpenVINO bf16: {why}"),
+    Rule(("auto",), ("auto",), False, True, FASTER, "bf16|fp32", "(both probe figures: _faster)"),
+    Rule(("auto",), ("bf16",), False, False, "onnxruntime", "fp32", "bf16 asked for, fp32 on onnxruntime: {why}",
+         BF16_ASKED_NOT_SERVED),
+    Rule(("auto", OV), ("bf16",), False, True, OV, "bf16", "bf16 as configured{gate}"),
+    Rule((OV,), ("fp32",), False, ANY, OV, "fp32", "fp32 as configured, on OpenVINO"),
+    Rule((OV,), ("auto",), False, False, OV, "fp32", "fp32 on OpenVINO: {why}"),
+    Rule((OV,), ("auto",), False, True, OV, "bf16", "auto on runtime openvino: bf16{gate}"),
+    Rule((OV,), ("bf16",), False, False, OV, "fp32", "fp32 on OpenVINO: {why}", BF16_ASKED_NOT_SERVED),
+)
+TABLE = [rule.line() for rule in RULES]  # /info's runtime_choice.table
+
+
+@dataclass
+class Found:
+    """The six factors of the choice, as this replica finds them."""
+
+    runtime: str
+    precision: str
+    cuda: bool
+    bundle: Bundle
+
+    @cached_property
+    def check(self):
+        return check_openvino()
+
+    @cached_property
+    def bf16(self) -> bool:
+        check = self.check
+        return check.installed and check.bf16_units and self.bundle.manifest.variants.get("bf16") is not None
+
+    @property
+    def why(self) -> str:
+        """Why OpenVINO bf16 cannot run here, in one line: every reason that applies (CPU or OpenVINO, bundle)."""
+        reasons = [self.check.reason] if self.check.reason else []
+        if self.bundle.manifest.variants.get("bf16") is None:
+            reasons.append("this bundle has no gated bf16 graph (exported on a CPU without bf16 units, or before bf16 "
+                           "existed: export it again on a CPU with bf16 units)")
+        return "; ".join(reasons)
+
+    @property
+    def gate(self) -> str:
+        quality = self.bundle.manifest.variants["bf16"].quality
+        return f" (its gate: min cosine {quality.min_cosine:.5f} vs PyTorch fp32)" if quality else ""
+
+    def describe(self) -> dict:
+        return {"runtime": self.runtime, "precision": self.precision, "cuda": self.cuda,
+                "openvino_bf16": self.__dict__.get("bf16")}  # None: no row needed to ask
 
 
 def choose_runtime(bundle: Bundle, settings: ServiceSettings, threads: int, gpu: GpuAssignment,
                    streams: int = 1) -> Runtime:
-    """The replica's runtime for one bundle (threads: per batch; streams: batches that run at once)."""
+    """The replica's runtime for one bundle (threads: per batch; streams: batches that run at once): the
+    first row of RULES that matches. The onnxruntime encoder is made first: it runs the full graph
+    (attention weights) whatever serves the encodings graph, and it is where CUDA is found or not."""
     variants = bundle.manifest.variants
     wanted = settings.precision
     if wanted == "bf16" and "bf16" not in variants:
@@ -46,42 +152,28 @@ def choose_runtime(bundle: Bundle, settings: ServiceSettings, threads: int, gpu:
     encoder = OrtEncoder(bundle, settings.provider, threads, settings.inter_op_threads, settings.allow_spinning,
                          ort_precision, CudaSettings.from_settings(settings, gpu))
     encoder.precision_requested = wanted
-    if (settings.runtime == "onnxruntime" or encoder.provider == CUDA or wanted in ("int8", "fp16")
-            or (settings.runtime == "auto" and wanted == "fp32")):
-        if wanted == "bf16":  # CUDA was usable: bf16 is OpenVINO's, on CPU
-            encoder.precision_note = f"bf16 runs on OpenVINO (CPU); this replica runs on CUDA: {encoder.precision_note}"
-            logger.warning("precision bf16: %s", encoder.precision_note)
-        return encoder
+    found = Found(settings.runtime, wanted, encoder.provider == CUDA, bundle)
+    index, rule = next((i, r) for i, r in enumerate(RULES) if r.matches(found))
+    choice = {"rule": index, "matched": TABLE[index], "found": found.describe(), "table": TABLE}
+    values = {"ort": encoder.precision_note}
+    for name in ("why", "gate"):  # only what the row says: a gate is there only where bf16 can run
+        if "{" + name + "}" in rule.note + rule.warning:
+            values[name] = getattr(found, name)
+    note = rule.note.format(**values)
+    if rule.warning:
+        logger.warning(rule.warning.format(note=note, **values))
 
-    check = check_openvino()
-    gated_bf16 = variants.get("bf16")
-    if settings.runtime == "auto" and wanted == "auto":
-        if not check.installed or not check.bf16_units or gated_bf16 is None:
-            why = check.reason or "this bundle has no gated bf16 graph (exported on a CPU without bf16 units, or " \
-                                  "before bf16 existed: export it again)"
-            encoder.precision_note = f"{encoder.precision_note}; not OpenVINO bf16: {why}"
-            return encoder
-        candidate = _openvino(bundle, settings, threads, streams, encoder, "bf16", "auto", "")
-        if candidate is None:
-            return encoder
-        return _faster(candidate, encoder, gated_bf16.quality)
-
-    # runtime openvino, or precision bf16 on runtime auto
-    if wanted == "fp32":
-        precision, note = "fp32", "fp32 as configured, on OpenVINO"
-    elif not check.bf16_units or gated_bf16 is None:  # bf16 asked for, or auto on runtime openvino
-        why = check.reason or "this bundle has no gated bf16 graph (export it again on a CPU with bf16 units)"
-        if wanted == "bf16":
-            logger.warning("precision bf16: %s; serving fp32", why)
-        if settings.runtime == "auto":
-            encoder.precision_note = f"bf16 asked for, fp32 on onnxruntime: {why}"
-            return encoder
-        precision, note = "fp32", f"fp32 on OpenVINO: {why}"
+    runtime: Runtime
+    if rule.serves == "onnxruntime":
+        encoder.precision_note = note
+        runtime = encoder
+    elif rule.serves == FASTER:  # each candidate's note says both figures (_faster)
+        candidate = _openvino(bundle, settings, threads, streams, encoder, "bf16", wanted, "")
+        runtime = encoder if candidate is None else _faster(candidate, encoder, variants["bf16"].quality)
     else:
-        precision = "bf16"
-        note = ("bf16 as configured" if wanted == "bf16" else "auto on runtime openvino: bf16") + (
-            f" (its gate: min cosine {gated_bf16.quality.min_cosine:.5f} vs PyTorch fp32)" if gated_bf16.quality else "")
-    return _openvino(bundle, settings, threads, streams, encoder, precision, wanted, note) or encoder
+        runtime = _openvino(bundle, settings, threads, streams, encoder, rule.precision_served, wanted, note) or encoder
+    runtime.choice = choice
+    return runtime
 
 
 def _openvino(bundle: Bundle, settings: ServiceSettings, threads: int, streams: int, encoder: OrtEncoder,
@@ -97,7 +189,7 @@ def _openvino(bundle: Bundle, settings: ServiceSettings, threads: int, streams: 
     if why and settings.openvino_cache_dir is not None:
         logger.warning("OpenVINO: %s", why)
     try:
-        return OvEncoder(bundle, precision, threads * streams, streams, cache_dir, encoder.full, encoder.provider,
+        return OvEncoder(bundle, precision, threads, streams, cache_dir, encoder.full, encoder.provider,
                          wanted, note, encoder.provider_note, encoder.describe_cuda())
     except Exception as exc:  # noqa: BLE001 - any failure to start means: serve on onnxruntime
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -5,6 +5,7 @@ Whether CUDA can be used at all is service/runtimes/cuda.py's question; this mod
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -55,6 +56,9 @@ def choose_providers(preference: str, cuda: CudaCheck | None = None) -> list[str
     return [CPU]
 
 
+SPINNING = "session.intra_op.allow_spinning"
+
+
 def _session_options(threads: int, inter_op_threads: int, allow_spinning: bool) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -64,7 +68,7 @@ def _session_options(threads: int, inter_op_threads: int, allow_spinning: bool) 
     options.log_severity_level = 3
     # Idle onnxruntime threads spin by default; in a replica that shares cores with the
     # HTTP proxy and the ingress, spinning steals the CPU those need to feed it.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+    options.add_session_config_entry(SPINNING, "1" if allow_spinning else "0")
     return options
 
 
@@ -79,20 +83,41 @@ class OrtGraph:
     def __init__(self, path: Path, outputs: Sequence[str], label: str, providers: list[str], options: ort.SessionOptions,
                  inputs: Sequence[str] = INPUT_NAMES, disabled_optimizers: Sequence[str] = ()):
         self.path, self.outputs, self.label = path, tuple(outputs), label
+        self.providers, self.inputs, self.disabled_optimizers = providers, tuple(inputs), list(disabled_optimizers)
+        self._open(options)
+
+    def _open(self, options: ort.SessionOptions) -> None:
+        path = self.path
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=providers,
-                                                disabled_optimizers=list(disabled_optimizers))
+            self.session = ort.InferenceSession(str(path), options, providers=self.providers,
+                                                disabled_optimizers=self.disabled_optimizers)
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
             raise BundleError(f"{path}: onnxruntime cannot load the graph: {exc}") from None
+        # what the session's thread pool was made with (0: onnxruntime's default); read back from the
+        # options here, since the session's own get_session_options() hands out a mutable reference
+        self.threads = options.intra_op_num_threads
+        self.inter_op_threads = options.inter_op_num_threads
+        self.allow_spinning = _config_entry(options, SPINNING) == "1"
         self.provider = self.session.get_providers()[0]
         got = tuple(o.name for o in self.session.get_outputs())
-        expected, inputs = tuple(inputs), [i.name for i in self.session.get_inputs()]
+        expected, inputs = self.inputs, [i.name for i in self.session.get_inputs()]
         if tuple(inputs) != expected or got != self.outputs:
             raise BundleError(
                 f"{path}: graph I/O {inputs} -> {list(got)} does not match the manifest "
                 f"{list(expected)} -> {list(self.outputs)}"
             )
         self.shapes = {o.name: o.shape for o in self.session.get_outputs()}
+
+    def resized(self, threads: int, streams: int) -> OrtGraph:
+        """This graph in a new session of `threads` intra-op threads (the service's session options), or
+        itself when it has them already or runs on CUDA (whose kernels do not use them). Blocking (a load);
+        this one keeps serving the runs that hold it. `streams` is unused: a session runs concurrent
+        batches as it is (OpenVINO's compiled models are what need it)."""
+        if self.provider == CUDA or threads == self.threads:
+            return self
+        graph = copy.copy(self)
+        graph._open(_session_options(threads, self.inter_op_threads, self.allow_spinning))
+        return graph
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, outputs: Sequence[str],
             token_type_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -121,6 +146,13 @@ class OrtPackedGraph(OrtGraph):
 
     def run_packed(self, feed: dict[str, np.ndarray]) -> np.ndarray:
         return self.session.run(list(self.outputs), feed)[0]
+
+
+def _config_entry(options: ort.SessionOptions, key: str) -> str | None:
+    try:
+        return options.get_session_config_entry(key)
+    except RuntimeError:  # onnxruntime raises when the key was never set
+        return None
 
 
 @dataclass(frozen=True)
@@ -175,9 +207,8 @@ class OrtEncoder(TwoGraphs):
         cuda_settings: CudaSettings | None = None,
     ):
         self.manifest = bundle.manifest
-        self.threads = intra_op_threads or available_cpus()
         self.cuda_settings = cuda_settings or CudaSettings()
-        options = _session_options(self.threads, inter_op_threads, allow_spinning)
+        options = _session_options(intra_op_threads or available_cpus(), inter_op_threads, allow_spinning)
         cuda = (check_cuda(self.cuda_settings.gpu.device_id) if preference != "cpu"
                 else CudaCheck(False, "provider 'cpu' was asked for"))
         self.cuda_check = cuda

@@ -9,6 +9,7 @@ stage (which gates bf16 with it) share this module's probing and compile options
 
 from __future__ import annotations
 
+import copy
 import logging
 import tempfile
 import threading
@@ -98,30 +99,49 @@ def compile_options(precision: str, threads: int, streams: int) -> dict:
 
 
 class OvGraph:
-    """One compiled graph; `run` may be called from several threads at once (one infer request each)."""
+    """One compiled graph; `run` may be called from several threads at once (one infer request each).
+    Compiled with `threads` in all, shared by `streams` runs at once; afterwards `threads` (per run) and
+    `streams` are what the compiled model reports."""
 
     def __init__(self, path: Path, inputs: Sequence[str], outputs: Sequence[str], label: str, precision: str,
                  threads: int, streams: int, cache_dir: Path | None = None):
+        self.path, self.outputs, self.label, self.precision = path, tuple(outputs), label, precision
+        self.inputs, self.cache_dir, self.provider = tuple(inputs), cache_dir, PROVIDER
+        self._compile(threads, streams)
+
+    def _compile(self, threads: int, streams: int) -> None:
         import openvino as ov
 
-        self.path, self.outputs, self.label, self.precision = path, tuple(outputs), label, precision
         core = ov.Core()
-        if cache_dir is not None:
-            core.set_property({"CACHE_DIR": str(cache_dir)})
+        if self.cache_dir is not None:
+            core.set_property({"CACHE_DIR": str(self.cache_dir)})
         try:
-            self.compiled = core.compile_model(str(path), DEVICE, compile_options(precision, threads, streams))
+            self.compiled = core.compile_model(str(self.path), DEVICE, compile_options(self.precision, threads, streams))
         except Exception as exc:  # OpenVINO raises RuntimeError with multi-line text
-            raise BundleError(f"{path}: OpenVINO cannot compile the graph: {str(exc).splitlines()[0]}") from None
+            raise BundleError(f"{self.path}: OpenVINO cannot compile the graph: {str(exc).splitlines()[0]}") from None
         got_inputs = tuple(i.get_any_name() for i in self.compiled.inputs)
         got = tuple(o.get_any_name() for o in self.compiled.outputs)
-        if got_inputs != tuple(inputs) or got != self.outputs:
-            raise BundleError(f"{path}: graph I/O {list(got_inputs)} -> {list(got)} does not match the manifest "
-                              f"{list(inputs)} -> {list(self.outputs)}")
-        self.provider = PROVIDER
+        if got_inputs != self.inputs or got != self.outputs:
+            raise BundleError(f"{self.path}: graph I/O {list(got_inputs)} -> {list(got)} does not match the manifest "
+                              f"{list(self.inputs)} -> {list(self.outputs)}")
+        self.sized_for = (threads, streams)
+        # what the plugin made of the options (it caps threads at the CPUs it sees): the figures in use
+        self.streams = int(self.compiled.get_property("NUM_STREAMS"))
+        self.threads = max(1, int(self.compiled.get_property("INFERENCE_NUM_THREADS")) // max(1, self.streams))
         self.shapes = {o.get_any_name(): [d.get_length() if d.is_static else None for d in o.get_partial_shape()]
                        for o in self.compiled.outputs}
         self._ports = {name: self.compiled.output(name) for name in self.outputs}
-        self._local = threading.local()
+        self._local = threading.local()  # infer requests are the compiled model's: new ones for a new one
+
+    def resized(self, threads: int, streams: int) -> OvGraph:
+        """This graph compiled for `threads` per run and `streams` runs at once (threads x streams in all),
+        or itself when it was compiled so. Blocking (a compile, or a cache load); this one keeps serving
+        the runs that hold it."""
+        if self.sized_for == (threads * streams, streams):
+            return self
+        graph = copy.copy(self)
+        graph._compile(threads * streams, streams)
+        return graph
 
     def _request(self):
         request = getattr(self._local, "request", None)
@@ -164,7 +184,8 @@ class OvPackedGraph(OvGraph):
 
 class OvEncoder(TwoGraphs):
     """A bundle served with its encodings graph on OpenVINO (bf16, or f32) and its full graph (attention
-    weights) as given: onnxruntime fp32, unless the bundle's bf16 attention gate passed."""
+    weights) as given: onnxruntime fp32, unless the bundle's bf16 attention gate passed. `threads` is per
+    run, as onnxruntime's per-session figure: the compiled models get threads x streams in all."""
 
     runtime = "openvino"
 
@@ -172,23 +193,23 @@ class OvEncoder(TwoGraphs):
                  full: Graph, full_provider: str, precision_requested: str, precision_note: str,
                  provider_note: str = "", cuda: dict | None = None):
         self.manifest = bundle.manifest
-        self.threads = max(1, threads // max(1, streams))  # per run, as onnxruntime's per-session figure
         self.precision, self.precision_requested, self.precision_note = precision, precision_requested, precision_note
         variant = self.manifest.variants.get(precision) or self.manifest.variants["fp32"]
         task = self.manifest.model.task
+        total = max(1, threads) * max(1, streams)
         self.fast = OvGraph(bundle.root / variant.file, INPUT_NAMES, encodings_output_names(task),
-                            f"encodings-{precision}-openvino", precision, threads, streams, cache_dir)
+                            f"encodings-{precision}-openvino", precision, total, streams, cache_dir)
         gate = variant.attention_gate
         if precision == "bf16" and gate is not None and gate.passed:
             self.full = OvGraph(bundle.graph_path, INPUT_NAMES, output_names(task), "full-bf16-openvino", precision,
-                                threads, streams, cache_dir)
+                                total, streams, cache_dir)
         else:
             self.full = full
         # texts that need only their pooled output run packed: at fp32, or at bf16 where its own gate passed
         packed = self.manifest.packed
         self.packed = None
         if packed is not None and (precision == "fp32" or (packed.bf16 is not None and packed.bf16.passed)):
-            self.packed = OvPackedGraph(bundle.packed_path, task, precision, threads, streams, cache_dir)
+            self.packed = OvPackedGraph(bundle.packed_path, task, precision, total, streams, cache_dir)
         self.provider = full_provider  # the device: OpenVINO runs on the CPU, the full graph on this provider
         self.provider_note = provider_note  # why not CUDA
         self._cuda = cuda or {"usable": False, "steps": [], "device": None, "provider_options": None}

@@ -95,6 +95,7 @@ def describe_model(m, state: dict) -> dict:
         "precision": state["precision"],
         "precision_requested": state["precision_requested"],
         "precision_note": state["precision_note"],
+        "runtime_choice": state["runtime_choice"],  # why this runtime and precision: the matched row of the table
         "cuda": state["cuda"],  # each check step, the device, the provider options of the sessions
         "graphs": state["graphs"],
         "graph_providers": state["graph_providers"],
