@@ -1,5 +1,6 @@
 """The engine on its own, without Ray or HTTP: the real bundle, real tokenizer and onnxruntime, the
-EncoderService's steps as the routes call them, concurrent requests through one batch queue."""
+EncoderService's steps as the routes call them, concurrent requests through one batch queue; the
+batch runner's one rule for `normalize`, and a batch of mixed jobs giving each what it gets alone."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from service.config import BundleRef, ServiceSettings
 from service.engine.engine import EngineTable, load_engine
 from service.engine.errors import BackendError, ClientGone, InvalidRequest, NotFound, Timeout, TooLarge
-from service.engine.runner import EncodeJob
+from service.engine.runner import EncodeJob, Pooled, l2_normalize, pooled_output
 from service.engine.service import EncoderService
 
 TEXTS = [f"sentence number {i} about {'cats' if i % 2 else 'the weather'} and more" for i in range(24)]
@@ -91,6 +92,79 @@ def test_limits_are_checked_before_any_inference(svc):
     tokenized = asyncio.run(svc.tokenize(engine, long, True, "/v1/attention"))
     with pytest.raises(TooLarge, match="attention of this request"):
         svc.check_attention_size(engine, tokenized)
+
+
+def test_pooled_output_says_what_normalize_means_for_each_kind_of_model(svc):
+    model = svc.engines.default.model  # all-MiniLM-L6-v2: mean pooling, its graph L2-normalises
+    raw = model.model_copy(update={"normalize": False})
+    classifier = raw.model_copy(update={"task": "classification"})
+    assert model.normalize and not raw.normalize
+    assert pooled_output(model, True) is Pooled.AS_IS  # the graph already normalises
+    assert pooled_output(model, False) is Pooled.REPOOLED  # the raw vector is no output of the graph
+    assert pooled_output(raw, True) is Pooled.L2_HERE
+    assert pooled_output(raw, False) is Pooled.AS_IS
+    assert pooled_output(classifier, False) is pooled_output(classifier, True) is Pooled.AS_IS  # logits untouched
+
+    encodings = np.array([[3.0, 4.0], [1.0, 0.0]], dtype=np.float32)  # two tokens' last_hidden_state
+    vector = np.array([3.0, 4.0], dtype=np.float32)
+    assert Pooled.AS_IS.make(vector, None, "mean") is vector
+    np.testing.assert_allclose(Pooled.L2_HERE.make(vector, None, "mean"), [0.6, 0.8])
+    np.testing.assert_allclose(Pooled.REPOOLED.make(vector, encodings, "mean"), [2.0, 2.0])
+    np.testing.assert_allclose(Pooled.REPOOLED.make(vector, encodings, "max"), [3.0, 4.0])
+    np.testing.assert_allclose(Pooled.REPOOLED.make(vector, encodings, "cls"), [3.0, 4.0])
+
+
+def test_one_batch_of_mixed_jobs_gives_each_job_what_it_gets_alone_and_counts_every_token(svc):
+    """Packed, re-pooled, hidden-state, attention and pair jobs in one compute(): each text's outputs
+    land in its own job's result, and the counters add up to the batch's real tokens and runs."""
+    engine = svc.engines.default
+    runner = engine.runner
+    texts = TEXTS[:3] + ["a much longer sentence about the weather in Paris, which was grey and wet all week"]
+    pairs = [("What is the capital of France?", "Paris is the capital of France."), ("a", "b c d")]
+    single = asyncio.run(svc.tokenize(engine, texts, True, "test"))
+    paired = asyncio.run(svc.tokenize_pairs(engine, pairs, True, "test"))
+    ids = [t.ids for t in single]
+
+    def jobs() -> list[EncodeJob]:
+        return [
+            EncodeJob(route="test", ids=ids, normalize=True),  # only the pooled output: packed
+            EncodeJob(route="test", ids=ids[:2], normalize=False),  # pooled again from the encodings: padded
+            EncodeJob(route="test", ids=ids[1:3], normalize=False, want_hidden=True),
+            EncodeJob(route="test", ids=ids[2:], normalize=True, attention=((0, 2), (1,))),
+            EncodeJob(route="test", ids=[t.ids for t in paired], normalize=True,
+                      type_ids=[t.type_ids for t in paired]),
+        ]
+
+    alone = [runner.compute([job])[0] for job in jobs()]
+    before, runs_before = dict(runner.counters), dict(runner.runs_by_graph)
+    batch = jobs()
+    together = runner.compute(batch)
+    counted = {k: runner.counters[k] - before[k] for k in before}
+    runs = {k: v - runs_before.get(k, 0) for k, v in runner.runs_by_graph.items() if v != runs_before.get(k, 0)}
+
+    for mixed, own in zip(together, alone, strict=True):
+        np.testing.assert_allclose(mixed.embeddings, own.embeddings, atol=1e-5)
+        for name in ("hidden", "attentions"):
+            for a, b in zip(getattr(mixed, name) or [], getattr(own, name) or [], strict=True):
+                np.testing.assert_allclose(a, b, atol=1e-5)
+    packed, repooled, with_hidden, attention, _ = together
+    # normalize=false on a normalising model: the mean of the token encodings, which the graph normalises
+    assert not np.allclose(np.linalg.norm(repooled.embeddings, axis=1), 1.0)
+    np.testing.assert_allclose(l2_normalize(repooled.embeddings), packed.embeddings[:2], atol=1e-5)
+    for t, hidden in enumerate(with_hidden.hidden):
+        assert hidden.shape == (len(ids[1 + t]), engine.model.hidden_size)
+        np.testing.assert_allclose(with_hidden.embeddings[t], hidden.mean(axis=0), atol=1e-5)
+    assert [a.shape for a in attention.attentions] == [(2, 1, len(i), len(i)) for i in ids[2:]]
+
+    assert set(runs) == {"packed-fp32", "encodings-fp32", "full"}, runs
+    n_texts = sum(len(job.ids) for job in batch)
+    real = sum(len(i) for job in batch for i in job.ids)
+    assert {k: counted[k] for k in ("batches", "requests", "texts", "real_tokens")} == {
+        "batches": 1, "requests": len(batch), "texts": n_texts, "real_tokens": real}
+    assert counted["ort_runs"] == sum(runs.values()) and counted["padded_tokens"] >= real
+    ratio = 1 - real / counted["padded_tokens"]
+    assert all(r.stats == {"batch_requests": len(batch), "batch_texts": n_texts, "ort_runs": sum(runs.values()),
+                           "padding_ratio": ratio} for r in together)
 
 
 def peak_rss_mb() -> float:

@@ -8,7 +8,9 @@ padding at all (service/runtimes/packing.py). All other texts are sorted by leng
 sub-batches whose padded size stays under `sub_batch_tokens`: on a CPU, padding is the first cost.
 Texts whose request wants attention weights run on the bundle's full graph; the rest on its fused
 encodings-only graph of the configured precision (the `graph` label of the inference-runs metric
-says which graph ran: full, encodings-<precision>, packed-<precision>).
+says which graph ran: full, encodings-<precision>, packed-<precision>). How a text's pooled output
+is made for its job's `normalize` (the graph's as it is, L2-normalised here, or pooled again from
+the token encodings) is decided in one place, `pooled_output`.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 
-from bundle.manifest import BundleManifest
+from bundle.manifest import BundleManifest, ModelInfo
 from service.config import BatchingSettings, ServiceSettings
 from service.metrics import service_metrics
-from service.runtimes import Runtime
+from service.runtimes import PackedGraph, Runtime
 from service.runtimes.onnxruntime import available_cpus
 from service.runtimes.packing import pack, plan_packs
 
@@ -34,7 +38,7 @@ class EncodeJob:
 
     route: str
     ids: list[np.ndarray]
-    normalize: bool
+    normalize: bool  # L2-normalised pooled outputs; what that means per model: pooled_output()
     want_embedding: bool = True
     want_hidden: bool = False
     attention: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (layers, heads), resolved
@@ -142,7 +146,7 @@ def pad(ids: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pool(hidden: np.ndarray, mask: np.ndarray, how: str) -> np.ndarray:
-    """Pooling over real tokens, as the export's encoder does it (for normalize=false requests)."""
+    """Pooling over real tokens, as the export's encoder does it (for Pooled.REPOOLED texts)."""
     if how == "cls":
         return hidden[:, 0]
     keep = mask[:, :, None].astype(hidden.dtype)
@@ -160,6 +164,105 @@ def mean_of_chunks(embeddings: np.ndarray, counts: list[int]) -> np.ndarray:
     bounds = np.cumsum([0, *counts])
     means = np.stack([embeddings[a:b].mean(axis=0) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
     return l2_normalize(means).astype(np.float32)
+
+
+class Pooled(Enum):
+    """How one text's pooled output is made from what the graph returns (pooled_output decides which)."""
+
+    AS_IS = "the graph's pooled output, untouched"
+    L2_HERE = "the graph's pooled output, L2-normalised here"
+    REPOOLED = "pooled here again from the graph's token encodings (last_hidden_state)"
+
+    def make(self, graph_pooled: np.ndarray, encodings: np.ndarray | None, pooling: str) -> np.ndarray:
+        """The text's pooled output, from the graph's pooled row or, REPOOLED, from `encodings`: its
+        real tokens' last_hidden_state (tokens, hidden), pooled as the graph pools (`pooling`)."""
+        if self is Pooled.L2_HERE:
+            return l2_normalize(graph_pooled)
+        if self is Pooled.REPOOLED:
+            return pool(encodings[None], np.ones((1, encodings.shape[0]), dtype=np.int64), pooling)[0]
+        return graph_pooled
+
+
+def pooled_output(model: ModelInfo, normalize: bool) -> Pooled:
+    """What a job's `normalize` means for its texts' pooled outputs: the one place that decides it.
+
+    `EncodeJob.normalize` is what the client asked for, or, where it did not say, the model's own
+    `normalize` (the routes pass `engine.model.normalize`; classifier routes pass False). The model's
+    `normalize` says whether its graphs already end in an L2 normalisation (sentence-transformers'
+    Normalize module, exported into the graph). So:
+
+    - a classifier's logits: as the graph computed them, whatever `normalize` says (the route reads them);
+    - `normalize` as the model's: the graph's output as it is (normalised or raw, as the model was trained);
+    - `normalize` true, the graph raw: the graph's output, L2-normalised here;
+    - `normalize` false, the graph normalising: the raw vector is no output of the graph, so it is pooled
+      again here from the token encodings, as the graph pools. Such a text needs last_hidden_state, so
+      it runs padded, never packed. Past a Dense projection this would skip the Dense: /v1/encode
+      refuses normalize false for such a model (routes/native.py `normalization`) before it queues.
+    """
+    if model.task == "classification" or normalize == model.normalize:
+        return Pooled.AS_IS
+    return Pooled.L2_HERE if normalize else Pooled.REPOOLED
+
+
+TextRef = tuple[int, int]  # a text of a batch: (its job's index in the batch, its index in the job)
+
+
+class Needs(NamedTuple):
+    """What a text needs from a run besides its pooled output. A batch's texts are grouped by it, so
+    the cheap ones never pay for the big outputs (and only texts that need nothing more run packed)."""
+
+    attention: bool  # attention weights: the full graph
+    hidden: bool  # token encodings: the job wants them, or its pooled output is REPOOLED from them
+
+
+@dataclass
+class Tally:
+    """What one batch ran, for its metrics, the runner's counters and each result's stats."""
+
+    real: int = 0  # tokens of the texts
+    padded: int = 0  # tokens computed, padding included
+    runs: dict[str, int] = field(default_factory=dict)  # runs by graph label
+
+    def add(self, graph: str, real: int, padded: int) -> None:
+        self.runs[graph] = self.runs.get(graph, 0) + 1
+        self.real += real
+        self.padded += padded
+
+    @property
+    def padding_ratio(self) -> float:
+        return 1 - self.real / self.padded if self.padded else 0.0
+
+
+@dataclass
+class Batch:
+    """One compute() call: its jobs, their results as they fill in, and what ran for them. The runtime
+    and batching settings are read once, so a live change (reconfigure, a resized runtime) takes effect
+    from the next batch and never half-way through one."""
+
+    jobs: list[EncodeJob]
+    results: list[EncodeResult]
+    pooled: list[Pooled]  # per job: how its texts' pooled outputs are made (pooled_output)
+    runtime: Runtime
+    batching: BatchingSettings
+    tally: Tally = field(default_factory=Tally)
+
+    @property
+    def n_texts(self) -> int:
+        return sum(len(job.ids) for job in self.jobs)
+
+    def needs(self, j: int) -> Needs:
+        job = self.jobs[j]
+        return Needs(attention=job.attention is not None,
+                     hidden=job.want_hidden or self.pooled[j] is Pooled.REPOOLED)
+
+    def ids(self, text: TextRef) -> np.ndarray:
+        j, t = text
+        return self.jobs[j].ids[t]
+
+    def type_ids(self, text: TextRef) -> np.ndarray | None:
+        j, t = text
+        types = self.jobs[j].type_ids
+        return types[t] if types else None
 
 
 class BatchRunner:
@@ -199,29 +302,31 @@ class BatchRunner:
         self.runtime.run(ids, np.ones_like(ids), [self.pooled, "attentions"])
         if self.runtime.packed is not None:
             for lengths in ([8] * 4, [self.manifest.model.max_tokens]):
-                self._run_packed([np.full(n, token, dtype=np.int64) for n in lengths], None)
+                self._run_packed(self.runtime.packed, [np.full(n, token, dtype=np.int64) for n in lengths], None)
 
     def compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
-        """List in, list out: every job's texts, length-sorted into sub-batches."""
+        """List in, list out: each job's result, in order. The batch's texts are grouped by what they
+        need; each group runs packed or in length-sorted padded sub-batches; each text's outputs go
+        back to its job's result; then the batch is counted."""
         with self._counters_lock:
             self.running += 1
         try:
-            return self._compute(jobs)
+            started = time.perf_counter()
+            self._observe_queue(jobs, started)
+            batch = self._new_batch(jobs)
+            for needs, texts in self._group(batch).items():
+                if self._packs(batch, needs):
+                    self._run_packed_rows(batch, texts)
+                else:
+                    self._run_padded(batch, needs, texts)
+            self._count(batch, time.perf_counter() - started)
+            return batch.results
         finally:
             with self._counters_lock:
                 self.running -= 1
 
-    def _compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
-        started = time.perf_counter()
-        for job in jobs:
-            self.metrics.duration.observe(started - job.enqueued, tags={"route": job.route, "stage": "queue",
-                                                                        "model": self.model_name, "task": self.task})
-        model = self.manifest.model
-        # Flatten texts; texts that need attention or hidden states run apart from those that
-        # need only the embedding, so the cheap ones never pay for the big outputs. Texts that
-        # need attention weights run on the full graph, all others on the fused encodings graph.
-        texts = [(j, t) for j, job in enumerate(jobs) for t in range(len(job.ids))]
-        needs = lambda j: (jobs[j].attention is not None, self._needs_hidden(jobs[j]))  # noqa: E731
+    def _new_batch(self, jobs: list[EncodeJob]) -> Batch:
+        """The batch, each job's result zeroed to be filled in."""
         results = [
             EncodeResult(
                 embeddings=np.zeros((len(job.ids), self.pooled_width), dtype=np.float32),
@@ -230,97 +335,107 @@ class BatchRunner:
             )
             for job in jobs
         ]
-        by_need: dict[tuple[bool, bool], list[tuple[int, int]]] = {}
-        for j, t in texts:
-            by_need.setdefault(needs(j), []).append((j, t))
-        real = padded = 0
-        runs: dict[str, int] = {}
-        for (want_attention, want_hidden), members in by_need.items():
-            lengths = [int(jobs[j].ids[t].shape[0]) for j, t in members]
-            if self.runtime.packed is not None and self.batching.packed_tokens and not (want_attention or want_hidden):
-                for group in plan_packs(lengths, self.batching.packed_tokens):
-                    rows = [members[g] for g in group]
-                    types = [jobs[j].type_ids[t] if jobs[j].type_ids else None for j, t in rows]
-                    pooled, width = self._run_packed([jobs[j].ids[t] for j, t in rows], types)
-                    runs[self.runtime.packed.label] = runs.get(self.runtime.packed.label, 0) + 1
-                    real += sum(lengths[g] for g in group)
-                    padded += width
-                    for (j, t), embedding in zip(rows, pooled, strict=True):
-                        results[j].embeddings[t] = self._normalized(jobs[j], embedding)
-                continue
-            outputs = [self.pooled] + (["last_hidden_state"] if want_hidden else []) + (["attentions"] if want_attention else [])
-            for group in plan_sub_batches(lengths, self.batching.sub_batch_tokens, self.batching.max_sub_batch_size,
-                                          self.batching.max_padding):
-                rows = [members[g] for g in group]
-                input_ids, mask = pad([jobs[j].ids[t] for j, t in rows], model.pad_token_id)
-                types = None
-                if any(jobs[j].type_ids is not None for j, _ in rows):
-                    types = pad_types([jobs[j].type_ids[t] if jobs[j].type_ids else None for j, t in rows],
-                                      input_ids.shape[1])
-                graph = self.runtime.graph_for(outputs)
-                out = graph.run(input_ids, mask, outputs, types)
-                runs[graph.label] = runs.get(graph.label, 0) + 1
-                real += int(mask.sum())
-                padded += int(mask.size)
-                self._scatter(jobs, results, rows, mask, out)
-        elapsed = time.perf_counter() - started
-        m, model = self.metrics, {"model": self.model_name}
-        for job in jobs:
-            m.duration.observe(elapsed, tags={"route": job.route, "stage": "inference", "task": self.task, **model})
-        m.batch_requests.observe(len(jobs), tags=model)
-        m.batch_tokens.observe(real, tags=model)
-        m.padding_ratio.observe(1 - real / padded if padded else 0.0, tags=model)
-        if real:
-            m.tokens.inc(real, tags=model)
-            m.padded_tokens.inc(padded, tags=model)
-        for label, n in runs.items():
-            m.inference_runs.inc(n, tags={"graph": label, **model})
-        with self._counters_lock:  # two batches may finish at once, each in its own thread
-            for label, n in runs.items():
-                self.runs_by_graph[label] = self.runs_by_graph.get(label, 0) + n
-            self.counters["batches"] += 1
-            self.counters["requests"] += len(jobs)
-            self.counters["texts"] += len(texts)
-            self.counters["real_tokens"] += real
-            self.counters["padded_tokens"] += padded
-            self.counters["ort_runs"] += sum(runs.values())
-            self.counters["compute_ms"] += elapsed * 1000
-        for result, job in zip(results, jobs, strict=True):
-            result.stats = {"batch_requests": len(jobs), "batch_texts": len(texts), "ort_runs": sum(runs.values()),
-                            "padding_ratio": 1 - real / padded if padded else 0.0}
-        return results
+        pooled = [pooled_output(self.manifest.model, job.normalize) for job in jobs]
+        return Batch(jobs, results, pooled, self.runtime, self.batching)
 
-    def _run_packed(self, ids: list[np.ndarray], types: list[np.ndarray | None] | None) -> tuple[np.ndarray, int]:
-        """One packed row through the runtime's packed graph: the texts' pooled outputs, and the row's
-        length in tokens (padding to the runtime's multiple included, for the padding metric)."""
-        packed = self.runtime.packed
+    @staticmethod
+    def _group(batch: Batch) -> dict[Needs, list[TextRef]]:
+        """Every text of the batch under what it needs, in job order."""
+        groups: dict[Needs, list[TextRef]] = {}
+        for j, job in enumerate(batch.jobs):
+            needs = batch.needs(j)
+            groups.setdefault(needs, []).extend((j, t) for t in range(len(job.ids)))
+        return groups
+
+    @staticmethod
+    def _packs(batch: Batch, needs: Needs) -> bool:
+        """Whether texts that need this run packed: only the pooled output, and packing on and served."""
+        only_pooled = not (needs.attention or needs.hidden)
+        return only_pooled and batch.runtime.packed is not None and bool(batch.batching.packed_tokens)
+
+    def _run_packed_rows(self, batch: Batch, texts: list[TextRef]) -> None:
+        """Texts in rows of the packed graph, each row up to packed_tokens long, with no padding."""
+        packed = batch.runtime.packed
+        lengths = [int(batch.ids(text).shape[0]) for text in texts]
+        for row in plan_packs(lengths, batch.batching.packed_tokens):
+            members = [texts[i] for i in row]
+            pooled, width = self._run_packed(packed, [batch.ids(m) for m in members],
+                                             [batch.type_ids(m) for m in members])
+            batch.tally.add(packed.label, sum(lengths[i] for i in row), width)
+            for (j, t), vector in zip(members, pooled, strict=True):
+                batch.results[j].embeddings[t] = batch.pooled[j].make(vector, None, self.manifest.model.pooling)
+
+    def _run_packed(self, packed: PackedGraph, ids: list[np.ndarray],
+                    types: list[np.ndarray | None] | None) -> tuple[np.ndarray, int]:
+        """One packed row through the packed graph: the texts' pooled outputs, and the row's length in
+        tokens (padding to the runtime's multiple included, for the padding metric)."""
         feed = pack(ids, types, self.manifest.packed.position_offset, self.manifest.model.pooling, packed.multiple)
         return packed.run_packed(feed), int(feed["input_ids"].shape[1])
 
-    def _needs_hidden(self, job: EncodeJob) -> bool:
-        return job.want_hidden or (self.manifest.model.normalize and not job.normalize)
+    def _run_padded(self, batch: Batch, needs: Needs, texts: list[TextRef]) -> None:
+        """Texts length-sorted into padded sub-batches, on the graph that has every output they need."""
+        outputs = [self.pooled, *(["last_hidden_state"] if needs.hidden else []),
+                   *(["attentions"] if needs.attention else [])]
+        graph = batch.runtime.graph_for(outputs)
+        lengths = [int(batch.ids(text).shape[0]) for text in texts]
+        settings = batch.batching
+        for group in plan_sub_batches(lengths, settings.sub_batch_tokens, settings.max_sub_batch_size,
+                                      settings.max_padding):
+            members = [texts[i] for i in group]
+            input_ids, mask = pad([batch.ids(m) for m in members], self.manifest.model.pad_token_id)
+            types = None
+            if any(batch.jobs[j].type_ids is not None for j, _ in members):
+                types = pad_types([batch.type_ids(m) for m in members], input_ids.shape[1])
+            out = graph.run(input_ids, mask, outputs, types)
+            batch.tally.add(graph.label, int(mask.sum()), int(mask.size))
+            self._scatter(batch, members, mask, out)
 
-    def _normalized(self, job: EncodeJob, embedding: np.ndarray) -> np.ndarray:
-        """A text's pooled output as its job asks for it: L2-normalised where the job wants that and the
-        graph does not do it; logits are returned as they are (the route reads them)."""
-        if self.pooled == "sentence_embedding" and job.normalize and not self.manifest.model.normalize:
-            return l2_normalize(embedding)
-        return embedding
-
-    def _scatter(self, jobs, results, rows, mask, out) -> None:
-        """Copy each text's slice of a sub-batch's outputs into its job's result."""
-        model = self.manifest.model
-        for row, (j, t) in enumerate(rows):
-            job, result = jobs[j], results[j]
+    def _scatter(self, batch: Batch, members: list[TextRef], mask: np.ndarray, out: dict[str, np.ndarray]) -> None:
+        """Copy each text's slice of a sub-batch's outputs (its real tokens only) into its job's result."""
+        for row, (j, t) in enumerate(members):
+            job, result = batch.jobs[j], batch.results[j]
             n = int(mask[row].sum())
-            embedding = self._normalized(job, out[self.pooled][row])
-            if self.pooled == "sentence_embedding" and model.normalize and not job.normalize:
-                # the graph normalises: pool its hidden states again
-                embedding = pool(out["last_hidden_state"][row : row + 1, :n], mask[row : row + 1, :n], model.pooling)[0]
-            result.embeddings[t] = embedding
+            encodings = out["last_hidden_state"][row, :n] if "last_hidden_state" in out else None
+            result.embeddings[t] = batch.pooled[j].make(out[self.pooled][row], encodings, self.manifest.model.pooling)
             if job.want_hidden:
-                result.hidden[t] = np.ascontiguousarray(out["last_hidden_state"][row, :n])
+                result.hidden[t] = np.ascontiguousarray(encodings)
             if job.attention is not None:
                 layers, heads = job.attention
                 a = out["attentions"][:, row]  # (layers, heads, T, T)
                 result.attentions[t] = np.ascontiguousarray(a[np.ix_(layers, heads)][:, :, :n, :n])
+
+    def _observe_queue(self, jobs: list[EncodeJob], started: float) -> None:
+        """Each job's time in the batch queue, until its batch started (observed first: a batch that
+        fails has still waited)."""
+        for job in jobs:
+            self.metrics.duration.observe(started - job.enqueued, tags={"route": job.route, "stage": "queue",
+                                                                        "model": self.model_name, "task": self.task})
+
+    def _count(self, batch: Batch, elapsed: float) -> None:
+        """Everything the batch is counted in, from its tally: the metrics, the runner's counters (under
+        the lock: two batches may finish at once, each in its own thread) and each result's stats."""
+        tally, m, model = batch.tally, self.metrics, {"model": self.model_name}
+        for job in batch.jobs:
+            m.duration.observe(elapsed, tags={"route": job.route, "stage": "inference", "task": self.task, **model})
+        m.batch_requests.observe(len(batch.jobs), tags=model)
+        m.batch_tokens.observe(tally.real, tags=model)
+        m.padding_ratio.observe(tally.padding_ratio, tags=model)
+        if tally.real:
+            m.tokens.inc(tally.real, tags=model)
+            m.padded_tokens.inc(tally.padded, tags=model)
+        for label, n in tally.runs.items():
+            m.inference_runs.inc(n, tags={"graph": label, **model})
+        with self._counters_lock:
+            for label, n in tally.runs.items():
+                self.runs_by_graph[label] = self.runs_by_graph.get(label, 0) + n
+            self.counters["batches"] += 1
+            self.counters["requests"] += len(batch.jobs)
+            self.counters["texts"] += batch.n_texts
+            self.counters["real_tokens"] += tally.real
+            self.counters["padded_tokens"] += tally.padded
+            self.counters["ort_runs"] += sum(tally.runs.values())
+            self.counters["compute_ms"] += elapsed * 1000
+        stats = {"batch_requests": len(batch.jobs), "batch_texts": batch.n_texts, "ort_runs": sum(tally.runs.values()),
+                 "padding_ratio": tally.padding_ratio}
+        for result in batch.results:
+            result.stats = dict(stats)
