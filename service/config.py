@@ -31,6 +31,12 @@ INGRESS_ENV: dict[str, dict[str, str]] = {
         # with a fresh deadline. HAProxy balances by requests in flight (leastconn), so the replica
         # it picks is the least loaded it knows of; a refusal from it means all are full.
         "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response junk-response",
+        # Sent again at most 5 times (HAProxy's default is 3), each time to another replica where there
+        # is one (option redispatch 1). The work itself runs again once per replica lost; the other
+        # tries are connections refused by a dead replica's port, which HAProxy counts until it marks
+        # it down (3 in a row) and then sends to another, or to Ray's fallback proxy when it was the
+        # only one: with 3, a request alone with a dead only replica ran out of tries first (a 500).
+        "RAY_SERVE_HAPROXY_RETRIES": "5",
         **RAY_ANSWERS_ENV,
     },
 }

@@ -54,6 +54,7 @@ def test_killed_replica_is_replaced_and_the_run_recovers(ray_serve, default_bund
     pid = handle.info.remote().result()["pid"]
     stop, results = threading.Event(), []
     threads = load(url, stop, results)
+    retries = RetryCounter("http-chaos")
 
     def replaced() -> bool:
         try:
@@ -63,43 +64,74 @@ def test_killed_replica_is_replaced_and_the_run_recovers(ray_serve, default_bund
 
     try:
         wait_until(lambda: len(results) >= 20, "20 requests to complete before the kill")
+        retries.start()
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         wait_until(replaced, "a replacement replica to answer", timeout=90, interval=0.1)
         ready_at = time.monotonic()
+        retries.stop()
         with httpx.Client(base_url=url, timeout=30) as probe:
             assert probe.get("/v2/health/ready").status_code == 200
         wait_until(lambda: sum(1 for r in results if r[0] >= ready_at) >= 40, "40 requests after the replacement")
     finally:
         stop.set()
+        retries.done.set()
         for t in threads:
             t.join(timeout=60)
         serve.delete("chaos")
     during = [r for r in results if killed_at - 1 <= r[0] < ready_at]
     after = [r for r in results if r[0] >= ready_at]
-    # Requests in flight on the killed replica lose their connection (HAProxy does not replay a
-    # request a replica had started on); those that arrive before HAProxy has marked the replica
-    # down get an immediate 500 from it; the rest wait for the replacement and are served.
     in_flight = [r for r in results if r[0] < killed_at and r[0] + r[2] > killed_at]
+    assert in_flight, "no request was in flight on the replica when it was killed: nothing was tested"
+    # No request fails: the ingress replays one whose replica vanished (HAProxy's retry-on
+    # empty-response / conn-failure, the request buffered by service/bin/haproxy) on another
+    # server, here Ray's fallback proxy, which holds it until the replacement answers.
+    failed = [(round(r[0] - killed_at, 2), r[1], r[3]) for r in results if r[1] != 200]
+    assert not failed, f"{len(failed)} of {len(results)} requests failed (s from the kill, status, type): {failed}"
     for started, status, elapsed, kind in results:
         assert elapsed < TIMEOUT_S + 5, f"a request took {elapsed:.1f} s, past the {TIMEOUT_S} s timeout"
-        if status != 200:
-            assert status in ("RemoteProtocolError", "ReadError", 500, 502, 503), (status, kind)
-            assert killed_at - 1 <= started < ready_at, (
-                f"a failure outside the replacement: {status} {kind}, started {started - killed_at:+.2f} s from the kill")
-    assert all(r[1] == 200 for r in after), [r for r in after if r[1] != 200]
     counts: dict[str, int] = {}
     for r in during:
         counts[str(r[1])] = counts.get(str(r[1]), 0) + 1
     slowest = max((r[2] for r in during), default=0.0)
-    lost = sum(1 for r in in_flight if r[1] != 200)
-    refused = sum(1 for r in during if r[1] != 200 and r not in in_flight)
     record("replica killed mid-load", "SIGKILL to the only replica under 4 closed-loop clients",
            counts, ready_at - killed_at,
-           note=f"{lost} of {len(in_flight)} requests in flight on the killed replica lost their connection, "
-                f"{refused} arriving before HAProxy marked it down got an immediate 500; the others waited in the "
-                f"ingress (slowest {slowest:.1f} s) and were served by the new replica; "
-                f"{len(after)} requests after recovery all 200")
+           note=f"0 failed: the {len(in_flight)} requests in flight on the killed replica and those arriving before "
+                f"HAProxy marked it down were sent again by HAProxy (its retry counter, read every 0.1 s: "
+                f"{retries.total:g}) and waited in the ingress "
+                f"(slowest {slowest:.1f} s) for the new replica; {len(after)} requests after recovery all 200")
+
+
+class RetryCounter(threading.Thread):
+    """HAProxy's haproxy_backend_retry_warnings_total for one backend, read every 0.1 s from its
+    Prometheus endpoint (the shim puts it on the HTTP host) while a replica is replaced, and added up
+    across HAProxy's reloads (Ray starts a new HAProxy when the replica set changes, from 0)."""
+
+    def __init__(self, backend: str) -> None:
+        super().__init__(daemon=True)
+        self.backend, self.total, self.last, self.done = backend, 0.0, 0.0, threading.Event()
+
+    def read(self) -> float:
+        import httpx
+
+        text = httpx.get(f"http://127.0.0.1:{os.environ['RAY_SERVE_HAPROXY_METRICS_PORT']}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("haproxy_backend_retry_warnings_total{") and f'proxy="{self.backend}"' in line)
+
+    def run(self) -> None:
+        base = 0.0
+        while not self.done.wait(0.1):
+            try:
+                now = self.read()
+            except Exception:  # noqa: BLE001 - HAProxy between two processes: read again
+                continue
+            if now < self.last:  # a reload: a new process, counting from 0
+                base += self.last
+            self.last, self.total = now, base + now
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=10)
 
 
 class BreaksOnDemand(Encoder.func_or_class):  # type: ignore[misc]
