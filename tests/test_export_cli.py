@@ -21,6 +21,7 @@ from export import __main__ as cli
 from export import onnx_export
 from service.runtimes.openvino import check_openvino
 from tests.conftest import wait_until
+from tests.hardware import int8_gate_passes_here
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -33,11 +34,13 @@ def test_default_bundle_is_complete_and_verified(default_bundle):
     assert (m.model.name, m.model.hidden_size, m.model.num_layers, m.model.num_heads) == ("all-MiniLM-L6-v2", 384, 6, 12)
     assert (m.model.max_tokens, m.model.pooling, m.model.normalize) == (256, "mean", True)
     assert m.graph.opset >= 17
-    assert set(m.files) == {"model.onnx", "tokenizer.json", "encodings-fp32.onnx", "encodings-int8.onnx", "encodings-fp16.onnx",
-                            "packed-fp32.onnx"}
-    # bf16 is gated (and published) only where this CPU has bf16 units: a gate that ran in f32 would prove nothing
+    # bf16 is gated (and published) only where this CPU has bf16 units: a gate that ran in f32 would prove
+    # nothing; int8 passes its gate only where the CPU has int8 dot products (tests/hardware.py)
     bf16 = {"bf16"} if check_openvino().bf16_units else set()
-    assert set(m.variants) == {"fp32", "int8", "fp16"} | bf16 and all(v.passed for v in m.variants.values())
+    int8 = {"int8"} if int8_gate_passes_here() else set()
+    assert set(m.files) == {"model.onnx", "tokenizer.json", "encodings-fp32.onnx", "encodings-fp16.onnx",
+                            "packed-fp32.onnx"} | {f"encodings-{p}.onnx" for p in int8}
+    assert set(m.variants) == {"fp32", "fp16"} | int8 | bf16 and all(v.passed for v in m.variants.values())
     assert m.parity.passed and [o.output for o in m.parity.outputs] == ["last_hidden_state", "sentence_embedding", "attentions"]
     for o in m.parity.outputs:
         assert o.passed and o.values > 0 and o.atol <= 1e-4 and o.max_abs_diff <= o.atol
@@ -146,7 +149,8 @@ def test_bundle_cli_verifies_and_prints_the_table(default_bundle):
     result = subprocess.run([sys.executable, "-m", "bundle", str(default_bundle)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     # parity rows: the full graph's 3 outputs, the fp32 encodings graph's 2, the packed graph's 1
-    assert "files verified" in result.stdout and result.stdout.count("PASS (atol") == 6 and "int8: cosine vs pytorch fp32" in result.stdout
+    assert "files verified" in result.stdout and result.stdout.count("PASS (atol") == 6 and "fp16: cosine vs pytorch fp32" in result.stdout
+    assert ("int8: cosine vs pytorch fp32" in result.stdout) == int8_gate_passes_here()
     assert "packed graph packed-fp32.onnx" in result.stdout
     assert json.loads((default_bundle / "bundle.json").read_text())["parity"]["passed"] is True
 
