@@ -224,7 +224,11 @@ def haproxy_with(tmp_path: Path, replicas: list[Replica]):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def all_up() -> bool:
-        stats = httpx.get(f"http://127.0.0.1:{ports['stats']}/stats;csv", timeout=5).text
+        assert proc.poll() is None, "HAProxy exited"
+        try:
+            stats = httpx.get(f"http://127.0.0.1:{ports['stats']}/stats;csv", timeout=5).text
+        except httpx.HTTPError:
+            return False  # not listening yet
         rows = [line.split(",") for line in stats.splitlines() if line.startswith("http-test,replica")]
         return len(rows) == len(replicas) and all(r[17] == "UP" for r in rows)
 
