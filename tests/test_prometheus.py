@@ -44,7 +44,9 @@ REQUESTS = [TEXTS[i % len(TEXTS)] if i % 3 else TEXTS[: 1 + i % len(TEXTS)] for 
 def prometheus(metrics_url):
     """Prometheus scraping Ray's metrics endpoint of the test session, with the alert rules loaded."""
     try:
-        prom = Prometheus({"ray": metrics_url}, interval="1s").start()
+        # 3 s, not 1: late in a whole `make test` session, after dozens of applications came and went, Ray's
+        # node metrics page took longer than a 1 s scrape timeout (Prometheus caps the timeout at the interval)
+        prom = Prometheus({"ray": metrics_url}, interval="3s").start()
     except PrometheusMissing as exc:
         pytest.fail(str(exc), pytrace=False)
     try:

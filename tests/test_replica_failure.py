@@ -88,8 +88,16 @@ def test_killed_replica_is_replaced_and_the_run_recovers(ray_serve, default_bund
     # server, here Ray's fallback proxy, which holds it until the replacement answers.
     failed = [(round(r[0] - killed_at, 2), r[1], r[3]) for r in results if r[1] != 200]
     assert not failed, f"{len(failed)} of {len(results)} requests failed (s from the kill, status, type): {failed}"
+    replacement_s = ready_at - killed_at
     for started, status, elapsed, kind in results:
-        assert elapsed < TIMEOUT_S + 5, f"a request took {elapsed:.1f} s, past the {TIMEOUT_S} s timeout"
+        # A request the ingress sent again (under way at the kill, or arriving before the replacement
+        # answered) waits in Ray's fallback proxy for a replica, and runs with its deadline from there
+        # (measured in a clean `make test`: 15.4 s, for a replacement of about 11 s); every other one
+        # ends within the service's timeout.
+        replayed = started < ready_at and started + elapsed > killed_at
+        bound = TIMEOUT_S + 5 + (replacement_s if replayed else 0)
+        assert elapsed < bound, (f"a request took {elapsed:.1f} s, past the {TIMEOUT_S} s timeout"
+                                 + (f" plus the {replacement_s:.1f} s replacement it waited for" if replayed else ""))
     counts: dict[str, int] = {}
     for r in during:
         counts[str(r[1])] = counts.get(str(r[1]), 0) + 1

