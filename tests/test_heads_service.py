@@ -196,6 +196,19 @@ def test_tritonclient_gets_what_transformers_and_cross_encoder_give(heads, ray_s
     np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
+def occlusion_rows(encoding, words: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
+    """The pair's token ids and types, then the same without each explained word's tokens (found here
+    from the tokenizer's own word ids and offsets, not from the service's grouping)."""
+    word_ids = list(zip(encoding.sequence_ids, encoding.word_ids, strict=True))
+    rows, types = [encoding.ids], [encoding.type_ids]
+    for w in words:
+        keep = [k for k, key in enumerate(word_ids) if key[0] != w["sequence"] or key[1] is None
+                or encoding.offsets[k][0] < w["start"] or encoding.offsets[k][1] > w["end"]]
+        rows.append([encoding.ids[k] for k in keep])
+        types.append([encoding.type_ids[k] for k in keep])
+    return rows, types
+
+
 def hf_scores(path, rows, token_types=None):
     """transformers' logits and attention weights for token id rows, one at a time (no padding)."""
     import torch
@@ -234,13 +247,8 @@ def test_rerank_explains_each_score_word_by_word(heads):
         for w in words:
             assert (QUERY, document)[w["sequence"]][w["start"] : w["end"]] == w["text"]
         # each word's tokens removed, scored by transformers
-        word_ids = [(s, i) for s, i in zip(encoding.sequence_ids, encoding.word_ids)]
-        rows, types = [encoding.ids], [encoding.type_ids]
-        for w in words:
-            keep = [k for k, key in enumerate(word_ids) if key[0] != w["sequence"] or key[1] is None
-                    or encoding.offsets[k][0] < w["start"] or encoding.offsets[k][1] > w["end"]]
-            rows.append([encoding.ids[k] for k in keep])
-            types.append([encoding.type_ids[k] for k in keep])
+        rows, types = occlusion_rows(encoding, words)
+        word_ids = list(zip(encoding.sequence_ids, encoding.word_ids, strict=True))  # for the rollout below
         logits, attentions = hf_scores(path, rows, types)
         scores = 1 / (1 + np.exp(-logits[:, 0]))
         assert abs(result["relevance_score"] - scores[0]) < 1e-4
@@ -298,13 +306,7 @@ def test_explain_of_a_long_pair_runs_its_variants_in_jobs_under_the_token_budget
     result = r.json()["results"][0]
     explained = result["explanation"]["words"]
     assert len(explained) == len(QUERY.split()) + 120
-    word_ids = list(zip(encoding.sequence_ids, encoding.word_ids, strict=True))
-    rows, types = [encoding.ids], [encoding.type_ids]
-    for w in explained:
-        keep = [k for k, key in enumerate(word_ids) if key[0] != w["sequence"] or key[1] is None
-                or encoding.offsets[k][0] < w["start"] or encoding.offsets[k][1] > w["end"]]
-        rows.append([encoding.ids[k] for k in keep])
-        types.append([encoding.type_ids[k] for k in keep])
+    rows, types = occlusion_rows(encoding, explained)
     logits, _ = hf_scores(str(checkpoints["msmarco"]), rows, types)
     assert abs(result["relevance_score"] - logits[0, 0]) < 1e-4  # Identity: the score is the logit
     np.testing.assert_allclose([w["occlusion"] for w in explained], logits[0, 0] - logits[1:, 0], atol=1e-4)
