@@ -308,6 +308,42 @@ def test_a_client_that_leaves_mid_upload_is_counted_as_499_not_as_an_error(servi
     assert after[0] == before[0], "a client that left was counted as a server error"
 
 
+def test_a_deadline_that_passes_first_on_serves_clock_is_the_same_503_timeout(service_url, metrics_url):
+    """Serve reads X-Request-Timeout-Seconds too and answers 408 when it passes on its own clock,
+    cancelling the handler. Half a body and a client that waits hold the request in the service's
+    body reader, where only Serve's clock runs: the answer is still the 503 `timeout` with Retry-After,
+    counted as a 5xx with reason timeout, not as a client that left."""
+    import socket
+    from urllib.parse import urlparse
+
+    def counts(f):
+        return (total(f, "ray_encoder_requests_total", **APP, route="unmatched", status_class="5xx")
+                + total(f, "ray_encoder_requests_total", **APP, route=ROUTE, status_class="5xx"),
+                total(f, "ray_encoder_request_failures_total", **APP, reason="timeout"),
+                total(f, "ray_encoder_request_failures_total", **APP, reason="cancelled"))
+
+    before = counts(settled(metrics_url, counts))
+    url = urlparse(service_url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+        s.sendall(b"POST /v1/encode HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"X-Request-Timeout-Seconds: 1\r\nContent-Length: 100000\r\n\r\n" + b'{"inputs": "' + b"a" * 20000)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < 10:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+    assert status_line.split()[1] == "503" and headers.get("retry-after") == "1", answer
+    error = json.loads(body[: int(headers["content-length"])])["error"]
+    assert error == {"type": "timeout", "message": "the request did not finish within the client's deadline "
+                                                   "(x-request-timeout-seconds: 1s)"}, error
+    after = counts(poll(metrics_url, lambda f: counts(f)[1] > before[1], "the deadline to be counted as a timeout"))
+    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (1, 1, 0), (before, after)
+
+
 def test_a_request_past_its_deadline_is_503_timeout_with_retry_after_and_counted(service_url, metrics_url):
     def counts(f):
         return (total(f, "ray_encoder_requests_total", **APP, route=ROUTE, status_class="5xx"),

@@ -20,12 +20,12 @@ async def _send(message: dict) -> None:
     pass
 
 
-def run_through(monkeypatch, app) -> list[int]:
+def run_through(monkeypatch, app, headers=()) -> list[int]:
     """The statuses the middleware counts for one request through `app`."""
     counted: list[int] = []
     real = middleware.status_class
     monkeypatch.setattr(middleware, "status_class", lambda status: counted.append(status) or real(status))
-    scope = {"type": "http", "method": "POST", "path": "/v1/encode", "headers": []}
+    scope = {"type": "http", "method": "POST", "path": "/v1/encode", "headers": list(headers)}
     try:
         asyncio.run(middleware.MetricsMiddleware(app)(scope, _receive, _send))
     except (asyncio.CancelledError, RuntimeError):
@@ -38,6 +38,24 @@ def test_a_cancelled_handler_counts_as_499_not_500(monkeypatch):
         raise asyncio.CancelledError  # what Serve does to the handler of a client that left
 
     assert run_through(monkeypatch, cancelled) == [499]
+
+
+def test_a_handler_cancelled_at_the_clients_deadline_counts_as_a_503_timeout(monkeypatch):
+    """Serve cancels the handler when X-Request-Timeout-Seconds passes on its clock, as it does for a
+    client that left; past the deadline it is the service's timeout (5xx), not the client's 499."""
+    reasons: list[str] = []
+
+    async def slow_then_cancelled(scope, receive, send):
+        await asyncio.sleep(0.2)
+        raise asyncio.CancelledError
+
+    real_failures = middleware.service_metrics().failures.inc
+    monkeypatch.setattr(middleware.service_metrics().failures, "inc",
+                        lambda *a, tags, **k: reasons.append(tags["reason"]) or real_failures(*a, tags=tags, **k))
+    deadline = [(b"x-request-timeout-seconds", b"0.2")]
+    assert run_through(monkeypatch, slow_then_cancelled, deadline) == [503] and reasons == ["timeout"]
+    far = [(b"x-request-timeout-seconds", b"30")]  # cancelled well before its deadline: the client left
+    assert run_through(monkeypatch, slow_then_cancelled, far) == [499] and reasons[-1] == "cancelled"
 
 
 def test_an_exception_without_a_response_still_counts_as_500(monkeypatch):
@@ -95,8 +113,11 @@ def test_ray_answers_become_our_json_error_and_ours_pass_untouched():
     assert start["status"] == 503 and headers[b"retry-after"] == b"2"
     assert headers[b"content-type"] == b"application/json" and int(headers[b"content-length"]) == len(body)
     assert json.loads(body) == {"error": {"type": "overloaded", "message": refused.decode()}}
-    start, body = run(app_answering(408, b"Request abc timed out after 1.0s.", b"text/plain"))
-    assert start["status"] == 408 and json.loads(body)["error"]["type"] == "timeout"
+    # Serve's 408 is the client's deadline passing on its clock: the service's 503 timeout, Retry-After
+    start, body = run(app_answering(408, b"Request abc timed out after Nones.", b"text/plain"))
+    assert start["status"] == 503 and dict(start["headers"])[b"retry-after"] == b"1"
+    error = json.loads(body)["error"]
+    assert error["type"] == "timeout" and error["message"] == "the request did not finish within the request timeout"
     ours = json.dumps({"error": {"type": "validation", "message": "x"}}).encode()
     start, body = run(app_answering(422, ours, b"application/json"))
     assert body == ours and dict(start["headers"])[b"content-type"] == b"application/json"

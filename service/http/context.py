@@ -10,6 +10,7 @@ closes its connection while its job waits.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from fastapi import Request
 
@@ -17,10 +18,8 @@ from service.engine.engine import Engine
 from service.engine.errors import InvalidRequest
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.service import EncoderService
+from service.http.middleware import HEADER_DEADLINE_MARGIN_S, TIMEOUT_HEADER, asked_deadline_s
 
-# A client's own deadline, in seconds (the header Ray Serve's proxy also reads).
-TIMEOUT_HEADER = "x-request-timeout-seconds"
-HEADER_DEADLINE_MARGIN_S = 0.05
 
 _current: list[EncoderService] = []  # this replica's, once it has started
 
@@ -66,20 +65,18 @@ def model_for(svc: EncoderService, name: str | None, request: Request, required:
 
 
 def deadline(request: Request, svc: EncoderService) -> float:
-    """Seconds this request may take: the service's limit, or the client's when it is shorter."""
+    """Seconds this request has left: the service's limit, or the client's when it is shorter,
+    counted from its arrival (MetricsMiddleware notes it), so the time spent reading, parsing and
+    tokenizing it counts, as it does on Serve's clock for the same header."""
     limit = svc.settings.request_timeout_s
-    raw = request.headers.get(TIMEOUT_HEADER)
-    if raw is None:
-        return limit
-    try:
-        asked = float(raw)
-    except ValueError:
-        asked = float("nan")
-    if not asked > 0 or asked == float("inf"):
-        raise InvalidRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}")
-    # Ray Serve reads this header too and, when it passes, answers 408 itself; its clock starts a
-    # little before ours, so ours ends a little earlier and the error stays ours
-    return min(max(asked - HEADER_DEADLINE_MARGIN_S, 0.001), limit)
+    asked = asked_deadline_s(request.scope)
+    if asked is not None and (not asked > 0 or asked == float("inf")):
+        raise InvalidRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds, "
+                             f"got {request.headers.get(TIMEOUT_HEADER)!r}")
+    allowed = limit if asked is None else min(asked - HEADER_DEADLINE_MARGIN_S, limit)
+    arrived = request.scope.get("arrived")
+    spent = time.perf_counter() - arrived if arrived is not None else 0.0
+    return max(allowed - spent, 0.001)
 
 
 async def infer(svc: EncoderService, engine: Engine, job: EncodeJob, request: Request) -> EncodeResult:

@@ -9,6 +9,10 @@ their ASGI apps in the middlewares it returns: this one rewrites those answers i
 `{"error": {"type", "message"}}`, keeps their status and headers (Retry-After), and counts
 Serve's refusals in ray_encoder_request_failures_total{reason="overloaded"}, where the
 overload alert looks. Our own answers are JSON already and pass through untouched.
+
+Serve's 408 is the client's deadline passing on Serve's clock, a moment before ours: it becomes the
+503 `timeout` with Retry-After that the service answers for the same deadline, so which clock fired
+first never shows. The replica's MetricsMiddleware counts it (Serve cancels the handler there).
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from typing import Any
 
 from starlette.middleware import Middleware
 
+from service.http.middleware import TIMEOUT_HEADER, asked_deadline_s
+
 # Serve's status -> our error type (service/engine/errors.py names the same ones)
 RAY_ANSWER_TYPES = {404: "not_found", 408: "timeout", 413: "too_large", 500: "backend", 503: "unavailable"}
+SERVE_TIMEOUT = 408  # Serve's answer when X-Request-Timeout-Seconds passes; ours is 503 `timeout`
 BACKPRESSURE = "backpressure"  # in Serve's text for a refusal by max_queued_requests (both ingresses)
 ROUTE_REFUSED_BY_SERVE = "serve_queue"  # route label of those refusals: no app route matched them yet
 
@@ -32,6 +39,8 @@ def error_type(status: int, text: str) -> str:
 
 class RayAnswersAsJson:
     """ASGI middleware: an error answer that is not JSON becomes our JSON error body."""
+
+    retry_after_s = 1  # on a deadline that passed; a replica sets its retry_after_s (middleware.configure)
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -61,8 +70,13 @@ class RayAnswersAsJson:
         async def send_json(held: dict, text: str) -> None:
             status = held["status"]
             type_ = error_type(status, text)
-            payload = json.dumps({"error": {"type": type_, "message": text.strip() or f"HTTP {status}"}}).encode()
+            message = text.strip() or f"HTTP {status}"
             kept = [(k, v) for k, v in held.get("headers") or [] if k.lower() not in (b"content-type", b"content-length")]
+            if status == SERVE_TIMEOUT:
+                status, message = 503, deadline_message(scope)
+                kept = [(k, v) for k, v in kept if k.lower() != b"retry-after"]
+                kept.append((b"retry-after", str(RayAnswersAsJson.retry_after_s).encode()))
+            payload = json.dumps({"error": {"type": type_, "message": message}}).encode()
             await send({"type": "http.response.start", "status": status,
                         "headers": kept + [(b"content-type", b"application/json"),
                                            (b"content-length", str(len(payload)).encode())]})
@@ -71,6 +85,14 @@ class RayAnswersAsJson:
                 count_refusal()
 
         await self.app(scope, receive, rewriting_send)
+
+
+def deadline_message(scope: dict) -> str:
+    """What Serve's 408 means, in the words of the service's own timeout (Serve's text names
+    its request_timeout_s, not the client's header)."""
+    asked = asked_deadline_s(scope)
+    within = f"the client's deadline ({TIMEOUT_HEADER}: {asked:g}s)" if asked is not None else "the request timeout"
+    return f"the request did not finish within {within}"
 
 
 def count_refusal() -> None:

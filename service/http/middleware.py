@@ -22,6 +22,29 @@ _REASON_BY_STATUS = {401: "unauthorized", 404: "not_found", 413: "too_large", 42
                      429: "overloaded", 499: "cancelled", 503: "overloaded"}
 # A request whose client left before it was answered: nginx's and Envoy's 499, never a 500.
 CLIENT_GONE = 499
+# A client's own deadline, in seconds (the header Ray Serve also reads, and answers 408 on).
+TIMEOUT_HEADER = "x-request-timeout-seconds"
+# How much earlier than the client's deadline ours ends: Serve's clock starts a little before ours,
+# so ours ends first and the answer is ours.
+HEADER_DEADLINE_MARGIN_S = 0.05
+
+
+def asked_deadline_s(scope: dict) -> float | None:
+    """The client's X-Request-Timeout-Seconds as a number (NaN when it is not one), None without it."""
+    raw = dict(scope.get("headers") or []).get(TIMEOUT_HEADER.encode())
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        return float("nan")
+
+
+def past_client_deadline(scope: dict, now: float) -> bool:
+    """Whether the client's own deadline had passed by `now` (perf_counter), counted from arrival:
+    Serve cancels a handler at that deadline exactly as it does for a client that left."""
+    asked, arrived = asked_deadline_s(scope), scope.get("arrived")
+    return asked is not None and arrived is not None and now - arrived >= asked - HEADER_DEADLINE_MARGIN_S
 
 
 def serve_config_now():
@@ -61,6 +84,7 @@ class MetricsMiddleware:
             return await self.app(scope, receive, send)
         metrics = service_metrics()
         started = time.perf_counter()
+        scope["arrived"] = started  # a request's deadline counts from here (context.deadline)
         status = 500  # what an exception that escapes the app without a response amounts to
         responded = False
         sent = 0
@@ -78,10 +102,16 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, counting_send)
         except asyncio.CancelledError:
-            scope["client_gone"] = True  # Serve cancels the handler of a client that went away
+            # Serve cancels the handler of a client that went away, and of one whose
+            # X-Request-Timeout-Seconds passed first on Serve's clock (it answers 408 itself, which
+            # service/http/ingress.py turns into our 503 timeout)
+            scope["timed_out" if past_client_deadline(scope, time.perf_counter()) else "client_gone"] = True
             raise
         finally:
-            if not responded and scope.get("client_gone"):
+            if not responded and scope.get("timed_out"):
+                status = 503
+                scope.setdefault("failure_reason", "timeout")
+            elif not responded and scope.get("client_gone"):
                 status = CLIENT_GONE  # left mid-upload or mid-wait: the client's doing, not an error of ours
                 scope.setdefault("failure_reason", "cancelled")
             MetricsMiddleware.in_flight -= 1
@@ -220,5 +250,8 @@ def load_token(settings: ServiceSettings) -> bytes | None:
 
 def configure(settings: ServiceSettings) -> None:
     """Apply the settings to the middlewares of this replica."""
+    from service.http.ingress import RayAnswersAsJson
+
     BodyLimitMiddleware.limit = settings.max_body_bytes
+    RayAnswersAsJson.retry_after_s = settings.retry_after_s
     BearerAuthMiddleware.token = load_token(settings)
