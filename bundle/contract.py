@@ -35,7 +35,8 @@ def encodings_output_names(task: str) -> tuple[str, ...]:
 # are (1, tokens) but pool_weights, (texts, tokens); its one output is the pooled one, (texts, dim).
 PACKED_INPUT_NAMES: Final = ("input_ids", "token_type_ids", "position_ids", "segment_ids", "pool_weights")
 PACKED_FILE: Final = "packed-fp32.onnx"
-PACKED_POOLINGS: Final = ("mean", "cls")  # what one pooling matrix can say (max pooling cannot)
+# what one pooling matrix can say (max pooling cannot): a weight per token of each text
+PACKED_POOLINGS: Final = ("mean", "cls", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 
 
 def packed_output_names(task: str) -> tuple[str, ...]:

@@ -30,8 +30,9 @@ from bundle.contract import (
 # 4: the packed graph (several texts in one row, no padding)
 # 5: a classifier's score activation (CrossEncoder.predict's); schema 3 and 4 embedding bundles are still read,
 #    a classifier of schema 3 or 4 must be exported again (its rerank scores assumed a sigmoid)
-SCHEMA_VERSION = 5
-Pooling = Literal["mean", "cls", "max"]
+SCHEMA_VERSION = 6
+# sentence-transformers 6's pooling modes (its Pooling module), one per model
+Pooling = Literal["mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
 Precision = Literal["fp32", "int8", "fp16", "bf16"]
 RuntimeName = Literal["onnxruntime", "openvino"]
 Task = Literal["embedding", "classification"]
@@ -208,6 +209,33 @@ class ModelInfo(_Strict):
         "and so /v1/rerank's relevance_score (the activation_fn saved with the model; none saved: sigmoid for one "
         "label, identity otherwise)")
 
+    prompts: dict[str, str] = Field(
+        default_factory=dict, description="sentence-transformers' prompts (config_sentence_transformers.json): name "
+        "-> text put before an input; requests pick one by prompt_name or input_type")
+    default_prompt_name: str | None = Field(None, description="the prompt used when a request names none")
+    prompt_tokens: dict[str, int] = Field(
+        default_factory=dict, description="each prompt's length in tokens as sentence-transformers counts it (a "
+        "trailing special token left out): what pooling skips when include_prompt is false")
+    include_prompt: bool = Field(True, description="false: a prompt's tokens are left out of pooling (the Pooling "
+                                 "module's include_prompt)")
+    matryoshka: bool = Field(False, description="trained to be cut: `dimensions` may shorten the embedding")
+    matryoshka_dimensions: list[int] | None = Field(
+        None, description="the sizes it may be cut to, largest first; null: any size (when matryoshka)")
+
+    @model_validator(mode="after")
+    def _sentence_conventions(self) -> ModelInfo:
+        """A default prompt is one of the prompts, every prompt has its length, listed sizes mean matryoshka."""
+        if self.default_prompt_name is not None and self.default_prompt_name not in self.prompts:
+            raise ValueError(f"default_prompt_name {self.default_prompt_name!r} is not one of the prompts "
+                             f"{sorted(self.prompts)}")
+        if set(self.prompt_tokens) != set(self.prompts):
+            raise ValueError(f"prompt_tokens {sorted(self.prompt_tokens)} do not name the prompts {sorted(self.prompts)}")
+        if self.matryoshka_dimensions is not None and (not self.matryoshka or not self.matryoshka_dimensions or any(
+                not 0 < d <= self.sentence_dim for d in self.matryoshka_dimensions)):
+            raise ValueError(f"matryoshka_dimensions {self.matryoshka_dimensions} need matryoshka true and sizes "
+                             f"from 1 to {self.sentence_dim}")
+        return self
+
     @model_validator(mode="after")
     def _task_fields(self) -> ModelInfo:
         """labels, problem_type and score_activation belong to classifiers, and every classifier has them."""
@@ -233,7 +261,7 @@ class GraphInfo(_Strict):
 
 
 class BundleManifest(_Strict):
-    schema_version: Literal[3, 4, 5] = SCHEMA_VERSION
+    schema_version: Literal[3, 4, 5, 6] = SCHEMA_VERSION
     model: ModelInfo
     graph: GraphInfo = Field(description="the full graph: every output, attention weights included")
     tokenizer: str

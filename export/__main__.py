@@ -37,11 +37,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="lossy gate: mean cosine vs PyTorch fp32 over the probe corpus")
     parser.add_argument("--cosine-floor", type=float, default=DEFAULT_COSINE_FLOOR,
                         help="lossy gate: the lowest cosine any single probe text may have")
+    parser.add_argument("--matryoshka-dimensions", default=None,
+                        help="comma-separated embedding sizes the model was trained to be cut to (requests' "
+                        "`dimensions`); default: config.json's matryoshka_dimensions or is_matryoshka, else none")
     parser.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
     args = parser.parse_args(argv)
     args.lossy = tuple(p for p in args.lossy.replace(" ", "").split(",") if p)
     if unknown := set(args.lossy) - {"int8", "fp16", "bf16"}:
         parser.error(f"--lossy: unknown precision(s) {sorted(unknown)}; expected int8, fp16, bf16")
+    if args.matryoshka_dimensions is not None:
+        try:
+            args.matryoshka_dimensions = tuple(int(d) for d in args.matryoshka_dimensions.split(",") if d.strip())
+        except ValueError:
+            parser.error(f"--matryoshka-dimensions: expected sizes like 768,512,256, got {args.matryoshka_dimensions!r}")
+        if not args.matryoshka_dimensions or min(args.matryoshka_dimensions) < 1:
+            parser.error("--matryoshka-dimensions: expected positive sizes like 768,512,256")
     if args.opset < MIN_OPSET:
         parser.error(f"--opset must be >= {MIN_OPSET}")
     if args.atol < 0 or args.rtol < 0:
@@ -64,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         lossy=args.lossy,
         mean_cosine=args.mean_cosine,
         cosine_floor=args.cosine_floor,
+        matryoshka_dimensions=args.matryoshka_dimensions,
     )
     try:
         result = build_bundle(options, progress=lambda line: print(line, flush=True))

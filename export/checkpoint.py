@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from export.config import ClassifierConfig, DenseLayer, EncoderConfig
-from export.encoder import Encoder, sinusoidal_positions
+from export.encoder import POOLINGS, Encoder, sinusoidal_positions
 from export.heads import SequenceClassifier
 
 DEFAULT_CHECKPOINT = "default"
@@ -156,6 +156,22 @@ def family_of(model_type: str | None, config_path: Path) -> Family:
 
 
 @dataclass(frozen=True)
+class SentenceConventions:
+    """What a sentence-transformers model says about how it is used, beyond its modules: the prompts
+    it was trained with (config_sentence_transformers.json), whether pooling reads a prompt's tokens,
+    and the embedding sizes it was trained to be cut to (matryoshka)."""
+
+    prompts: dict[str, str] = field(default_factory=dict)  # name -> text put before the input
+    default_prompt_name: str | None = None  # the prompt used when a request names none
+    # each prompt's length in tokens as sentence-transformers counts it (its _get_prompt_length): the
+    # leading tokens pooling leaves out when include_prompt is false
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    include_prompt: bool = True
+    matryoshka: bool = False  # trained for shorter vectors: `dimensions` may cut it
+    matryoshka_dimensions: tuple[int, ...] | None = None  # only these sizes (None: any, when matryoshka)
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint loaded into our encoder, with what the bundle needs to know about it."""
 
@@ -169,6 +185,7 @@ class Checkpoint:
     ignored: tuple[str, ...]
     family: str  # Family.name: BERT, RoBERTa, ...
     classifier: ClassifierConfig | None = None  # the head's labels and problem_type, for a classifier
+    conventions: SentenceConventions = field(default_factory=lambda: SentenceConventions())
 
     @property
     def task(self) -> str:
@@ -216,6 +233,7 @@ class SentenceModules:
     projections (with their weights, keyed as our encoder's parameters) and normalisation."""
 
     pooling: str = "mean"
+    include_prompt: bool = True  # false: a prompt's tokens are left out of pooling (Instructor-style models)
     normalize: bool = False
     dense: tuple[DenseLayer, ...] = ()
     dense_weights: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -244,7 +262,7 @@ def _sentence_modules(directory: Path) -> SentenceModules:
                                   "(Transformer, Pooling, Dense..., Normalize)")
         seen.append(kind)
         if kind == "Pooling":
-            found.pooling = _pooling_mode(where / "config.json")
+            found.pooling, found.include_prompt = _pooling_mode(where / "config.json")
         elif kind == "Dense":
             layer, weights = _dense(where)
             found.dense_weights |= {f"dense.{len(found.dense)}.{k}": v for k, v in weights.items()}
@@ -254,19 +272,31 @@ def _sentence_modules(directory: Path) -> SentenceModules:
     return found
 
 
-def _pooling_mode(path: Path) -> str:
+# sentence-transformers' older Pooling config: one boolean per mode (its _LEGACY_POOLING_KEYS)
+_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+
+
+def _pooling_mode(path: Path) -> tuple[str, bool]:
+    """A Pooling module's mode and include_prompt, from either format sentence-transformers writes:
+    `pooling_mode` (a name, or a list of them) since version 6, a boolean per mode before."""
     pool_config = _read_json(path)
     if "pooling_mode" in pool_config:
-        modes = [pool_config["pooling_mode"]]
+        mode = pool_config["pooling_mode"]
+        modes = list(mode) if isinstance(mode, (list, tuple)) else [mode]
     else:
-        modes = [
-            key.removeprefix("pooling_mode_").removesuffix("_tokens").removesuffix("_token")
-            for key, on in pool_config.items()
-            if key.startswith("pooling_mode_") and on
-        ]
-    if len(modes) != 1 or modes[0] not in ("mean", "cls", "max"):
-        raise CheckpointError(f"{path}: pooling {modes} is not supported (exactly one of mean, cls, max)")
-    return modes[0]
+        modes = [mode for key, mode in _LEGACY_POOLING_KEYS.items() if pool_config.get(key)]
+    if len(modes) != 1 or modes[0] not in POOLINGS:
+        raise CheckpointError(f"{path}: pooling {modes} is not supported (exactly one of {', '.join(POOLINGS)}; "
+                              "several modes concatenate vectors the graph does not)")
+    include_prompt = bool(pool_config.get("include_prompt", True))
+    if not include_prompt and modes[0] == "max":
+        raise CheckpointError(f"{path}: include_prompt false with max pooling is not supported (prompts are left "
+                              "out of pooling by weights on a packed row, which max pooling has not)")
+    return modes[0], include_prompt
 
 
 def _dense(directory: Path) -> tuple[DenseLayer, dict[str, torch.Tensor]]:
@@ -579,7 +609,44 @@ def _classifier_config(raw: dict, family: Family, config_path: Path) -> Classifi
                             _score_activation(raw, config_path.parent, len(labels)))
 
 
-def load_checkpoint(spec: str | Path, name: str | None = None) -> Checkpoint:
+def _prompts(directory: Path, tokenizer_path: Path) -> tuple[dict[str, str], str | None, dict[str, int]]:
+    """config_sentence_transformers.json's prompts and default_prompt_name, and each prompt's length in
+    tokens as sentence-transformers counts it: its tokenization, less a trailing special token."""
+    path = directory / "config_sentence_transformers.json"
+    raw = _read_json(path) if path.is_file() else {}
+    prompts = raw.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        raise CheckpointError(f"{path}: prompts must map names to texts, got {prompts!r}")
+    default = raw.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise CheckpointError(f"{path}: default_prompt_name {default!r} is not one of its prompts {sorted(prompts)}")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    lengths = {}
+    for name, text in prompts.items():
+        ids = tokenizer.encode(text).ids
+        lengths[name] = len(ids) - (1 if ids and ids[-1] in special else 0)
+    return dict(prompts), default, lengths
+
+
+def _matryoshka(raw: dict, config_path: Path, width: int,
+                dimensions: tuple[int, ...] | None) -> tuple[bool, tuple[int, ...] | None]:
+    """Whether the embedding may be cut, and to which sizes: `dimensions` given at export, else
+    config.json's matryoshka_dimensions (only those) or is_matryoshka (any; vLLM's convention)."""
+    listed = dimensions if dimensions is not None else raw.get("matryoshka_dimensions")
+    if listed is not None:
+        if not isinstance(listed, (list, tuple)) or not listed or \
+                not all(isinstance(d, int) and 0 < d <= width for d in listed):
+            raise CheckpointError(f"{config_path}: matryoshka dimensions must be sizes from 1 to the embedding's "
+                                  f"{width}, got {listed!r}")
+        return True, tuple(sorted(set(listed), reverse=True))
+    return bool(raw.get("is_matryoshka", False)), None
+
+
+def load_checkpoint(spec: str | Path, name: str | None = None,
+                    matryoshka_dimensions: tuple[int, ...] | None = None) -> Checkpoint:
     """Load a checkpoint directory (or 'default') into an Encoder (or a SequenceClassifier) in eval mode."""
     directory, default_name = resolve_checkpoint(spec)
     if not directory.is_dir():
@@ -602,6 +669,12 @@ def load_checkpoint(spec: str | Path, name: str | None = None) -> Checkpoint:
     encoder = Encoder(config) if head is None else SequenceClassifier(config, head)
     load_into(encoder, mapped, weights_path)
     encoder.eval()
+    prompts, default_prompt, prompt_tokens = _prompts(directory, tokenizer_path) if head is None else ({}, None, {})
+    if head is not None and matryoshka_dimensions:
+        raise CheckpointError(f"{directory}: matryoshka dimensions are for embedding models; {architecture} "
+                              "returns a classifier's logits")
+    matryoshka = _matryoshka(raw, directory / "config.json", config.sentence_dim, matryoshka_dimensions) \
+        if head is None else (False, None)
     return Checkpoint(
         path=directory,
         name=name or default_name,
@@ -613,4 +686,5 @@ def load_checkpoint(spec: str | Path, name: str | None = None) -> Checkpoint:
         ignored=tuple(ignored),
         family=family.name,
         classifier=head,
+        conventions=SentenceConventions(prompts, default_prompt, prompt_tokens, modules.include_prompt, *matryoshka),
     )

@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from bundle.manifest import ScoreActivation
+from bundle.manifest import Pooling, ScoreActivation
 
 Activation = Literal["gelu", "gelu_tanh", "relu"]
 # what a sentence-transformers Dense module applies after its linear map
 DenseActivation = Literal["identity", "tanh", "relu", "gelu", "sigmoid"]
 PositionKind = Literal["learned", "sinusoidal"]
-Pooling = Literal["mean", "cls", "max"]
 # what a sequence-classification head applies after its dense layer (BERT's pooler and RoBERTa: tanh,
 # DistilBERT: ReLU, ELECTRA: exact GELU)
 HeadActivation = Literal["tanh", "relu", "gelu"]

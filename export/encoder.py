@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export.config import DenseLayer, EncoderConfig
+from export.config import DenseLayer, EncoderConfig, Pooling
+
+POOLINGS: tuple[str, ...] = Pooling.__args__  # type: ignore[attr-defined]
 
 
 def scaled_dot_product_attention(
@@ -253,16 +255,24 @@ class Embeddings(nn.Module):
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
-    """Pool (B, T, d) token encodings to (B, d), ignoring padded positions."""
+    """Pool (B, T, d) token encodings to (B, d) over real tokens, as sentence-transformers 6's Pooling
+    does for right-padded rows (the service pads right; packed rows pool by weights instead)."""
     if how == "cls":
         return hidden[:, 0]
     keep = mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
-    if how == "mean":
+    if how in ("mean", "mean_sqrt_len_tokens"):
         # clamp as sentence-transformers does, so an all-padding row gives 0, not NaN
-        return (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1e-9)
+        count = keep.sum(dim=1).clamp(min=1e-9)
+        return (hidden * keep).sum(dim=1) / (count if how == "mean" else count.sqrt())
+    if how == "weightedmean":  # token i of a text weighs i + 1 (positional weighting, SGPT)
+        weights = keep * torch.arange(1, hidden.size(1) + 1, dtype=hidden.dtype, device=hidden.device)[None, :, None]
+        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+    if how == "lasttoken":  # the last real token (a decoder's EOS): mask.sum - 1 in a right-padded row
+        last = (mask.to(torch.long).sum(dim=1) - 1).clamp(min=0)  # (B,)
+        return hidden[torch.arange(hidden.size(0), device=hidden.device), last]
     if how == "max":
         return hidden.masked_fill(keep == 0, torch.finfo(hidden.dtype).min).max(dim=1).values
-    raise ValueError(f"unknown pooling {how!r}: expected mean, cls or max")
+    raise ValueError(f"unknown pooling {how!r}: expected one of {', '.join(POOLINGS)}")
 
 
 DENSE_ACTIVATIONS = {"identity": nn.Identity, "tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "sigmoid": nn.Sigmoid}

@@ -74,6 +74,8 @@ class ExportOptions:
     lossy: tuple[str, ...] = ("int8", "fp16", "bf16")
     mean_cosine: float = DEFAULT_MEAN_COSINE
     cosine_floor: float = DEFAULT_COSINE_FLOOR
+    # the embedding sizes the model was trained to be cut to, when its config.json does not say
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
     total = 7
 
     started = _step(progress, 1, total, f"loading checkpoint {options.checkpoint}")
-    ckpt = load_checkpoint(options.checkpoint, options.name)
+    ckpt = load_checkpoint(options.checkpoint, options.name, options.matryoshka_dimensions)
     cfg = ckpt.config
     progress(
         f"      {ckpt.name} ({ckpt.architecture}): {cfg.n_layers} layers, {cfg.n_heads} heads, "
@@ -195,6 +197,13 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
                 labels=list(ckpt.classifier.labels) if ckpt.classifier else None,
                 problem_type=ckpt.classifier.problem_type if ckpt.classifier else None,
                 score_activation=ckpt.classifier.score_activation if ckpt.classifier else None,
+                prompts=ckpt.conventions.prompts,
+                default_prompt_name=ckpt.conventions.default_prompt_name,
+                prompt_tokens=ckpt.conventions.prompt_tokens,
+                include_prompt=ckpt.conventions.include_prompt,
+                matryoshka=ckpt.conventions.matryoshka,
+                matryoshka_dimensions=list(ckpt.conventions.matryoshka_dimensions)
+                if ckpt.conventions.matryoshka_dimensions else None,
             ),
             graph=GraphInfo(
                 file=GRAPH_FILE, opset=opset, inputs=list(INPUT_NAMES), outputs=list(output_names(ckpt.task))

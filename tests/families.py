@@ -44,7 +44,7 @@ CLASSIFIERS: dict[str, str] = {
     "distilbert-sinusoidal": "DistilBertForSequenceClassification",
     "electra": "ElectraForSequenceClassification",
 }
-POOLINGS = ("mean", "cls", "max")
+POOLINGS = ("mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 MAX_TOKENS = 64  # the longest input, special tokens included
 
 _HIDDEN, _LAYERS, _HEADS, _FFN = 32, 2, 4, 64
@@ -78,11 +78,16 @@ CORPUS = (
 ) * 3
 
 
-def make_checkpoint(family: str, out: Path, pooling: str = "mean", seed: int = 0, normalize: bool = False) -> Path:
+def make_checkpoint(family: str, out: Path, pooling: str = "mean", seed: int = 0, normalize: bool = False,
+                    prompts: dict[str, str] | None = None, default_prompt_name: str | None = None,
+                    include_prompt: bool = True, pooling_format: str = "legacy", config_extra: dict | None = None) -> Path:
     """Write a small random checkpoint of `family` (a key of FAMILIES) into `out`; return `out`.
 
-    pooling: sentence-transformers' pooling mode (mean, cls or max); normalize: add its Normalize
-    module. Needs torch and transformers (the export extra), not the network.
+    pooling: sentence-transformers' pooling mode (one of POOLINGS); normalize: add its Normalize
+    module. prompts, default_prompt_name: config_sentence_transformers.json's; include_prompt: the
+    Pooling module's; pooling_format: its config as sentence-transformers 6 writes it ("v6":
+    `pooling_mode`) or as older versions did ("legacy": a boolean per mode); config_extra: keys added
+    to config.json (matryoshka_dimensions). Needs torch and transformers (the export extra), not the network.
     """
     import torch
     import transformers
@@ -103,8 +108,14 @@ def make_checkpoint(family: str, out: Path, pooling: str = "mean", seed: int = 0
         torch.manual_seed(seed)
         model = getattr(transformers, class_name)(config).eval()
     model.save_pretrained(out, safe_serialization=True)
+    if config_extra:
+        raw = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**raw, **config_extra}, indent=2))
     _write_tokenizer(out, tokenizer_json, names, token_types=family in ("bert", "electra"))
-    _write_sentence_transformers(out, pooling, normalize)
+    _write_sentence_transformers(out, pooling, normalize, include_prompt, pooling_format)
+    if prompts is not None:
+        (out / "config_sentence_transformers.json").write_text(json.dumps(
+            {"prompts": prompts, "default_prompt_name": default_prompt_name, "similarity_fn_name": "cosine"}, indent=2))
     return out
 
 
@@ -289,7 +300,8 @@ def _write_tokenizer(out: Path, tokenizer_json: str, names: dict[str, str], toke
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def _write_sentence_transformers(out: Path, pooling: str, normalize: bool) -> None:
+def _write_sentence_transformers(out: Path, pooling: str, normalize: bool, include_prompt: bool = True,
+                                 pooling_format: str = "legacy") -> None:
     """modules.json (Transformer, Pooling, optional Normalize), the Pooling config, max_seq_length."""
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -301,16 +313,20 @@ def _write_sentence_transformers(out: Path, pooling: str, normalize: bool) -> No
     (out / "modules.json").write_text(json.dumps(modules, indent=2))
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": MAX_TOKENS, "do_lower_case": False}))
     (out / "1_Pooling").mkdir(exist_ok=True)
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": _HIDDEN,
-        "pooling_mode_cls_token": pooling == "cls",
-        "pooling_mode_mean_tokens": pooling == "mean",
-        "pooling_mode_max_tokens": pooling == "max",
-        "pooling_mode_mean_sqrt_len_tokens": False,
-        "pooling_mode_weightedmean_tokens": False,
-        "pooling_mode_lasttoken": False,
-        "include_prompt": True,
-    }, indent=2))
+    if pooling_format == "v6":
+        config = {"embedding_dimension": _HIDDEN, "pooling_mode": pooling, "include_prompt": include_prompt}
+    else:
+        config = {
+            "word_embedding_dimension": _HIDDEN,
+            "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean",
+            "pooling_mode_max_tokens": pooling == "max",
+            "pooling_mode_mean_sqrt_len_tokens": pooling == "mean_sqrt_len_tokens",
+            "pooling_mode_weightedmean_tokens": pooling == "weightedmean",
+            "pooling_mode_lasttoken": pooling == "lasttoken",
+            "include_prompt": include_prompt,
+        }
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def add_dense(checkpoint: Path, out: Path, seed: int = 7) -> Path:

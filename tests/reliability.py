@@ -14,11 +14,12 @@ LOG = Path(os.environ.get("RELIABILITY_LOG", ROOT / "results" / "reliability.jso
 
 
 def record(scenario: str, injected: str, clients_saw: dict[str, int] | str, recovery_s: float | None = None,
-           note: str = "") -> None:
-    """Append one scenario's outcome (called by the tests, after their assertions passed)."""
+           note: str = "", at: str | None = None) -> None:
+    """Append one scenario's outcome (called by the tests, after their assertions passed); `at`: when
+    it ran, if not now."""
     LOG.parent.mkdir(parents=True, exist_ok=True)
     entry = {"scenario": scenario, "injected": injected, "clients_saw": clients_saw,
-             "recovery_s": recovery_s, "note": note, "at": time.strftime("%Y-%m-%d %H:%M")}
+             "recovery_s": recovery_s, "note": note, "at": at or time.strftime("%Y-%m-%d %H:%M")}
     with LOG.open("a") as fh:
         fh.write(json.dumps(entry) + "\n")
 
@@ -28,7 +29,8 @@ def render(entries: list[dict]) -> str:
         "# Reliability",
         "",
         "Produced by `make reliability` from the fault tests' own records (`tests/reliability.py`); every row",
-        "is a test against the real service on loopback (Ray Serve, onnxruntime, all-MiniLM-L6-v2) that passed.",
+        "is a test against the real service on loopback (Ray Serve, onnxruntime, all-MiniLM-L6-v2) that passed,",
+        "unless its notes say its check failed.",
         "",
         "| scenario | injected | what clients saw | recovery | notes |",
         "| --- | --- | --- | --- | --- |",

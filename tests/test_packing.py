@@ -35,8 +35,27 @@ def test_pack_lays_texts_one_after_another_with_their_own_positions_segments_and
     np.testing.assert_allclose(feed["pool_weights"], [[1 / 3] * 3 + [0] * 5, [0] * 3 + [0.5, 0.5] + [0] * 3])
     cls = pack(ids, None, 0, "cls")["pool_weights"]
     assert cls.tolist() == [[1, 0, 0, 0, 0], [0, 0, 0, 1, 0]]
-    with pytest.raises(ValueError, match="mean or cls"):
+    with pytest.raises(ValueError, match="not 'max'"):
         pack(ids, None, 0, "max")
+
+
+def test_pool_weights_of_every_packed_pooling_and_a_skipped_prompt():
+    """sentence-transformers' Pooling of each text alone, as one weight per token of the row; a prompt's
+    tokens (include_prompt false) get none, and weightedmean keeps numbering from the text's first token."""
+    from service.runtimes.packing import pool_weights
+
+    lengths = np.array([3, 2])
+    expect = {
+        "mean_sqrt_len_tokens": [[3 ** -0.5] * 3 + [0, 0, 0], [0, 0, 0] + [2 ** -0.5] * 2 + [0]],
+        "weightedmean": [[1 / 6, 2 / 6, 3 / 6, 0, 0, 0], [0, 0, 0, 1 / 3, 2 / 3, 0]],
+        "lasttoken": [[0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 1, 0]],
+    }
+    for pooling, weights in expect.items():
+        np.testing.assert_allclose(pool_weights(lengths, pooling, 6), weights, rtol=1e-6, err_msg=pooling)
+    np.testing.assert_allclose(pool_weights(lengths, "mean", 6, [1, 1]), [[0, .5, .5, 0, 0, 0], [0, 0, 0, 0, 1, 0]])
+    np.testing.assert_allclose(pool_weights(lengths, "weightedmean", 6, [1, 0]),
+                               [[0, 2 / 5, 3 / 5, 0, 0, 0], [0, 0, 0, 1 / 3, 2 / 3, 0]], rtol=1e-6)
+    np.testing.assert_allclose(pool_weights(lengths, "cls", 6, [1, 0]), [[0, 1, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0]])
 
 
 def test_plan_packs_fills_rows_up_to_the_cap_and_puts_a_longer_text_alone():

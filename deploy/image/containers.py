@@ -503,7 +503,8 @@ def sizes(image: str) -> dict:
 
 
 def record(summary: dict, log: Path) -> None:
-    """Rows for RELIABILITY.md (make reliability adds them), from a run that passed."""
+    """Rows for RELIABILITY.md (make reliability adds them): the stop, from a run that passed; the
+    pod losses from any run that got through them, a failed check said so in the row."""
     from tests import reliability
 
     log.unlink(missing_ok=True)
@@ -516,10 +517,13 @@ def record(summary: dict, log: Path) -> None:
                 f"podman stop (SIGTERM, {s['grace_s']} s grace) of the CPU image's container while 6 batches of "
                 f"48 long texts were in flight",
                 s["requests"], None,
-                f"exit {s['exit_code']} after {s['seconds']} s; nothing left running, port free")
-        if summary.get("cluster", {}).get("passed"):
-            p = summary["cluster"]["pod_loss"]
+                f"exit {s['exit_code']} after {s['seconds']} s; nothing left running, port free", at=summary["date"])
+        cluster = summary.get("cluster", {})
+        if len(cluster.get("pod_loss", {}).get("windows", [])) == 5:
+            p = cluster["pod_loss"]
             first, second = p["steps"]
+            verdict = "" if cluster.get("passed") else (
+                f"; THIS RUN'S CHECK FAILED ({p['failed']} failed over the scenario, 0 allowed)")
             w = p["windows"]  # before, 1st kill, 1st restart, 2nd kill, 2nd restart
             reliability.record(
                 "worker pod lost (make containers)",
@@ -533,14 +537,15 @@ def record(summary: dict, log: Path) -> None:
                 f"ready (no replica, so no proxy: Serve does not move running replicas); ok requests/s "
                 f"{w[0]['ok_per_s']} before, {w[1]['ok_per_s']} after the kill; requests whose replica vanished "
                 f"were sent again by the head's HAProxy (over both kills, its counters: "
-                f"{p.get('ingress_retries', {})}, a lower bound: a reload restarts them)")
+                f"{p.get('ingress_retries', {})}, a lower bound: a reload restarts them){verdict}", at=summary["date"])
             reliability.record(
                 "second worker pod lost, both replicas on it (make containers)",
                 "after the first pod's restart, podman kill of the worker that then held both replicas",
                 {"requests": w[3]["requests"], **{f"failed: {k}": v for k, v in w[3]["failures"].items()}},
                 w[3]["errors_for_s"],
                 f"both replicas came back on the restarted pod, which then served, {second['replicas_back_s']} s "
-                f"after the kill; {w[4]['failed']} of {w[4]['requests']} requests failed after the second restart")
+                f"after the kill; {w[4]['failed']} of {w[4]['requests']} requests failed after the second restart"
+                f"{verdict}", at=summary["date"])
     finally:
         reliability.LOG = default_log
 

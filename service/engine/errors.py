@@ -19,6 +19,13 @@ class InvalidRequest(ServiceError):
     type = "validation"
 
 
+class BadRequest(ServiceError):
+    """A request the model cannot serve as asked (a prompt it has not, a size it was not trained for):
+    400, as OpenAI answers an unsupported `dimensions`."""
+
+    type = "bad_request"
+
+
 class TooLarge(ServiceError):
     type = "too_large"
 

@@ -44,6 +44,9 @@ class EncodeJob:
     attention: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (layers, heads), resolved
     enqueued: float = 0.0  # perf_counter() when the job joined the batch queue
     type_ids: list[np.ndarray] | None = None  # token types per text: text pairs (rerank) set the second's
+    # leading tokens of every text that pooling leaves out: a prompt's, on a model whose Pooling has
+    # include_prompt false (sentence-transformers' prompt_length); 0: pooling reads every token
+    pool_skip: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -146,13 +149,27 @@ def pad(ids: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pool(hidden: np.ndarray, mask: np.ndarray, how: str) -> np.ndarray:
-    """Pooling over real tokens, as the export's encoder does it (for Pooled.REPOOLED texts)."""
-    if how == "cls":
-        return hidden[:, 0]
+    """Pooling over real tokens of right-padded rows, as the export's encoder does it (for
+    Pooled.REPOOLED texts)."""
+    if how == "cls":  # the first pooled token: the first one, or the first after a skipped prompt
+        return hidden[np.arange(hidden.shape[0]), mask.argmax(axis=1)]
     keep = mask[:, :, None].astype(hidden.dtype)
     if how == "max":
         return np.where(keep > 0, hidden, np.finfo(hidden.dtype).min).max(axis=1)
-    return (hidden * keep).sum(axis=1) / np.maximum(keep.sum(axis=1), 1e-9)
+    if how == "lasttoken":
+        return hidden[np.arange(hidden.shape[0]), np.maximum(mask.sum(axis=1) - 1, 0)]
+    if how == "weightedmean":
+        keep = keep * np.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype)[None, :, None]
+    total = np.maximum(keep.sum(axis=1), 1e-9)
+    return (hidden * keep).sum(axis=1) / (np.sqrt(total) if how == "mean_sqrt_len_tokens" else total)
+
+
+def pool_skipping(encodings: np.ndarray, pooling: str, skip: int) -> np.ndarray:
+    """One text's (tokens, hidden) encodings pooled without its first `skip` tokens, as
+    sentence-transformers' Pooling leaves a prompt out (include_prompt false)."""
+    mask = np.ones((1, encodings.shape[0]), dtype=np.int64)
+    mask[0, :min(skip, encodings.shape[0])] = 0
+    return pool(encodings[None], mask, pooling)[0]
 
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
@@ -250,10 +267,18 @@ class Batch:
     def n_texts(self) -> int:
         return sum(len(job.ids) for job in self.jobs)
 
+    @property
+    def packs(self) -> bool:
+        """Whether texts that need only their pooled output run packed: packing on and served."""
+        return self.runtime.packed is not None and bool(self.batching.packed_tokens)
+
     def needs(self, j: int) -> Needs:
         job = self.jobs[j]
-        return Needs(attention=job.attention is not None,
-                     hidden=job.want_hidden or self.pooled[j] is Pooled.REPOOLED)
+        # a text whose prompt pooling leaves out is pooled by weights on a packed row, else here from
+        # its token encodings (the graph's own pooled row read the prompt)
+        padded = not self.packs or job.attention is not None or job.want_hidden
+        repool = self.pooled[j] is Pooled.REPOOLED or (job.pool_skip > 0 and padded)
+        return Needs(attention=job.attention is not None, hidden=job.want_hidden or repool)
 
     def ids(self, text: TextRef) -> np.ndarray:
         j, t = text
@@ -350,8 +375,7 @@ class BatchRunner:
     @staticmethod
     def _packs(batch: Batch, needs: Needs) -> bool:
         """Whether texts that need this run packed: only the pooled output, and packing on and served."""
-        only_pooled = not (needs.attention or needs.hidden)
-        return only_pooled and batch.runtime.packed is not None and bool(batch.batching.packed_tokens)
+        return not (needs.attention or needs.hidden) and batch.packs
 
     def _run_packed_rows(self, batch: Batch, texts: list[TextRef]) -> None:
         """Texts in rows of the packed graph, each row up to packed_tokens long, with no padding."""
@@ -360,16 +384,19 @@ class BatchRunner:
         for row in plan_packs(lengths, batch.batching.packed_tokens):
             members = [texts[i] for i in row]
             pooled, width = self._run_packed(packed, [batch.ids(m) for m in members],
-                                             [batch.type_ids(m) for m in members])
+                                             [batch.type_ids(m) for m in members],
+                                             [batch.jobs[j].pool_skip for j, _ in members])
             batch.tally.add(packed.label, sum(lengths[i] for i in row), width)
             for (j, t), vector in zip(members, pooled, strict=True):
                 batch.results[j].embeddings[t] = batch.pooled[j].make(vector, None, self.manifest.model.pooling)
 
-    def _run_packed(self, packed: PackedGraph, ids: list[np.ndarray],
-                    types: list[np.ndarray | None] | None) -> tuple[np.ndarray, int]:
+    def _run_packed(self, packed: PackedGraph, ids: list[np.ndarray], types: list[np.ndarray | None] | None,
+                    skip: list[int] | None = None) -> tuple[np.ndarray, int]:
         """One packed row through the packed graph: the texts' pooled outputs, and the row's length in
-        tokens (padding to the runtime's multiple included, for the padding metric)."""
-        feed = pack(ids, types, self.manifest.packed.position_offset, self.manifest.model.pooling, packed.multiple)
+        tokens (padding to the runtime's multiple included, for the padding metric). `skip`: per text,
+        the leading tokens its pooling leaves out."""
+        feed = pack(ids, types, self.manifest.packed.position_offset, self.manifest.model.pooling, packed.multiple,
+                    skip if skip and any(skip) else None)
         return packed.run_packed(feed), int(feed["input_ids"].shape[1])
 
     def _run_padded(self, batch: Batch, needs: Needs, texts: list[TextRef]) -> None:
@@ -396,7 +423,12 @@ class BatchRunner:
             job, result = batch.jobs[j], batch.results[j]
             n = int(mask[row].sum())
             encodings = out["last_hidden_state"][row, :n] if "last_hidden_state" in out else None
-            result.embeddings[t] = batch.pooled[j].make(out[self.pooled][row], encodings, self.manifest.model.pooling)
+            if job.pool_skip:  # its prompt left out of pooling: pooled here (no Dense: the routes see to it)
+                vector = pool_skipping(encodings, self.manifest.model.pooling, job.pool_skip)
+                result.embeddings[t] = l2_normalize(vector) if job.normalize else vector
+            else:
+                result.embeddings[t] = batch.pooled[j].make(out[self.pooled][row], encodings,
+                                                            self.manifest.model.pooling)
             if job.want_hidden:
                 result.hidden[t] = np.ascontiguousarray(encodings)
             if job.attention is not None:

@@ -16,6 +16,7 @@ from fastapi import Request
 
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequest
+from service.engine.prompts import prompt_for
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.service import EncoderService
 from service.http.middleware import HEADER_DEADLINE_MARGIN_S, TIMEOUT_HEADER, asked_deadline_s
@@ -62,6 +63,28 @@ def model_for(svc: EncoderService, name: str | None, request: Request, required:
     request.scope["model"] = engine.name
     request.scope["task"] = engine.model.task
     return engine
+
+
+def prompted(svc: EncoderService, engine: Engine, texts: list[str], prompt_name: str | None,
+             input_type: str | None, pooled_only: bool = True, chunked: bool = False) -> tuple[list[str], int]:
+    """The texts with the request's prompt before each (service/engine/prompts.py), and how many of
+    their first tokens pooling leaves out (EncodeJob.pool_skip). `pooled_only`: the request wants
+    nothing but pooled outputs (no token encodings, no attention)."""
+    prompt = prompt_for(engine.model, engine.name, prompt_name, input_type)
+    if prompt is None:
+        return texts, 0
+    if chunked:
+        raise InvalidRequest(f"chunking with a prompt ({prompt.name!r}) is not supported: a prompt goes before a "
+                             "whole text, not before each of its windows")
+    if prompt.pool_skip and engine.model.dense_layers:
+        # pooled here without the prompt, a Dense projection inside the graph would be skipped: such a
+        # text must run on a packed row, which pools by weights before the Dense
+        packs = engine.runner.runtime.packed is not None and bool(svc.batching.packed_tokens)
+        if not (packs and pooled_only):
+            raise InvalidRequest(f"prompt {prompt.name!r} on model {engine.name!r} (its pooling leaves the prompt out, "
+                                 "then a Dense projection follows) is served for pooled embeddings on packed rows only"
+                                 + ("" if packs else ": packing is off on this replica"))
+    return prompt.apply(texts), prompt.pool_skip
 
 
 def deadline(request: Request, svc: EncoderService) -> float:

@@ -7,6 +7,7 @@ from service.engine.errors import ServiceError
 from service.http.responses import JSONResponse
 
 STATUS = {
+    "bad_request": 400,
     "validation": 422,
     "too_large": 413,
     "not_found": 404,

@@ -63,9 +63,18 @@ class Chunking(_Request):
     overlap: int = Field(0, ge=0, le=8192, description="tokens a chunk repeats from the one before", examples=[32])
 
 
+PROMPT_NAME = Field(None, description="one of the model's prompts (GET /v1/models lists them), put before every "
+                   "input as sentence-transformers' encode(prompt_name=...) does; default: the model's "
+                   "default_prompt_name, if any")
+INPUT_TYPE = Field(None, description="query or document (Cohere's convention): the model's prompt of that name, "
+                   "where it has one; prompt_name wins")
+
+
 class EncodeRequest(_Request):
     model: str | None = Field(None, description="which served model (GET /v1/models); default: the first listed")
     inputs: Texts = Field(description="a text or a list of texts", examples=["The cat sat on the mat."])
+    prompt_name: str | None = PROMPT_NAME
+    input_type: Literal["query", "document"] | None = INPUT_TYPE
     truncate: bool = Field(True, description="cut texts at the model's limit; false: refuse longer texts (413)")
     normalize: bool | None = Field(None, description="L2-normalise the embedding; null: as the model was trained")
     embedding: bool = Field(True, description="return the pooled sentence embedding")
@@ -279,8 +288,11 @@ class OpenAIEmbeddingRequest(BaseModel):
     input: Texts = Field(examples=[["first text", "second text"]])
     model: str | None = Field(None, description="a served model's name (GET /v1/models); required when several are served")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions, re-normalised")
+    dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions, re-normalised; only for a "
+                                   "model trained for it (matryoshka: GET /v1/models lists its sizes), else 400")
     user: str | None = None
+    prompt_name: str | None = PROMPT_NAME
+    input_type: Literal["query", "document"] | None = INPUT_TYPE
     chunking: Chunking | None = Field(
         None, description="not OpenAI's: texts past the model's limit as overlapping token windows, the embedding "
         "the normalised mean of the chunks' (see /v1/encode for each chunk's)")
@@ -331,6 +343,11 @@ class V2InferParameters(_V2Parameters):
                                              "This server's own parameter.")
     binary_data_output: bool = Field(False, description="Return every output as binary data, unless its own "
                                                         "`binary_data` says otherwise (binary tensor data extension).")
+    prompt_name: str | None = Field(None, description="An embedding model's prompt, put before every text (GET "
+                                    "/v1/models lists them); default: its default_prompt_name. This server's own.")
+    input_type: Literal["query", "document"] | None = Field(
+        None, description="query or document: the embedding model's prompt of that name, where it has one; "
+        "prompt_name wins. This server's own.")
 
 
 class V2InputParameters(_V2Parameters):

@@ -15,7 +15,7 @@ from service.engine.runner import EncodeJob, mean_of_chunks
 from service.engine.service import EncoderService
 from service.engine.tokenization import TokenizedText, char_span, token_list
 from service.http.app import ERROR_RESPONSES, app
-from service.http.context import infer, model_for, service
+from service.http.context import infer, model_for, prompted, service
 from service.http.responses import JSONResponse, KindCounter, respond, value_bytes
 from service.http.schemas import EncodeRequest, EncodeResponse, TokenizeRequest, TokenizeResponse
 
@@ -41,7 +41,9 @@ def encode_size(body: EncodeRequest, tokenized: list[TokenizedText], attention, 
 async def encode(body: EncodeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Embeddings, token encodings, tokens with offsets, attention weights."""
     engine = model_for(svc, body.model, request)
-    texts = svc.texts(body.inputs)
+    pooled_only = not (body.token_embeddings or body.attention is not None)
+    texts, skip = prompted(svc, engine, svc.texts(body.inputs), body.prompt_name, body.input_type, pooled_only,
+                           chunked=body.chunking is not None)
     if body.chunking is not None:
         return await encode_chunked(body, engine, texts, request, svc)
     attention = None
@@ -63,6 +65,7 @@ async def encode(body: EncodeRequest, request: Request, svc: EncoderService = De
         want_embedding=body.embedding,
         want_hidden=body.token_embeddings,
         attention=attention,
+        pool_skip=skip,
     )
     result = await infer(svc, engine, job, request)
     kinds = KindCounter()

@@ -8,11 +8,11 @@ from datetime import datetime
 import numpy as np
 from fastapi import Depends, Request
 
-from service.engine.errors import InvalidRequest
 from service.engine.runner import EncodeJob, l2_normalize, mean_of_chunks
 from service.engine.service import EncoderService
 from service.http.app import ERROR_RESPONSES, SERVER_NAME, app
-from service.http.context import infer, model_for, service
+from service.engine.prompts import check_dimensions, describe
+from service.http.context import infer, model_for, prompted, service
 from service.http.responses import JSONResponse, KindCounter, encode_array
 from service.http.schemas import OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
 
@@ -21,16 +21,17 @@ from service.http.schemas import OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
 async def embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """OpenAI's embeddings API: works with the official `openai` client."""
     engine = model_for(svc, body.model, request, required=True)
-    if body.dimensions is not None and body.dimensions > engine.model.sentence_dim:
-        raise InvalidRequest(f"dimensions {body.dimensions} exceeds the model's {engine.model.sentence_dim}")
-    texts = svc.texts(body.input)
+    check_dimensions(engine.model, engine.name, body.dimensions)
+    texts, skip = prompted(svc, engine, svc.texts(body.input), body.prompt_name, body.input_type,
+                           chunked=body.chunking is not None)
     if body.chunking is not None:  # each text the normalised mean of its chunks' embeddings
         chunks = await svc.tokenize_chunks(engine, texts, body.chunking.tokens, body.chunking.overlap, "/v1/embeddings")
         tokenized = [c for text in chunks for c in text]
         svc.check_response_size(len(texts) * engine.model.sentence_dim * 20)
     else:
         tokenized = await svc.tokenize(engine, texts, True, "/v1/embeddings")
-    job = EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized], normalize=engine.model.normalize)
+    job = EncodeJob(route="/v1/embeddings", ids=[t.ids for t in tokenized], normalize=engine.model.normalize,
+                    pool_skip=skip)
     result = await infer(svc, engine, job, request)
     vectors = result.embeddings if body.chunking is None else mean_of_chunks(result.embeddings, [len(c) for c in chunks])
     if body.dimensions is not None:  # shortened as OpenAI does: cut, then re-normalise
@@ -56,7 +57,7 @@ async def models_list(svc: EncoderService = Depends(service)) -> JSONResponse:
     """The served models, in OpenAI's list format (`client.models.list()` works unchanged)."""
     return JSONResponse({"object": "list", "data": [
         {"id": m.name, "object": "model", "created": _unix_time(m.manifest.created_at), "owned_by": SERVER_NAME,
-         "task": m.model.task}
+         "task": m.model.task, **describe(m.model)}
         for m in svc.engines
     ]})
 
@@ -66,7 +67,7 @@ async def model_retrieve(name: str, svc: EncoderService = Depends(service)) -> J
     """One served model (OpenAI's `client.models.retrieve`)."""
     m = svc.engines.get(name)
     return JSONResponse({"id": m.name, "object": "model", "created": _unix_time(m.manifest.created_at),
-                         "owned_by": SERVER_NAME, "task": m.model.task})
+                         "owned_by": SERVER_NAME, "task": m.model.task, **describe(m.model)})
 
 
 def _unix_time(iso: str) -> int:

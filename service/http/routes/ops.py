@@ -5,6 +5,7 @@ No `from __future__ import annotations` (see http/routes/native.py).
 
 from fastapi import Depends
 
+from service.engine.prompts import describe
 from service.engine.service import EncoderService
 from service.http.app import ERROR_RESPONSES, app
 from service.http.context import service
@@ -88,6 +89,7 @@ def describe_model(m, state: dict) -> dict:
         "max_tokens": model.max_tokens,
         "pooling": model.pooling,
         "normalize": model.normalize,
+        **describe(model),  # prompts, default_prompt_name, include_prompt, dimensions (matryoshka sizes)
         "runtime": state["runtime"],  # what runs the encodings graph: onnxruntime or openvino
         "provider": state["provider"],
         "provider_note": state["provider_note"],

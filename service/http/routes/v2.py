@@ -28,7 +28,7 @@ from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.service import EncoderService
 from service.engine.tokenization import TokenizedText
 from service.http.app import ERROR_RESPONSES, SERVER_NAME, SERVER_VERSION, app, describe
-from service.http.context import infer, model_for, service
+from service.http.context import infer, model_for, prompted, service
 from service.http.responses import JSON_FLOAT_BYTES, OFF_LOOP_BYTES, JSONResponse, KindCounter
 from service.http.schemas import V2InferRequest, V2ModelMetadata, V2Tensor
 
@@ -312,7 +312,9 @@ async def _v2_embed(svc: EncoderService, engine: Engine, req: V2InferRequest, bi
                     outputs: dict[str, bool], request: Request) -> Response:
     """An embedding model on v2: `text` in; the sentence embedding, token states, mask and attentions
     out, as `outputs` selects them, after the response's size is checked."""
-    texts = svc.texts(_v2_texts(req, binary)[V2_INPUT])
+    pooled_only = not ({"last_hidden_state", "attentions"} & set(outputs))
+    texts, skip = prompted(svc, engine, svc.texts(_v2_texts(req, binary)[V2_INPUT]), req.parameters.prompt_name,
+                           req.parameters.input_type, pooled_only)
     tokenized = await svc.tokenize(engine, texts, req.parameters.truncate, V2_ROUTE)
     n, T = len(tokenized), max(t.n_tokens for t in tokenized)
     d, L, H = engine.model.hidden_size, engine.model.num_layers, engine.model.num_heads
@@ -327,6 +329,7 @@ async def _v2_embed(svc: EncoderService, engine: Engine, req: V2InferRequest, bi
         normalize=engine.model.normalize,
         want_hidden="last_hidden_state" in outputs,
         attention=(tuple(range(L)), tuple(range(H))) if "attentions" in outputs else None,
+        pool_skip=skip,
     )
     result = await infer(svc, engine, job, request)
 

@@ -1,0 +1,71 @@
+"""What a sentence-transformers model says about its use, applied to a request: its prompts and the
+embedding sizes it was trained to be cut to (matryoshka). Both come from the bundle's manifest
+(export/checkpoint.py SentenceConventions).
+
+A prompt is text put before every input, as `SentenceTransformer.encode(prompt_name=...)` puts it: the
+request's `prompt_name`, else its `input_type` (Cohere's `query`/`document`) where the model has a
+prompt of that name, else the model's default_prompt_name. On a model whose Pooling has
+include_prompt false, the prompt's tokens are then left out of pooling (EncodeJob.pool_skip).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bundle.manifest import ModelInfo
+from service.engine.errors import BadRequest, InvalidRequest
+
+INPUT_TYPES = ("query", "document")  # Cohere's search_query/search_document, named as prompts usually are
+
+
+@dataclass(frozen=True)
+class Prompt:
+    name: str
+    text: str
+    pool_skip: int  # leading tokens pooling leaves out: the prompt's, with include_prompt false; else 0
+
+    def apply(self, texts: list[str]) -> list[str]:
+        return [self.text + t for t in texts]
+
+
+def prompt_for(model: ModelInfo, model_name: str, prompt_name: str | None, input_type: str | None) -> Prompt | None:
+    """The prompt a request gets, or None. A `prompt_name` the model has not is a 400 that lists its
+    prompts; an `input_type` picks the prompt of that name where there is one (many models prompt
+    queries only), else the default."""
+    if input_type is not None and input_type not in INPUT_TYPES:
+        raise InvalidRequest(f"input_type {input_type!r} is not one of {', '.join(INPUT_TYPES)}")
+    if prompt_name is not None:
+        if prompt_name not in model.prompts:
+            listed = ", ".join(repr(p) for p in model.prompts) or "none"
+            raise BadRequest(f"model {model_name!r} has no prompt {prompt_name!r}; its prompts: {listed}")
+        name = prompt_name
+    elif input_type is not None and input_type in model.prompts:
+        name = input_type
+    else:
+        name = model.default_prompt_name
+    if name is None:
+        return None
+    skip = 0 if model.include_prompt else model.prompt_tokens[name]
+    return Prompt(name, model.prompts[name], skip)
+
+
+def check_dimensions(model: ModelInfo, model_name: str, dimensions: int | None) -> None:
+    """`dimensions` cuts the embedding only where the model was trained for it (matryoshka): a vector cut
+    from another model means something else, and OpenAI refuses the same way (400)."""
+    if dimensions is None:
+        return
+    if not model.matryoshka:
+        raise BadRequest(f"model {model_name!r} does not support dimensions: it was not trained for shorter "
+                         f"embeddings (matryoshka); its embeddings have {model.sentence_dim} dimensions")
+    allowed = model.matryoshka_dimensions
+    if allowed is not None and dimensions not in allowed:
+        raise BadRequest(f"model {model_name!r} supports dimensions {', '.join(map(str, allowed))}, not {dimensions}")
+    if dimensions > model.sentence_dim:
+        raise BadRequest(f"dimensions {dimensions} exceeds model {model_name!r}'s {model.sentence_dim}")
+
+
+def describe(model: ModelInfo) -> dict:
+    """The conventions of a model for /info and /v1/models."""
+    return {"prompts": dict(model.prompts), "default_prompt_name": model.default_prompt_name,
+            "include_prompt": model.include_prompt,
+            "dimensions": (model.matryoshka_dimensions or "any") if model.matryoshka else None}
