@@ -1,0 +1,201 @@
+"""The checkpoint families the encoder loads: one `Family` row each, saying how its config.json
+maps onto EncoderConfig (`fields`), its weight names (native and original layouts) onto our modules,
+what it leaves out on purpose, and its sequence-classification head. export/checkpoint.py reads a
+checkpoint; this table says what each family means (../shared/DESIGN.md, "Families as blocks").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from export.errors import CheckpointError
+
+_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+# BERT's parameter names -> ours; RoBERTa, XLM-RoBERTa, CamemBERT and ELECTRA share them.
+# Anything that matches no rename of its family and is not ignored is an error naming the tensor.
+_BERT_RENAMES = (
+    (r"^embeddings\.word_embeddings\.", "embeddings.token."),
+    (r"^embeddings\.position_embeddings\.", "embeddings.position."),
+    (r"^embeddings\.token_type_embeddings\.", "embeddings.segment."),
+    (r"^embeddings\.LayerNorm\.", "embeddings.norm."),
+    (r"^encoder\.layer\.(\d+)\.attention\.self\.query\.", r"layers.\1.attention.w_q."),
+    (r"^encoder\.layer\.(\d+)\.attention\.self\.key\.", r"layers.\1.attention.w_k."),
+    (r"^encoder\.layer\.(\d+)\.attention\.self\.value\.", r"layers.\1.attention.w_v."),
+    (r"^encoder\.layer\.(\d+)\.attention\.output\.dense\.", r"layers.\1.attention.w_o."),
+    (r"^encoder\.layer\.(\d+)\.attention\.output\.LayerNorm\.", r"layers.\1.norm1."),
+    (r"^encoder\.layer\.(\d+)\.intermediate\.dense\.", r"layers.\1.ffn.linear1."),
+    (r"^encoder\.layer\.(\d+)\.output\.dense\.", r"layers.\1.ffn.linear2."),
+    (r"^encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"layers.\1.norm2."),
+)
+_ELECTRA_RENAMES = (*_BERT_RENAMES, (r"^embeddings_project\.", "embeddings.project."))
+_DISTILBERT_RENAMES = (
+    (r"^embeddings\.word_embeddings\.", "embeddings.token."),
+    (r"^embeddings\.position_embeddings\.", "embeddings.position."),
+    (r"^embeddings\.LayerNorm\.", "embeddings.norm."),
+    (r"^transformer\.layer\.(\d+)\.attention\.q_lin\.", r"layers.\1.attention.w_q."),
+    (r"^transformer\.layer\.(\d+)\.attention\.k_lin\.", r"layers.\1.attention.w_k."),
+    (r"^transformer\.layer\.(\d+)\.attention\.v_lin\.", r"layers.\1.attention.w_v."),
+    (r"^transformer\.layer\.(\d+)\.attention\.out_lin\.", r"layers.\1.attention.w_o."),
+    (r"^transformer\.layer\.(\d+)\.sa_layer_norm\.", r"layers.\1.norm1."),
+    (r"^transformer\.layer\.(\d+)\.ffn\.lin1\.", r"layers.\1.ffn.linear1."),
+    (r"^transformer\.layer\.(\d+)\.ffn\.lin2\.", r"layers.\1.ffn.linear2."),
+    (r"^transformer\.layer\.(\d+)\.output_layer_norm\.", r"layers.\1.norm2."),
+)
+
+# Checkpoint tensors each family knows and deliberately does not use, with the reason (patterns
+# match names after the family's prefix is removed; the export lists every tensor so skipped).
+_INDEX_BUFFERS = {
+    re.compile(r"^embeddings\.(position_ids|token_type_ids)$"): "a constant index buffer, rebuilt by the encoder",
+}
+_BERT_IGNORED = {
+    re.compile(r"^pooler\."): "BERT's tanh pooler; sentence embeddings come from the pooling config",
+    re.compile(r"^cls\."): "pre-training heads (masked LM / next sentence), not part of the encoder",
+    **_INDEX_BUFFERS,
+}
+_ROBERTA_IGNORED = {
+    re.compile(r"^pooler\."): "the tanh pooler; sentence embeddings come from the pooling config",
+    re.compile(r"^lm_head\."): "the masked-LM head, not part of the encoder",
+    **_INDEX_BUFFERS,
+}
+_DISTILBERT_IGNORED = {
+    re.compile(r"^vocab_(transform|layer_norm|projector)\."): "the masked-LM head, not part of the encoder",
+    **_INDEX_BUFFERS,
+}
+_ELECTRA_IGNORED = {
+    re.compile(r"^discriminator_predictions\."): "the discriminator's replaced-token head, not part of the encoder",
+    re.compile(r"^generator_(predictions|lm_head)\."): "a generator's masked-LM head, not part of the encoder",
+    **_INDEX_BUFFERS,
+}
+
+
+def config_value(raw: dict, key: str, default):
+    """raw[key], with `default` when the key is absent or null (transformers' config default)."""
+    value = raw.get(key)
+    return default if value is None else value
+
+
+def _activation(raw: dict, key: str, config_path: Path) -> str:
+    act = config_value(raw, key, "gelu")
+    if act not in _ACTIVATIONS:
+        raise CheckpointError(f"{config_path}: {key} {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[act]
+
+
+def _bert_like_fields(raw: dict, model_type: str, config_path: Path) -> dict:
+    """BERT's config keys, as RoBERTa, XLM-RoBERTa, CamemBERT and ELECTRA also write them."""
+    if raw.get("position_embedding_type", "absolute") != "absolute":
+        raise CheckpointError(
+            f"{config_path}: position_embedding_type {raw['position_embedding_type']!r} is not supported (absolute)"
+        )
+    roberta = model_type in _ROBERTA_TYPES
+    pad_token_id = config_value(raw, "pad_token_id", 1 if roberta else 0)
+    fields = dict(
+        vocab_size=raw["vocab_size"],
+        d_model=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=raw["num_attention_heads"],
+        d_ff=raw["intermediate_size"],
+        max_positions=raw["max_position_embeddings"],
+        type_vocab_size=config_value(raw, "type_vocab_size", 2),
+        layer_norm_eps=config_value(raw, "layer_norm_eps", 1e-12),
+        dropout=config_value(raw, "hidden_dropout_prob", 0.1),
+        attention_dropout=config_value(raw, "attention_probs_dropout_prob", 0.1),
+        activation=_activation(raw, "hidden_act", config_path),
+        position_kind="learned",
+        pad_token_id=pad_token_id,
+    )
+    if roberta:  # fairseq counts positions from padding_idx + 1 over real tokens
+        fields["position_offset"] = pad_token_id + 1
+    if model_type == "electra":  # ElectraConfig's default embedding_size is 128
+        fields["embedding_size"] = config_value(raw, "embedding_size", 128)
+    return fields
+
+
+def _distilbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
+    """DistilBERT's own config keys; no token types, LayerNorm eps fixed at 1e-12 in its code."""
+    return dict(
+        vocab_size=raw["vocab_size"],
+        d_model=raw["dim"],
+        n_layers=raw["n_layers"],
+        n_heads=raw["n_heads"],
+        d_ff=raw["hidden_dim"],
+        max_positions=raw["max_position_embeddings"],
+        type_vocab_size=0,
+        layer_norm_eps=1e-12,
+        dropout=config_value(raw, "dropout", 0.1),
+        attention_dropout=config_value(raw, "attention_dropout", 0.1),
+        activation=_activation(raw, "activation", config_path),
+        # the fixed table is added to unscaled token embeddings, as a learned one would be
+        position_kind="sinusoidal" if raw.get("sinusoidal_pos_embds") else "learned",
+        embedding_scale=1.0,
+        pad_token_id=config_value(raw, "pad_token_id", 0),
+    )
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Where a family's *ForSequenceClassification keeps its head, and what the head computes
+    (transformers' modeling_<family>.py): full checkpoint names of the two linear layers."""
+
+    dense: str  # hidden -> hidden, before the activation
+    out_proj: str  # hidden -> num_labels
+    activation: str  # ClassifierConfig.activation
+    input_dropout: bool  # dropout on the first token's encoding before dense, too
+    dropout_keys: tuple[str, ...]  # config.json keys of the head's dropout rate, the first set one wins
+
+    def tensors(self) -> tuple[str, ...]:
+        return tuple(f"{layer}{kind}" for layer in (self.dense, self.out_proj) for kind in ("weight", "bias"))
+
+
+_CLASSIFIER_DROPOUT = ("classifier_dropout", "hidden_dropout_prob")
+# BertForSequenceClassification: the pooler (dense + tanh on [CLS]), then dropout and `classifier`
+_BERT_HEAD = HeadLayout("bert.pooler.dense.", "classifier.", "tanh", False, _CLASSIFIER_DROPOUT)
+# RobertaClassificationHead, and its copies in XLM-RoBERTa and CamemBERT
+_ROBERTA_HEAD = HeadLayout("classifier.dense.", "classifier.out_proj.", "tanh", True, _CLASSIFIER_DROPOUT)
+_DISTILBERT_HEAD = HeadLayout("pre_classifier.", "classifier.", "relu", False, ("seq_classif_dropout",))
+# ElectraClassificationHead calls get_activation("gelu"), whatever the config's hidden_act says
+_ELECTRA_HEAD = HeadLayout("classifier.dense.", "classifier.out_proj.", "gelu", True, _CLASSIFIER_DROPOUT)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One checkpoint family: its model_type(s), its weight names, and what it leaves out on purpose."""
+
+    name: str
+    model_types: tuple[str, ...]
+    prefix: str  # the base model's attribute in task checkpoints ("roberta." in RobertaForMaskedLM)
+    renames: tuple[tuple[str, str], ...]
+    ignored: dict[re.Pattern, str] = field(hash=False)
+    head: HeadLayout  # its *ForSequenceClassification head
+    # config.json (raw, model_type, its path) -> EncoderConfig's fields: the choices this family makes
+    fields: Callable[[dict, str, Path], dict] = field(hash=False, default=lambda raw, model_type, path: {})
+
+
+FAMILIES = (
+    Family("BERT", ("bert",), "bert.", _BERT_RENAMES, _BERT_IGNORED, _BERT_HEAD, _bert_like_fields),
+    Family("RoBERTa", ("roberta",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD, _bert_like_fields),
+    Family("XLM-RoBERTa", ("xlm-roberta",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD, _bert_like_fields),
+    Family("CamemBERT", ("camembert",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD, _bert_like_fields),
+    Family("DistilBERT", ("distilbert",), "distilbert.", _DISTILBERT_RENAMES, _DISTILBERT_IGNORED, _DISTILBERT_HEAD, _distilbert_fields),
+    Family("ELECTRA", ("electra",), "electra.", _ELECTRA_RENAMES, _ELECTRA_IGNORED, _ELECTRA_HEAD, _bert_like_fields),
+)
+SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
+_ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
+
+
+def family_of(model_type: str | None, config_path: Path) -> Family:
+    """The family of a model_type, or one CheckpointError that lists every family we load."""
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    supported = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)
+    raise CheckpointError(
+        f"{config_path}: model_type {model_type!r} is not supported; the encoder loads these families "
+        f"(model_type): {supported}"
+    )
+
+
