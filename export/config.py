@@ -81,6 +81,13 @@ class EncoderConfig:
     # Dense projections of the pooled embedding, in order, before normalisation (sentence-transformers'
     # Dense modules); the sentence embedding then has the last one's out_features.
     dense: tuple[DenseLayer, ...] = ()
+    # Relative positions (MPNet, after T5): rows of a (rows, n_heads) table of biases added to every
+    # layer's attention scores, picked by the bucket of key position - query position; 0: none.
+    relative_buckets: int = 0
+    # how relative distances fall into buckets: half the buckets per direction, exact up to a
+    # quarter, logarithmic up to max_distance (transformers' MPNet always buckets with 32 and 128)
+    relative_bucketing: int = 32
+    relative_max_distance: int = 128
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads != 0:

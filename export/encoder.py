@@ -25,13 +25,17 @@ def scaled_dot_product_attention(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     dropout: nn.Module | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(Q K^T / sqrt(d_k)) V; `mask` is boolean, True where a query may attend a key.
+    """softmax(Q K^T / sqrt(d_k) + bias) V; `mask` is boolean, True where a query may attend a key;
+    `bias` (broadcastable to (..., Tq, Tk)) is added to the scores, as relative positions are.
 
     Returns (context, weights); weights are the probabilities before dropout.
     """
     d_k = q.size(-1)
     scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (..., Tq, Tk)
+    if bias is not None:
+        scores = scores + bias
     if mask is not None:
         # An additive bias of the dtype's minimum on hidden keys: exp(min - max) is exactly 0
         # for them, and a row with every key hidden gets uniform weights instead of NaN (-inf
@@ -112,11 +116,13 @@ class MultiHeadAttention(nn.Module):
         valid_lens: torch.Tensor | None = None,
         causal: bool = False,
         mask: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query (B, Tq, Dq), key (B, Tk, Dk), value (B, Tk, Dv) -> (B, Tq, d_model), (B, heads, Tq, Tk).
 
         mask: a boolean mask broadcastable to (B, heads, Tq, Tk), true where a query may attend a key,
         for what the three ways above cannot say (packed texts: each attends only its own tokens).
+        bias: added to the scores, broadcastable to (B, heads, Tq, Tk) (relative positions).
         """
         B, Tq, _ = query.size()
         Tk = key.size(1)
@@ -125,7 +131,7 @@ class MultiHeadAttention(nn.Module):
         v = self.split_heads(self.w_v(value))  # (B, heads, Tk, d_k)
         hidden = attention_mask(Tq, Tk, query.device, key_padding_mask, valid_lens, causal)
         mask = hidden if mask is None else mask if hidden is None else mask & hidden
-        context, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout)
+        context, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout, bias)
         context = context.transpose(1, 2).contiguous().view(B, Tq, self.d_model)  # (B, Tq, d_model)
         return self.w_o(context), weights
 
@@ -160,17 +166,49 @@ class EncoderLayer(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.norm_first:  # pre-norm: x + Sublayer(LayerNorm(x))
             h = self.norm1(x)
-            attended, weights = self.attention(h, h, h, key_padding_mask=key_padding_mask, mask=mask)
+            attended, weights = self.attention(h, h, h, key_padding_mask=key_padding_mask, mask=mask, bias=bias)
             x = x + self.dropout(attended)
             x = x + self.dropout(self.ffn(self.norm2(x)))
         else:  # post-norm (BERT): LayerNorm(x + Sublayer(x))
-            attended, weights = self.attention(x, x, x, key_padding_mask=key_padding_mask, mask=mask)
+            attended, weights = self.attention(x, x, x, key_padding_mask=key_padding_mask, mask=mask, bias=bias)
             x = self.norm1(x + self.dropout(attended))
             x = self.norm2(x + self.dropout(self.ffn(x)))
         return x, weights
+
+
+def relative_position_bucket(relative: torch.Tensor, buckets: int, max_distance: int) -> torch.Tensor:
+    """T5's bidirectional buckets of key position - query position, as MPNet computes them: half the
+    buckets for keys before the query, half for keys after; in each half, distances below a quarter
+    of the buckets get one each, larger ones share logarithmically wider buckets up to max_distance."""
+    n = -relative
+    half = buckets // 2
+    bucket = (n < 0).to(torch.long) * half
+    n = n.abs()
+    exact = half // 2
+    is_small = n < exact
+    # log(0) is -inf for n = 0; is_small picks the exact bucket there, as transformers' code does
+    large = exact + (torch.log(n.float() / exact) / math.log(max_distance / exact) * (half - exact)).to(torch.long)
+    large = torch.min(large, torch.full_like(large, half - 1))
+    return bucket + torch.where(is_small, n, large)
+
+
+class RelativePositionBias(nn.Module):
+    """One (rows, heads) table of score biases for every layer, indexed by the bucket of each key's
+    position relative to its query (MPNet's relative_attention_bias)."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.table = nn.Embedding(config.relative_buckets, config.n_heads)
+        self.bucketing, self.max_distance = config.relative_bucketing, config.relative_max_distance
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (B, T) -> the bias (B, heads, T, T) of key j for query i."""
+        relative = positions[:, None, :] - positions[:, :, None]  # (B, Tq, Tk): key - query
+        buckets = relative_position_bucket(relative, self.bucketing, self.max_distance)
+        return self.table(buckets).permute(0, 3, 1, 2)  # (B, heads, Tq, Tk)
 
 
 def sinusoidal_positions(n_positions: int, d_model: int) -> torch.Tensor:
@@ -311,6 +349,7 @@ class Encoder(nn.Module):
         self.config = config
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_layers))
+        self.relative = RelativePositionBias(config) if config.relative_buckets else None
         # Pre-norm leaves the residual stream un-normalised; one final LayerNorm fixes that.
         self.final_norm = (
             nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
@@ -324,9 +363,12 @@ class Encoder(nn.Module):
         token_type_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self.embeddings(input_ids, token_type_ids, attention_mask)  # (B, T, d_model)
+        bias = None
+        if self.relative is not None:  # computed once from token indexes, as MPNet does, for every layer
+            bias = self.relative(torch.arange(input_ids.size(1), device=input_ids.device)[None])  # (1, H, T, T)
         all_weights = []
         for layer in self.layers:
-            x, weights = layer(x, attention_mask)
+            x, weights = layer(x, attention_mask, bias=bias)
             all_weights.append(weights)  # (B, heads, T, T)
         x = self.final_norm(x)
         embedding = self.finish(pool(x, attention_mask, self.config.pooling))  # (B, sentence_dim)
@@ -359,8 +401,10 @@ class Encoder(nn.Module):
         """
         x = self.embeddings(input_ids, token_type_ids, position_ids=position_ids)  # (1, T, d_model)
         own_segment = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # (1, 1, T, T)
+        # within a text, position differences are index differences; across texts the mask hides them
+        bias = self.relative(position_ids) if self.relative is not None else None
         for layer in self.layers:
-            x, _ = layer(x, None, own_segment)
+            x, _ = layer(x, None, own_segment, bias)
         x = self.final_norm(x)
         # a weighted sum rather than a matrix product: OpenVINO at bf16 runs matrix products in bf16,
         # and a bf16 pooling product cost short texts fidelity (gate minimum cosine 0.99982, here 0.99995)

@@ -46,6 +46,23 @@ _DISTILBERT_RENAMES = (
     (r"^transformer\.layer\.(\d+)\.output_layer_norm\.", r"layers.\1.norm2."),
 )
 
+# MPNet (transformers' modeling_mpnet.py): BERT's embeddings without token types, attention under
+# `attention.attn.{q,k,v,o}` with its LayerNorm one level up, and one relative-position table
+_MPNET_RENAMES = (
+    (r"^embeddings\.word_embeddings\.", "embeddings.token."),
+    (r"^embeddings\.position_embeddings\.", "embeddings.position."),
+    (r"^embeddings\.LayerNorm\.", "embeddings.norm."),
+    (r"^encoder\.relative_attention_bias\.", "relative.table."),
+    (r"^encoder\.layer\.(\d+)\.attention\.attn\.q\.", r"layers.\1.attention.w_q."),
+    (r"^encoder\.layer\.(\d+)\.attention\.attn\.k\.", r"layers.\1.attention.w_k."),
+    (r"^encoder\.layer\.(\d+)\.attention\.attn\.v\.", r"layers.\1.attention.w_v."),
+    (r"^encoder\.layer\.(\d+)\.attention\.attn\.o\.", r"layers.\1.attention.w_o."),
+    (r"^encoder\.layer\.(\d+)\.attention\.LayerNorm\.", r"layers.\1.norm1."),
+    (r"^encoder\.layer\.(\d+)\.intermediate\.dense\.", r"layers.\1.ffn.linear1."),
+    (r"^encoder\.layer\.(\d+)\.output\.dense\.", r"layers.\1.ffn.linear2."),
+    (r"^encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"layers.\1.norm2."),
+)
+
 # Checkpoint tensors each family knows and deliberately does not use, with the reason (patterns
 # match names after the family's prefix is removed; the export lists every tensor so skipped).
 _INDEX_BUFFERS = {
@@ -115,6 +132,31 @@ def _bert_like_fields(raw: dict, model_type: str, config_path: Path) -> dict:
     return fields
 
 
+# MPNet counts positions from padding_idx + 1 over real tokens, with padding_idx fixed at 1 in its code
+_MPNET_PADDING_IDX = 1
+
+
+def _mpnet_fields(raw: dict, model_type: str, config_path: Path) -> dict:
+    """MPNet's config keys: BERT's names, no token types, positions as RoBERTa counts them (from 2),
+    and the relative-position table (relative_attention_num_buckets rows)."""
+    return dict(
+        vocab_size=raw["vocab_size"],
+        d_model=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=raw["num_attention_heads"],
+        d_ff=raw["intermediate_size"],
+        max_positions=raw["max_position_embeddings"],
+        type_vocab_size=0,
+        layer_norm_eps=config_value(raw, "layer_norm_eps", 1e-12),
+        dropout=config_value(raw, "hidden_dropout_prob", 0.1),
+        attention_dropout=config_value(raw, "attention_probs_dropout_prob", 0.1),
+        activation=_activation(raw, "hidden_act", config_path),
+        pad_token_id=config_value(raw, "pad_token_id", 1),
+        position_offset=_MPNET_PADDING_IDX + 1,
+        relative_buckets=config_value(raw, "relative_attention_num_buckets", 32),
+    )
+
+
 def _distilbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
     """DistilBERT's own config keys; no token types, LayerNorm eps fixed at 1e-12 in its code."""
     return dict(
@@ -182,6 +224,8 @@ FAMILIES = (
     Family("CamemBERT", ("camembert",), "roberta.", _BERT_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD, _bert_like_fields),
     Family("DistilBERT", ("distilbert",), "distilbert.", _DISTILBERT_RENAMES, _DISTILBERT_IGNORED, _DISTILBERT_HEAD, _distilbert_fields),
     Family("ELECTRA", ("electra",), "electra.", _ELECTRA_RENAMES, _ELECTRA_IGNORED, _ELECTRA_HEAD, _bert_like_fields),
+    # MPNetClassificationHead is RoBERTa's: dense, tanh, out_proj on the first token, dropout before each
+    Family("MPNet", ("mpnet",), "mpnet.", _MPNET_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD, _mpnet_fields),
 )
 SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
 _ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")

@@ -33,6 +33,8 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "distilbert": ("DistilBertForMaskedLM", "wordpiece", "own weight names, no token types, no pooler, MLM head"),
     "distilbert-sinusoidal": ("DistilBertModel", "wordpiece", "DistilBERT with sinusoidal_pos_embds=True"),
     "electra": ("ElectraForPreTraining", "wordpiece", "discriminator: embedding_size 16 projected to hidden 32"),
+    "mpnet": ("MPNetForMaskedLM", "unigram", "relative-position buckets on every layer's scores, positions from 2, "
+              "no token types, lm_head"),
 }
 # family -> the transformers class of its sequence classifier (make_classifier)
 CLASSIFIERS: dict[str, str] = {
@@ -43,6 +45,7 @@ CLASSIFIERS: dict[str, str] = {
     "distilbert": "DistilBertForSequenceClassification",
     "distilbert-sinusoidal": "DistilBertForSequenceClassification",
     "electra": "ElectraForSequenceClassification",
+    "mpnet": "MPNetForSequenceClassification",
 }
 POOLINGS = ("mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 MAX_TOKENS = 64  # the longest input, special tokens included
@@ -193,6 +196,11 @@ def _config(family: str, vocab_size: int, specials: dict[str, int], max_tokens: 
         )
     if family == "electra":
         return transformers.ElectraConfig(**bert_like, embedding_size=16, max_position_embeddings=max_tokens)
+    if family == "mpnet":  # padding_idx is 1 in MPNet's code: the Unigram tokenizer's <pad> is 1 too
+        assert specials["pad"] == 1, specials
+        return transformers.MPNetConfig(**bert_like, max_position_embeddings=max_tokens + 2,
+                                        relative_attention_num_buckets=32, bos_token_id=specials["bos"],
+                                        eos_token_id=specials["eos"])
     raise AssertionError(family)
 
 

@@ -45,7 +45,7 @@ TEXTS = [
 # The pooling each family's bundle is exported with: every mode goes through ONNX at least twice.
 BUNDLE_POOLING = {
     "bert": "mean", "roberta": "cls", "xlm-roberta": "max", "camembert": "mean",
-    "distilbert": "cls", "distilbert-sinusoidal": "max", "electra": "mean",
+    "distilbert": "cls", "distilbert-sinusoidal": "max", "electra": "mean", "mpnet": "mean",
 }
 EXPECTED = {  # family name, pad id, position offset, embedding width, token types, position kind
     "bert": ("BERT", 0, 0, 32, 2, "learned"),
@@ -54,6 +54,7 @@ EXPECTED = {  # family name, pad id, position offset, embedding width, token typ
     "camembert": ("CamemBERT", 1, 2, 32, 1, "learned"),
     "distilbert": ("DistilBERT", 0, 0, 32, 0, "learned"),
     "distilbert-sinusoidal": ("DistilBERT", 0, 0, 32, 0, "sinusoidal"),
+    "mpnet": ("MPNet", 1, 2, 32, 0, "learned"),
     "electra": ("ELECTRA", 0, 0, 16, 2, "learned"),
 }
 

@@ -35,7 +35,7 @@ from export.pipeline import ExportOptions, build_bundle
 from tests.families import MAX_TOKENS, classifier_labels, make_checkpoint, make_classifier
 
 # one per family the loader knows: BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT, ELECTRA
-FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra")
+FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "mpnet")
 LABEL_COUNTS = (1, 3)  # a cross-encoder's single score, and a three-way classifier
 PYTORCH_TOLERANCE = 1e-5
 ONNX_TOLERANCE = 1e-4
@@ -62,6 +62,7 @@ HEAD_TENSORS = {
     "xlm-roberta": "classifier.dense.weight",
     "camembert": "classifier.out_proj.weight",
     "distilbert": "pre_classifier.bias",
+    "mpnet": "classifier.dense.bias",
     "electra": "classifier.dense.bias",
 }
 
@@ -141,8 +142,9 @@ def check_classifier_bundle(out: Path, family: str, num_labels: int, directory: 
     assert (m.model.pooling, m.model.normalize, m.model.embedding_dim) == ("cls", False, None)
     assert tuple(m.graph.outputs) == CLASSIFIER_OUTPUT_NAMES and set(m.variants) == {"fp32"}
     assert tuple(m.variants["fp32"].outputs) == CLASSIFIER_ENCODINGS_OUTPUT_NAMES
-    # the head leaves the optimizer's fusions as they are: every attention layer but ELECTRA's first
-    assert m.variants["fp32"].fusions["Attention"] == (1 if family == "electra" else 2)
+    # the head leaves the optimizer's fusions as they are: every attention layer but ELECTRA's first, and
+    # none of MPNet's (the optimizer's BERT attention pattern has no relative-position bias)
+    assert m.variants["fp32"].fusions.get("Attention", 0) == {"electra": 1, "mpnet": 0}.get(family, 2)
     for report in (m.parity, m.variants["fp32"].parity):
         assert report.passed and "logits" in {o.output for o in report.outputs}
         assert all(o.values > 0 and o.max_abs_diff <= DEFAULT_ATOL for o in report.outputs)
