@@ -468,6 +468,9 @@ def load_checkpoint(spec: str | Path, name: str | None = None,
     classifies = _is_classifier((raw.get("architectures") or [""])[0])
     modules = _cross_encoder_modules(directory) if classifies else _sentence_modules(directory)
     config, architecture, family = _read_config(directory, modules.pooling, modules.normalize, modules.dense)
+    if classifies and family.head is None:
+        raise CheckpointError(f"{directory / 'config.json'}: {architecture} is not supported: the {family.name} "
+                              "family loads as an embedding model only")
     head = _classifier_config(raw, family, directory / "config.json") if classifies else None
     weights, weights_path = read_weights(directory)
     if head is not None and (missing := [t for t in family.head.tensors() if t not in weights]):

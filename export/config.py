@@ -7,10 +7,12 @@ from typing import Literal
 
 from bundle.manifest import Pooling, ScoreActivation
 
-Activation = Literal["gelu", "gelu_tanh", "relu"]
+Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
 # what a sentence-transformers Dense module applies after its linear map
 DenseActivation = Literal["identity", "tanh", "relu", "gelu", "sigmoid"]
-PositionKind = Literal["learned", "sinusoidal"]
+# rotary: no table; queries and keys are rotated by their positions in every layer (RoPE)
+PositionKind = Literal["learned", "sinusoidal", "rotary"]
+NormKind = Literal["layernorm", "rmsnorm"]
 # what a sequence-classification head applies after its dense layer (BERT's pooler and RoBERTa: tanh,
 # DistilBERT: ReLU, ELECTRA: exact GELU)
 HeadActivation = Literal["tanh", "relu", "gelu"]
@@ -88,10 +90,24 @@ class EncoderConfig:
     # quarter, logarithmic up to max_distance (transformers' MPNet always buckets with 32 and 128)
     relative_bucketing: int = 32
     relative_max_distance: int = 128
+    # The choices of newer families (../shared/DESIGN.md, "Families as blocks"):
+    n_kv_heads: int | None = None  # grouped-query attention: key/value heads shared by n_heads / n_kv_heads queries
+    head_dim: int | None = None  # per-head width when it is not d_model / n_heads (Qwen3)
+    rope_theta: float = 10000.0  # the rotary base, with position_kind "rotary"
+    norm: NormKind = "layernorm"  # RMSNorm: x / rms(x) * w, no centring, no bias (Llama, Qwen)
+    qk_norm: bool = False  # a norm over each head's queries and keys before the rotation (Qwen3)
+    bias: bool = True  # biases on the attention and feed-forward projections
+    gated_mlp: bool = False  # down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu
+    causal: bool = False  # a token attends only to itself and the tokens before it (decoder embedders)
+    embedding_norm: bool = True  # a norm after the embeddings (BERT's; decoders have none)
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads != 0:
+        if self.head_dim is None and self.d_model % self.n_heads != 0:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.kv_heads != 0:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
+        if self.position_kind == "rotary" and self.d_k % 2 != 0:
+            raise ValueError(f"rotary positions need an even head width, got {self.d_k}")
         if self.position_kind == "sinusoidal" and self.d_embed % 2 != 0:
             raise ValueError(f"sinusoidal positions need an even embedding width, got {self.d_embed}")
         if self.embedding_size is not None and self.embedding_size <= 0:
@@ -108,7 +124,11 @@ class EncoderConfig:
 
     @property
     def d_k(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     @property
     def sentence_dim(self) -> int:

@@ -9,6 +9,7 @@ export, so every step is visible here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,11 +78,56 @@ def attention_mask(
     return mask
 
 
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, in float32: no centring and no bias (Llama's, Qwen's)."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def make_norm(config: EncoderConfig, width: int) -> nn.Module:
+    """The family's norm: LayerNorm (BERT's) or RMSNorm."""
+    return RMSNorm(width, config.layer_norm_eps) if config.norm == "rmsnorm" else nn.LayerNorm(width, eps=config.layer_norm_eps)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (B, heads, T, d_k): each pair (x_i, x_{i + d/2}) turned by its position times its frequency."""
+    half = x.size(-1) // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated_half * sin
+
+
+class RotaryPositions(nn.Module):
+    """cos and sin of position * inv_freq, inv_freq_i = theta^(-2i/d): what `rotate` turns queries and
+    keys by, so that their product depends on the distance between their positions only."""
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        d = config.d_k
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, T) -> cos, sin (B, 1, T, d_k), broadcast over heads."""
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, d/2)
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, d)
+        return angles.cos(), angles.sin()
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention over separate query, key and value inputs (self- or cross-attention).
 
     Inputs may have their own widths (query_dim, key_dim, value_dim); each is projected to
-    d_model, split into n_heads of d_k = d_model / n_heads, attended, joined and passed through W_o.
+    n_heads of d_k (d_model / n_heads unless head_dim says), attended, joined and passed through W_o
+    back to d_model. Keys and values may have fewer heads (n_kv_heads: grouped-query attention, each
+    shared by n_heads / n_kv_heads query heads); `qk_norm` normalises each head's queries and keys.
     """
 
     def __init__(
@@ -93,19 +139,25 @@ class MultiHeadAttention(nn.Module):
         key_dim: int | None = None,
         value_dim: int | None = None,
         bias: bool = True,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qk_norm: Callable[[int], nn.Module] | None = None,
     ) -> None:
         super().__init__()
-        assert d_model % n_heads == 0, f"d_model {d_model} not divisible by n_heads {n_heads}"
-        self.d_model, self.n_heads, self.d_k = d_model, n_heads, d_model // n_heads
-        self.w_q = nn.Linear(query_dim or d_model, d_model, bias=bias)
-        self.w_k = nn.Linear(key_dim or d_model, d_model, bias=bias)
-        self.w_v = nn.Linear(value_dim or d_model, d_model, bias=bias)
-        self.w_o = nn.Linear(d_model, d_model, bias=bias)
+        assert head_dim or d_model % n_heads == 0, f"d_model {d_model} not divisible by n_heads {n_heads}"
+        self.d_model, self.n_heads, self.d_k = d_model, n_heads, head_dim or d_model // n_heads
+        self.n_kv_heads = n_kv_heads or n_heads
+        self.w_q = nn.Linear(query_dim or d_model, n_heads * self.d_k, bias=bias)
+        self.w_k = nn.Linear(key_dim or d_model, self.n_kv_heads * self.d_k, bias=bias)
+        self.w_v = nn.Linear(value_dim or d_model, self.n_kv_heads * self.d_k, bias=bias)
+        self.w_o = nn.Linear(n_heads * self.d_k, d_model, bias=bias)
+        self.q_norm = qk_norm(self.d_k) if qk_norm else None
+        self.k_norm = qk_norm(self.d_k) if qk_norm else None
         self.dropout = nn.Dropout(dropout)
 
-    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+    def split_heads(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         B, T, _ = x.size()
-        return x.view(B, T, self.n_heads, self.d_k).transpose(1, 2)  # (B, heads, T, d_k)
+        return x.view(B, T, heads or self.n_heads, self.d_k).transpose(1, 2)  # (B, heads, T, d_k)
 
     def forward(
         self,
@@ -117,40 +169,53 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         mask: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query (B, Tq, Dq), key (B, Tk, Dk), value (B, Tk, Dv) -> (B, Tq, d_model), (B, heads, Tq, Tk).
 
         mask: a boolean mask broadcastable to (B, heads, Tq, Tk), true where a query may attend a key,
         for what the three ways above cannot say (packed texts: each attends only its own tokens).
         bias: added to the scores, broadcastable to (B, heads, Tq, Tk) (relative positions).
+        rotary: (cos, sin) of the positions (self-attention), which queries and keys are turned by.
         """
         B, Tq, _ = query.size()
         Tk = key.size(1)
         q = self.split_heads(self.w_q(query))  # (B, heads, Tq, d_k)
-        k = self.split_heads(self.w_k(key))  # (B, heads, Tk, d_k)
-        v = self.split_heads(self.w_v(value))  # (B, heads, Tk, d_k)
+        k = self.split_heads(self.w_k(key), self.n_kv_heads)  # (B, kv_heads, Tk, d_k)
+        v = self.split_heads(self.w_v(value), self.n_kv_heads)  # (B, kv_heads, Tk, d_k)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is not None:
+            q, k = rotate(q, *rotary), rotate(k, *rotary)
+        if self.n_kv_heads != self.n_heads:  # each key/value head serves n_heads / n_kv_heads query heads
+            group = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         hidden = attention_mask(Tq, Tk, query.device, key_padding_mask, valid_lens, causal)
         mask = hidden if mask is None else mask if hidden is None else mask & hidden
         context, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout, bias)
-        context = context.transpose(1, 2).contiguous().view(B, Tq, self.d_model)  # (B, Tq, d_model)
+        context = context.transpose(1, 2).contiguous().view(B, Tq, self.n_heads * self.d_k)
         return self.w_o(context), weights
 
 
 class FeedForward(nn.Module):
-    """Position-wise feed-forward: the same two-layer MLP applied to every token."""
+    """Position-wise feed-forward: the same two-layer MLP applied to every token, linear2(act(linear1(x))),
+    or gated (gated_mlp: SwiGLU with silu, GeGLU with gelu), linear2(act(linear1(x)) * up(x))."""
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
-        self.linear1 = nn.Linear(config.d_model, config.d_ff)
-        self.linear2 = nn.Linear(config.d_ff, config.d_model)
+        self.linear1 = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias) if config.gated_mlp else None
+        self.linear2 = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
         self.activation = {
             "gelu": nn.GELU(),
             "gelu_tanh": nn.GELU(approximate="tanh"),
             "relu": nn.ReLU(),
+            "silu": nn.SiLU(),
         }[config.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear2(self.activation(self.linear1(x)))
+        h = self.activation(self.linear1(x))
+        return self.linear2(h * self.up(x) if self.up is not None else h)
 
 
 class EncoderLayer(nn.Module):
@@ -158,22 +223,26 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
-        self.norm_first = config.norm_first
-        self.attention = MultiHeadAttention(config.d_model, config.n_heads, config.attention_dropout)
-        self.norm1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.norm_first, self.causal = config.norm_first, config.causal
+        self.attention = MultiHeadAttention(
+            config.d_model, config.n_heads, config.attention_dropout, bias=config.bias, n_kv_heads=config.n_kv_heads,
+            head_dim=config.head_dim, qk_norm=(lambda width: make_norm(config, width)) if config.qk_norm else None)
+        self.norm1 = make_norm(config, config.d_model)
         self.ffn = FeedForward(config)
-        self.norm2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.norm2 = make_norm(config, config.d_model)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None,
-                mask: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, mask: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        attend = dict(key_padding_mask=key_padding_mask, mask=mask, bias=bias, rotary=rotary, causal=self.causal)
         if self.norm_first:  # pre-norm: x + Sublayer(LayerNorm(x))
             h = self.norm1(x)
-            attended, weights = self.attention(h, h, h, key_padding_mask=key_padding_mask, mask=mask, bias=bias)
+            attended, weights = self.attention(h, h, h, **attend)
             x = x + self.dropout(attended)
             x = x + self.dropout(self.ffn(self.norm2(x)))
         else:  # post-norm (BERT): LayerNorm(x + Sublayer(x))
-            attended, weights = self.attention(x, x, x, key_padding_mask=key_padding_mask, mask=mask, bias=bias)
+            attended, weights = self.attention(x, x, x, **attend)
             x = self.norm1(x + self.dropout(attended))
             x = self.norm2(x + self.dropout(self.ffn(x)))
         return x, weights
@@ -235,16 +304,18 @@ class Embeddings(nn.Module):
         if config.position_kind == "learned":
             self.position = nn.Embedding(config.max_positions, width)
             self.register_buffer("position_ids", torch.arange(config.max_positions)[None], persistent=False)
-        else:
+        elif config.position_kind == "sinusoidal":
             self.register_buffer("sinusoid", sinusoidal_positions(config.max_positions, width), persistent=False)
         if config.embedding_scale is not None:
             self.scale = config.embedding_scale
+        elif config.position_kind == "rotary":
+            self.scale = 1.0  # positions turn queries and keys in every layer; nothing is added here
         else:
             # "Attention Is All You Need" scales token embeddings by sqrt(d_model) so that the
             # fixed [-1, 1] positional signal does not drown them; learned positions need no scale.
             self.scale = 1.0 if config.position_kind == "learned" else math.sqrt(width)
         self.segment = nn.Embedding(config.type_vocab_size, width) if config.type_vocab_size else None
-        self.norm = nn.LayerNorm(width, eps=config.layer_norm_eps)
+        self.norm = make_norm(config, width) if config.embedding_norm else nn.Identity()
         self.dropout = nn.Dropout(config.dropout)
         self.project = nn.Linear(width, config.d_model) if width != config.d_model else None
 
@@ -269,7 +340,9 @@ class Embeddings(nn.Module):
         position_offset); else they are those of right-padded rows, as each family counts them."""
         T = input_ids.size(1)
         x = self.token(input_ids) * self.scale  # (B, T, width)
-        if position_ids is not None:
+        if self.position_kind == "rotary":
+            pass  # RotaryPositions, in every layer's attention
+        elif position_ids is not None:
             x = x + (self.position(position_ids) if self.position_kind == "learned" else self.sinusoid[position_ids])
         elif self.position_offset:
             mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -350,10 +423,9 @@ class Encoder(nn.Module):
         self.embeddings = Embeddings(config)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_layers))
         self.relative = RelativePositionBias(config) if config.relative_buckets else None
-        # Pre-norm leaves the residual stream un-normalised; one final LayerNorm fixes that.
-        self.final_norm = (
-            nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
-        )
+        self.rotary = RotaryPositions(config) if config.position_kind == "rotary" else None
+        # Pre-norm leaves the residual stream un-normalised; one final norm fixes that.
+        self.final_norm = make_norm(config, config.d_model) if config.norm_first else nn.Identity()
         self.dense = nn.ModuleList(DenseHead(layer) for layer in config.dense)
 
     def forward(
@@ -363,12 +435,14 @@ class Encoder(nn.Module):
         token_type_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self.embeddings(input_ids, token_type_ids, attention_mask)  # (B, T, d_model)
-        bias = None
-        if self.relative is not None:  # computed once from token indexes, as MPNet does, for every layer
-            bias = self.relative(torch.arange(input_ids.size(1), device=input_ids.device)[None])  # (1, H, T, T)
+        # positions of right-padded rows: token indexes. Relative biases and rotations are computed once,
+        # for every layer, as MPNet and the RoPE families do
+        positions = torch.arange(input_ids.size(1), device=input_ids.device)[None]  # (1, T)
+        bias = self.relative(positions) if self.relative is not None else None  # (1, H, T, T)
+        rotary = self.rotary(positions) if self.rotary is not None else None  # cos, sin (1, 1, T, d_k)
         all_weights = []
         for layer in self.layers:
-            x, weights = layer(x, attention_mask, bias=bias)
+            x, weights = layer(x, attention_mask, bias=bias, rotary=rotary)
             all_weights.append(weights)  # (B, heads, T, T)
         x = self.final_norm(x)
         embedding = self.finish(pool(x, attention_mask, self.config.pooling))  # (B, sentence_dim)
@@ -403,8 +477,9 @@ class Encoder(nn.Module):
         own_segment = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # (1, 1, T, T)
         # within a text, position differences are index differences; across texts the mask hides them
         bias = self.relative(position_ids) if self.relative is not None else None
+        rotary = self.rotary(position_ids) if self.rotary is not None else None
         for layer in self.layers:
-            x, _ = layer(x, None, own_segment, bias)
+            x, _ = layer(x, None, own_segment, bias, rotary)
         x = self.final_norm(x)
         # a weighted sum rather than a matrix product: OpenVINO at bf16 runs matrix products in bf16,
         # and a bf16 pooling product cost short texts fidelity (gate minimum cosine 0.99982, here 0.99995)

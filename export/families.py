@@ -63,6 +63,28 @@ _MPNET_RENAMES = (
     (r"^encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"layers.\1.norm2."),
 )
 
+# Qwen3 (modeling_qwen3.py): a decoder, pre-RMSNorm, grouped-query attention with RMSNorm on each
+# head's queries and keys, RoPE, SwiGLU, no biases; Qwen3ForCausalLM keeps it under `model.`
+_QWEN3_RENAMES = (
+    (r"^embed_tokens\.", "embeddings.token."),
+    (r"^layers\.(\d+)\.self_attn\.q_proj\.", r"layers.\1.attention.w_q."),
+    (r"^layers\.(\d+)\.self_attn\.k_proj\.", r"layers.\1.attention.w_k."),
+    (r"^layers\.(\d+)\.self_attn\.v_proj\.", r"layers.\1.attention.w_v."),
+    (r"^layers\.(\d+)\.self_attn\.o_proj\.", r"layers.\1.attention.w_o."),
+    (r"^layers\.(\d+)\.self_attn\.q_norm\.", r"layers.\1.attention.q_norm."),
+    (r"^layers\.(\d+)\.self_attn\.k_norm\.", r"layers.\1.attention.k_norm."),
+    (r"^layers\.(\d+)\.input_layernorm\.", r"layers.\1.norm1."),
+    (r"^layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.norm2."),
+    (r"^layers\.(\d+)\.mlp\.gate_proj\.", r"layers.\1.ffn.linear1."),
+    (r"^layers\.(\d+)\.mlp\.up_proj\.", r"layers.\1.ffn.up."),
+    (r"^layers\.(\d+)\.mlp\.down_proj\.", r"layers.\1.ffn.linear2."),
+    (r"^norm\.", "final_norm."),
+)
+_QWEN3_IGNORED = {
+    re.compile(r"^lm_head\."): "the language-model head (next-token logits), not part of the embedder",
+    re.compile(r"^rotary_emb\."): "RoPE's frequencies, rebuilt from rope_theta by the encoder",
+}
+
 # Checkpoint tensors each family knows and deliberately does not use, with the reason (patterns
 # match names after the family's prefix is removed; the export lists every tensor so skipped).
 _INDEX_BUFFERS = {
@@ -157,6 +179,50 @@ def _mpnet_fields(raw: dict, model_type: str, config_path: Path) -> dict:
     )
 
 
+def _rope_theta(raw: dict, config_path: Path) -> float:
+    """The rotary base, from rope_parameters (transformers 5) or rope_theta (older configs); a scaled
+    RoPE (YaRN, linear, dynamic) is refused by name rather than computed wrong."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind != "default":
+        raise CheckpointError(f"{config_path}: rope_type {kind!r} is not supported (default RoPE only)")
+    return float(params.get("rope_theta") or config_value(raw, "rope_theta", 10000.0))
+
+
+def _qwen3_fields(raw: dict, model_type: str, config_path: Path) -> dict:
+    """Qwen3's config keys: a causal pre-RMSNorm decoder with GQA, QK-norm, RoPE and SwiGLU, no biases.
+    Sliding-window layers are refused (Qwen3-Embedding has none)."""
+    if raw.get("use_sliding_window") or any(t != "full_attention" for t in raw.get("layer_types") or []):
+        raise CheckpointError(f"{config_path}: sliding-window attention layers are not supported for qwen3")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{config_path}: hidden_act {raw['hidden_act']!r} is not supported for qwen3 (silu)")
+    return dict(
+        vocab_size=raw["vocab_size"],
+        d_model=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=raw["num_attention_heads"],
+        n_kv_heads=config_value(raw, "num_key_value_heads", raw["num_attention_heads"]),
+        head_dim=config_value(raw, "head_dim", raw["hidden_size"] // raw["num_attention_heads"]),
+        d_ff=raw["intermediate_size"],
+        max_positions=raw["max_position_embeddings"],
+        type_vocab_size=0,
+        layer_norm_eps=config_value(raw, "rms_norm_eps", 1e-6),
+        dropout=0.0,
+        attention_dropout=config_value(raw, "attention_dropout", 0.0),
+        activation="silu",
+        position_kind="rotary",
+        rope_theta=_rope_theta(raw, config_path),
+        norm="rmsnorm",
+        qk_norm=True,
+        bias=bool(raw.get("attention_bias", False)),
+        gated_mlp=True,
+        causal=True,
+        norm_first=True,
+        embedding_norm=False,
+        pad_token_id=config_value(raw, "pad_token_id", config_value(raw, "eos_token_id", 0)),
+    )
+
+
 def _distilbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
     """DistilBERT's own config keys; no token types, LayerNorm eps fixed at 1e-12 in its code."""
     return dict(
@@ -212,7 +278,7 @@ class Family:
     prefix: str  # the base model's attribute in task checkpoints ("roberta." in RobertaForMaskedLM)
     renames: tuple[tuple[str, str], ...]
     ignored: dict[re.Pattern, str] = field(hash=False)
-    head: HeadLayout  # its *ForSequenceClassification head
+    head: HeadLayout | None  # its *ForSequenceClassification head (None: not loaded yet)
     # config.json (raw, model_type, its path) -> EncoderConfig's fields: the choices this family makes
     fields: Callable[[dict, str, Path], dict] = field(hash=False, default=lambda raw, model_type, path: {})
 
@@ -226,6 +292,8 @@ FAMILIES = (
     Family("ELECTRA", ("electra",), "electra.", _ELECTRA_RENAMES, _ELECTRA_IGNORED, _ELECTRA_HEAD, _bert_like_fields),
     # MPNetClassificationHead is RoBERTa's: dense, tanh, out_proj on the first token, dropout before each
     Family("MPNet", ("mpnet",), "mpnet.", _MPNET_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD, _mpnet_fields),
+    # a decoder embedder (Qwen3-Embedding): pooled by its last token, the EOS its tokenizer appends
+    Family("Qwen3", ("qwen3",), "model.", _QWEN3_RENAMES, _QWEN3_IGNORED, None, _qwen3_fields),
 )
 SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
 _ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")

@@ -35,7 +35,11 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "electra": ("ElectraForPreTraining", "wordpiece", "discriminator: embedding_size 16 projected to hidden 32"),
     "mpnet": ("MPNetForMaskedLM", "unigram", "relative-position buckets on every layer's scores, positions from 2, "
               "no token types, lm_head"),
+    "qwen3": ("Qwen3ForCausalLM", "bytelevel-eos", "a decoder embedder: causal mask, GQA (4 query heads on 2), head_dim "
+              "16 apart from hidden / heads, QK-RMSNorm, RoPE, SwiGLU, no biases, an EOS appended, lm_head"),
 }
+# families whose sentence-transformers model pools otherwise by default (a decoder: its last token, the EOS)
+DEFAULT_POOLING = {"qwen3": "lasttoken"}
 # family -> the transformers class of its sequence classifier (make_classifier)
 CLASSIFIERS: dict[str, str] = {
     "bert": "BertForSequenceClassification",
@@ -196,6 +200,12 @@ def _config(family: str, vocab_size: int, specials: dict[str, int], max_tokens: 
         )
     if family == "electra":
         return transformers.ElectraConfig(**bert_like, embedding_size=16, max_position_embeddings=max_tokens)
+    if family == "qwen3":
+        return transformers.Qwen3Config(
+            vocab_size=vocab_size, hidden_size=_HIDDEN, num_hidden_layers=_LAYERS, num_attention_heads=_HEADS,
+            num_key_value_heads=_HEADS // 2, head_dim=16, intermediate_size=_FFN, max_position_embeddings=max_tokens,
+            pad_token_id=specials["pad"], eos_token_id=specials["eos"], bos_token_id=None, rope_theta=1000.0,
+            tie_word_embeddings=False)
     if family == "mpnet":  # padding_idx is 1 in MPNet's code: the Unigram tokenizer's <pad> is 1 too
         assert specials["pad"] == 1, specials
         return transformers.MPNetConfig(**bert_like, max_position_embeddings=max_tokens + 2,
@@ -252,6 +262,20 @@ def _tokenizer(kind: str) -> tuple[str, dict[str, str]]:
             ("</s>", tokenizer.token_to_id("</s>")), ("<s>", tokenizer.token_to_id("<s>")),
             trim_offsets=True, add_prefix_space=False,
         )
+    elif kind == "bytelevel-eos":  # Qwen's: byte-level BPE, no BOS, <|endoftext|> appended (the EOS pooled)
+        names = {"eos": "<|endoftext|>", "pad": "<|endoftext|>", "unk": "<unk>", "mask": "<mask>"}
+        tokenizer = Tokenizer(BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=700, special_tokens=["<|endoftext|>", "<unk>", "<mask>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        )
+        tokenizer.train_from_iterator(CORPUS, trainer)
+        eos = tokenizer.token_to_id("<|endoftext|>")
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="$A <|endoftext|>", pair="$A <|endoftext|> $B:1 <|endoftext|>:1",
+            special_tokens=[("<|endoftext|>", eos)])
     elif kind in ("unigram", "unigram-camembert"):  # XLM-R, CamemBERT: sentencepiece Unigram, <s> $A </s>
         names = {"bos": "<s>", "pad": "<pad>", "eos": "</s>", "unk": "<unk>", "mask": "<mask>"}
         if kind == "unigram":  # XLM-R's fairseq order: <s> <pad> </s> <unk>, <mask> last
@@ -300,11 +324,13 @@ def _write_tokenizer(out: Path, tokenizer_json: str, names: dict[str, str], toke
         "pad_token": names["pad"],
         "unk_token": names["unk"],
         "mask_token": names["mask"],
-        "cls_token": names.get("cls") or names["bos"],
-        "sep_token": names.get("sep") or names["eos"],
     }
+    if "cls" in names or "bos" in names:  # a decoder's tokenizer (Qwen's) has neither
+        config |= {"cls_token": names.get("cls") or names["bos"], "sep_token": names.get("sep") or names["eos"]}
     if "bos" in names:
         config |= {"bos_token": names["bos"], "eos_token": names["eos"]}
+    elif "eos" in names:
+        config |= {"eos_token": names["eos"]}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 

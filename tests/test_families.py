@@ -46,6 +46,7 @@ TEXTS = [
 BUNDLE_POOLING = {
     "bert": "mean", "roberta": "cls", "xlm-roberta": "max", "camembert": "mean",
     "distilbert": "cls", "distilbert-sinusoidal": "max", "electra": "mean", "mpnet": "mean",
+    "qwen3": "lasttoken",
 }
 EXPECTED = {  # family name, pad id, position offset, embedding width, token types, position kind
     "bert": ("BERT", 0, 0, 32, 2, "learned"),
@@ -55,6 +56,7 @@ EXPECTED = {  # family name, pad id, position offset, embedding width, token typ
     "distilbert": ("DistilBERT", 0, 0, 32, 0, "learned"),
     "distilbert-sinusoidal": ("DistilBERT", 0, 0, 32, 0, "sinusoidal"),
     "mpnet": ("MPNet", 1, 2, 32, 0, "learned"),
+    "qwen3": ("Qwen3", 0, 0, 32, 0, "rotary"),
     "electra": ("ELECTRA", 0, 0, 16, 2, "learned"),
 }
 
@@ -117,7 +119,8 @@ def test_loads_into_our_encoder_and_matches_transformers(family, checkpoints, re
     assert ckpt.max_tokens == MAX_TOKENS and cfg.d_model == 32 and cfg.n_layers == 2 and cfg.n_heads == 4
     assert (ckpt.encoder.embeddings.project is not None) == (family == "electra")
     ids, mask = tokenize(ckpt.tokenizer_path, pad_id, ckpt.max_tokens)
-    assert mask.sum(1).max() == MAX_TOKENS and mask.sum(1).min() == 2 and not mask.all()  # padded batch
+    specials = 1 if family == "qwen3" else 2  # an empty text: [CLS] [SEP], or a decoder's EOS alone
+    assert mask.sum(1).max() == MAX_TOKENS and mask.sum(1).min() == specials and not mask.all()  # padded batch
     with torch.no_grad():
         hidden, _, attentions = ckpt.encoder(ids, mask, torch.zeros_like(ids))
     ref_hidden, ref_attentions = reference(checkpoints[family], ids, mask, reference_cache)

@@ -26,6 +26,7 @@ from tests.families import CORPUS, make_checkpoint
 TEXTS = list(CORPUS[:9]) + ["short", "a somewhat longer text that goes on for a while, with commas, and more words"]
 PROMPTS = {"query": "query: ", "document": "passage: ", "instruct": "Represent this sentence for retrieval: "}
 TOLERANCE = 1e-4
+QWEN_QUERY = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 
 
 def export(directory, out, **options):
@@ -85,10 +86,15 @@ def conventions(tmp_path_factory):
     keep = make_checkpoint("bert", root / "keep", pooling="cls", prompts=PROMPTS, default_prompt_name="query",
                            seed=1)
     plain = make_checkpoint("roberta", root / "plain", normalize=True)
+    # a decoder embedder as Qwen3-Embedding is used: last-token pooling, Normalize, an instruction for
+    # queries only, matryoshka sizes given at export
+    qwen3 = make_checkpoint("qwen3", root / "qwen3", pooling="lasttoken", normalize=True,
+                            prompts={"query": QWEN_QUERY, "document": ""})
     return {
-        "dirs": {"skip": skip, "keep": keep, "plain": plain},
+        "dirs": {"skip": skip, "keep": keep, "plain": plain, "qwen3": qwen3},
         "bundles": {"skip": export(skip, root / "b-skip"), "keep": export(keep, root / "b-keep"),
-                    "plain": export(plain, root / "b-plain", matryoshka_dimensions=None)},
+                    "plain": export(plain, root / "b-plain", matryoshka_dimensions=None),
+                    "qwen3": export(qwen3, root / "b-qwen3", matryoshka_dimensions=(32, 16))},
     }
 
 
@@ -124,7 +130,8 @@ def test_a_prompt_left_out_of_pooling_matches_sentence_transformers_packed_and_p
 def conventions_url(ray_serve, conventions):
     b = conventions["bundles"]
     deploy({"bundles": [{"path": str(b["skip"]), "name": "skip"}, {"path": str(b["keep"]), "name": "keep"},
-                        {"path": str(b["plain"]), "name": "plain"}], "num_cpus": 0.5},
+                        {"path": str(b["plain"]), "name": "plain"}, {"path": str(b["qwen3"]), "name": "qwen3"}],
+            "num_cpus": 0.5},
            "conventions", "/conventions", b["skip"])
     return f"{ray_serve.url}/conventions"
 
@@ -150,6 +157,27 @@ def test_prompt_name_input_type_and_the_default_prompt_over_http_match_sentence_
                    timeout=60)
     assert r.status_code == 200, r.text
     close(np.array([e["embedding"] for e in r.json()["data"]]), skip.encode(TEXTS, prompt_name="query"))
+
+
+def test_a_qwen3_embedder_with_its_query_prompt_and_matryoshka_sizes_is_sentence_transformers(
+        conventions, conventions_url):
+    """The issue's end-to-end case: a decoder embedder (last token, causal, GQA, RoPE) served with its
+    query instruction and cut to a trained size, against SentenceTransformer.encode."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(conventions["dirs"]["qwen3"]), device="cpu")
+    for extra, expected in (({"prompt_name": "query"}, st.encode(TEXTS, prompt_name="query")),
+                            ({"input_type": "document"}, st.encode(TEXTS, prompt_name="document")),
+                            ({"input_type": "query", "dimensions": 16},
+                             st.encode(TEXTS, prompt_name="query", truncate_dim=16))):
+        r = httpx.post(f"{conventions_url}/v1/embeddings", json={"model": "qwen3", "input": TEXTS, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        ours = np.array([e["embedding"] for e in r.json()["data"]])
+        expected = expected / np.linalg.norm(expected, axis=1, keepdims=True)
+        np.testing.assert_allclose(ours, expected, atol=TOLERANCE, rtol=0, err_msg=str(extra))
+    r = httpx.post(f"{conventions_url}/v1/embeddings", json={"model": "qwen3", "input": "x", "dimensions": 8},
+                   timeout=30)
+    assert r.status_code == 400 and "supports dimensions 32, 16, not 8" in r.json()["error"]["message"], r.text
 
 
 def test_an_unknown_prompt_is_a_400_listing_the_models_prompts(conventions_url):
