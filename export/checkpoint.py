@@ -466,11 +466,11 @@ def load_checkpoint(spec: str | Path, name: str | None = None,
         raise CheckpointError(f"{tokenizer_path}: missing (a fast tokenizer file is required)")
     raw = _read_json(directory / "config.json")
     classifies = _is_classifier((raw.get("architectures") or [""])[0])
+    if classifies and (family := family_of(raw.get("model_type"), directory / "config.json")).head is None:
+        raise CheckpointError(f"{directory / 'config.json'}: {raw['architectures'][0]} is not supported: the "
+                              f"{family.name} family loads as an embedding model only")
     modules = _cross_encoder_modules(directory) if classifies else _sentence_modules(directory)
     config, architecture, family = _read_config(directory, modules.pooling, modules.normalize, modules.dense)
-    if classifies and family.head is None:
-        raise CheckpointError(f"{directory / 'config.json'}: {architecture} is not supported: the {family.name} "
-                              "family loads as an embedding model only")
     head = _classifier_config(raw, family, directory / "config.json") if classifies else None
     weights, weights_path = read_weights(directory)
     if head is not None and (missing := [t for t in family.head.tensors() if t not in weights]):

@@ -224,9 +224,10 @@ def test_an_unsupported_family_is_one_error_listing_the_supported_ones(model_typ
     assert "\n" not in message
     assert message.startswith(f"{directory / 'config.json'}: model_type {model_type!r} is not supported")
     for name, model_types in [("BERT", "bert"), ("RoBERTa", "roberta"), ("XLM-RoBERTa", "xlm-roberta"),
-                              ("CamemBERT", "camembert"), ("DistilBERT", "distilbert"), ("ELECTRA", "electra")]:
+                              ("CamemBERT", "camembert"), ("DistilBERT", "distilbert"), ("ELECTRA", "electra"),
+                              ("MPNet", "mpnet"), ("Qwen3", "qwen3")]:
         assert f"{name} ({model_types})" in message
-    assert len(LOADED_FAMILIES) == 6
+    assert len(LOADED_FAMILIES) == 8
 
 
 def test_roberta_positions_are_counted_over_real_tokens_from_padding_idx_plus_one(checkpoints):
@@ -360,3 +361,26 @@ def test_a_sentence_transformers_module_the_graph_does_not_compute_is_refused_by
     (directory / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(CheckpointError, match=re.escape(message)):
         load_checkpoint(directory)
+
+
+def test_what_a_decoder_family_does_not_load_yet_is_refused_by_name(checkpoints, tmp_path):
+    """A Qwen3 sequence classifier (the family loads as an embedder only), a scaled RoPE and sliding-window
+    layers: each one CheckpointError naming it, never a model that runs and answers wrong."""
+    import shutil
+
+    def edited(name: str, **changes) -> Path:
+        directory = shutil.copytree(checkpoints["qwen3"], tmp_path / name)
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, **changes}))
+        return directory
+
+    cases = {
+        "classifier": ({"architectures": ["Qwen3ForSequenceClassification"]},
+                       "Qwen3ForSequenceClassification is not supported: the Qwen3 family loads as an embedding model"),
+        "yarn": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+                 "rope_type 'yarn' is not supported"),
+        "sliding": ({"use_sliding_window": True, "sliding_window": 8}, "sliding-window attention layers"),
+    }
+    for name, (changes, message) in cases.items():
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            load_checkpoint(edited(name, **changes))
