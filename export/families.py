@@ -219,8 +219,14 @@ def _qwen3_fields(raw: dict, model_type: str, config_path: Path) -> dict:
         causal=True,
         norm_first=True,
         embedding_norm=False,
-        pad_token_id=config_value(raw, "pad_token_id", config_value(raw, "eos_token_id", 0)),
+        pad_token_id=_pad_id(raw),
     )
+
+
+def _pad_id(raw: dict) -> int:
+    """A decoder's padding id: its pad_token_id, else its (first) EOS; the mask hides padding anyway."""
+    pad = config_value(raw, "pad_token_id", config_value(raw, "eos_token_id", 0))
+    return int(pad[0] if isinstance(pad, list) else pad)
 
 
 def _distilbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
