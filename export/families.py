@@ -159,21 +159,11 @@ _MPNET_PADDING_IDX = 1
 
 
 def _mpnet_fields(raw: dict, model_type: str, config_path: Path) -> dict:
-    """MPNet's config keys: BERT's names, no token types, positions as RoBERTa counts them (from 2),
-    and the relative-position table (relative_attention_num_buckets rows)."""
-    return dict(
-        vocab_size=raw["vocab_size"],
-        d_model=raw["hidden_size"],
-        n_layers=raw["num_hidden_layers"],
-        n_heads=raw["num_attention_heads"],
-        d_ff=raw["intermediate_size"],
-        max_positions=raw["max_position_embeddings"],
+    """BERT's config keys, with no token types, positions as RoBERTa counts them (from 2) and the
+    relative-position table (relative_attention_num_buckets rows)."""
+    return _bert_like_fields(raw, model_type, config_path) | dict(
         type_vocab_size=0,
-        layer_norm_eps=config_value(raw, "layer_norm_eps", 1e-12),
-        dropout=config_value(raw, "hidden_dropout_prob", 0.1),
-        attention_dropout=config_value(raw, "attention_probs_dropout_prob", 0.1),
-        activation=_activation(raw, "hidden_act", config_path),
-        pad_token_id=config_value(raw, "pad_token_id", 1),
+        pad_token_id=config_value(raw, "pad_token_id", _MPNET_PADDING_IDX),
         position_offset=_MPNET_PADDING_IDX + 1,
         relative_buckets=config_value(raw, "relative_attention_num_buckets", 32),
     )
