@@ -26,7 +26,7 @@ from export.config import ClassifierConfig, DenseLayer, EncoderConfig
 from export.encoder import POOLINGS, Encoder, sinusoidal_positions
 from export.errors import CheckpointError
 from export.families import FAMILIES, SUPPORTED_MODEL_TYPES, Family, config_value, family_of  # noqa: F401 (re-exported)
-from export.heads import SequenceClassifier
+from export.heads import HEAD_ACTIVATIONS, SequenceClassifier
 
 DEFAULT_CHECKPOINT = "default"
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -248,12 +248,12 @@ def map_state_dict(
     """Rename a family's tensors to our parameter names; return (mapped, ignored names).
 
     head: a *ForSequenceClassification checkpoint, whose head tensors (BERT's pooler among them,
-    ignored otherwise) map onto `head.dense` and `head.out_proj`.
+    ignored otherwise) map onto `head.dense`, `head.norm` and `head.out_proj`.
     """
     mapped: dict[str, torch.Tensor] = {}
     ignored: list[str] = []
     unknown: list[str] = []
-    layers = ((family.head.dense, "head.dense."), (family.head.out_proj, "head.out_proj.")) if head else ()
+    layers = family.head.layers() if head else ()
     for name, tensor in weights.items():
         ours = next((target + name[len(source):] for source, target in layers if name.startswith(source)), None)
         if ours is not None:
@@ -265,9 +265,17 @@ def map_state_dict(
             ignored.append(name)
             continue
         for pattern, replacement in family.renames:
-            if re.search(pattern, key):
+            if not re.search(pattern, key):
+                continue
+            if isinstance(replacement, tuple):  # a fused projection: equal parts along its output rows
+                if tensor.size(0) % len(replacement):
+                    raise CheckpointError(f"{weights_path}: {name} has {tensor.size(0)} rows, not {len(replacement)} "
+                                          "equal parts of a fused projection")
+                for part, target in zip(tensor.chunk(len(replacement)), replacement):
+                    mapped[re.sub(pattern, target, key)] = part.contiguous()
+            else:
                 mapped[re.sub(pattern, replacement, key)] = tensor
-                break
+            break
         else:
             unknown.append(name)
     if unknown:
@@ -346,9 +354,10 @@ def _is_classifier(architecture: str) -> bool:
     return architecture.endswith("ForSequenceClassification")
 
 
-def _cross_encoder_modules(directory: Path) -> SentenceModules:
-    """A classifier reads the first token: sentence-transformers' CrossEncoder saves a modules.json
-    with its Transformer module only; a Pooling, Dense or other module has no place in a classifier."""
+def _cross_encoder_modules(directory: Path, raw: dict, family: Family) -> SentenceModules:
+    """A classifier reads the first token (or, where its family's config says so, the mean):
+    sentence-transformers' CrossEncoder saves a modules.json with its Transformer module only; a
+    Pooling, Dense or other module has no place in a classifier."""
     modules_path = directory / "modules.json"
     if modules_path.exists():
         types = [m.get("type", "") for m in _read_json(modules_path)]
@@ -356,7 +365,11 @@ def _cross_encoder_modules(directory: Path) -> SentenceModules:
         if others:
             raise CheckpointError(f"{modules_path}: module(s) {others} after a sequence classifier are not supported "
                                   "(its head reads the first token; a CrossEncoder has the Transformer module only)")
-    return SentenceModules(pooling="cls")
+    pooling = config_value(raw, family.head.pooling_key, "cls") if family.head.pooling_key else "cls"
+    if pooling not in ("cls", "mean"):
+        raise CheckpointError(f"{directory / 'config.json'}: {family.head.pooling_key} {pooling!r} is not supported "
+                              "(cls, mean)")
+    return SentenceModules(pooling=pooling)
 
 
 def _labels(raw: dict, config_path: Path) -> tuple[str, ...]:
@@ -414,9 +427,16 @@ def _classifier_config(raw: dict, family: Family, config_path: Path) -> Classifi
     allowed = ("single_label_classification", "multi_label_classification", "regression")
     if problem_type not in allowed:
         raise CheckpointError(f"{config_path}: problem_type {problem_type!r} is not one of {', '.join(allowed)}")
-    dropout = next((raw[k] for k in family.head.dropout_keys if raw.get(k) is not None), 0.1)
-    return ClassifierConfig(labels, problem_type, family.head.activation, dropout, family.head.input_dropout,
-                            _score_activation(raw, config_path.parent, len(labels)))
+    layout = family.head
+    dropout = next((raw[k] for k in layout.dropout_keys if raw.get(k) is not None), 0.1)
+    activation = config_value(raw, layout.activation_key, layout.activation) if layout.activation_key else layout.activation
+    if activation not in HEAD_ACTIVATIONS:
+        raise CheckpointError(f"{config_path}: {layout.activation_key} {activation!r} is not supported "
+                              f"({', '.join(HEAD_ACTIVATIONS)})")
+    dense_bias = bool(config_value(raw, layout.dense_bias_key, False)) if layout.dense_bias_key else True
+    return ClassifierConfig(labels, problem_type, activation, dropout, layout.input_dropout,
+                            _score_activation(raw, config_path.parent, len(labels)), dense_bias=dense_bias,
+                            norm=layout.norm is not None)
 
 
 def _prompts(directory: Path, tokenizer_path: Path) -> tuple[dict[str, str], str | None, dict[str, int]]:
@@ -469,11 +489,11 @@ def load_checkpoint(spec: str | Path, name: str | None = None,
     if classifies and (family := family_of(raw.get("model_type"), directory / "config.json")).head is None:
         raise CheckpointError(f"{directory / 'config.json'}: {raw['architectures'][0]} is not supported: the "
                               f"{family.name} family loads as an embedding model only")
-    modules = _cross_encoder_modules(directory) if classifies else _sentence_modules(directory)
+    modules = _cross_encoder_modules(directory, raw, family) if classifies else _sentence_modules(directory)
     config, architecture, family = _read_config(directory, modules.pooling, modules.normalize, modules.dense)
     head = _classifier_config(raw, family, directory / "config.json") if classifies else None
     weights, weights_path = read_weights(directory)
-    if head is not None and (missing := [t for t in family.head.tensors() if t not in weights]):
+    if head is not None and (missing := [t for t in family.head.tensors(head.dense_bias) if t not in weights]):
         raise CheckpointError(f"{weights_path}: missing tensor(s) {missing} of the {family.name} classification "
                               f"head ({architecture})")
     mapped, ignored = map_state_dict(weights, weights_path, family, head=head is not None)

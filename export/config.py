@@ -42,6 +42,8 @@ class ClassifierConfig:
     dropout: float = 0.1  # before out_proj, training only
     input_dropout: bool = False  # RoBERTa and ELECTRA also drop the first token's encoding before dense
     score_activation: ScoreActivation = "sigmoid"  # CrossEncoder.predict's activation_fn on the logits (not in the graph)
+    dense_bias: bool = True  # ModernBERT's head dense has none (classifier_bias false)
+    norm: bool = False  # a norm (the encoder's kind) after the activation: ModernBERT's prediction head
 
     def __post_init__(self) -> None:
         if not self.labels:
@@ -100,6 +102,14 @@ class EncoderConfig:
     gated_mlp: bool = False  # down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu
     causal: bool = False  # a token attends only to itself and the tokens before it (decoder embedders)
     embedding_norm: bool = True  # a norm after the embeddings (BERT's; decoders have none)
+    norm_bias: bool = True  # LayerNorm with a bias (ModernBERT's has none)
+    # the first layer attends its input as it is (ModernBERT: the embeddings are normed already), pre-norm only
+    first_attention_norm: bool = True
+    # Local attention (ModernBERT, Gemma 3): in the layers listed, a query attends only the keys at most
+    # sliding_window positions away, and RoPE turns them by local_rope_theta (None: rope_theta)
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None and self.d_model % self.n_heads != 0:
@@ -112,6 +122,9 @@ class EncoderConfig:
             raise ValueError(f"sinusoidal positions need an even embedding width, got {self.d_embed}")
         if self.embedding_size is not None and self.embedding_size <= 0:
             raise ValueError(f"embedding_size must be positive, got {self.embedding_size}")
+        if self.sliding_layers and (self.sliding_window <= 0 or not all(0 <= i < self.n_layers for i in self.sliding_layers)):
+            raise ValueError(f"sliding layers {list(self.sliding_layers)} need a positive window and indexes below "
+                             f"{self.n_layers}, got window {self.sliding_window}")
         width = self.d_model
         for i, layer in enumerate(self.dense):
             if layer.in_features != width:

@@ -93,8 +93,10 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(config: EncoderConfig, width: int) -> nn.Module:
-    """The family's norm: LayerNorm (BERT's) or RMSNorm."""
-    return RMSNorm(width, config.layer_norm_eps) if config.norm == "rmsnorm" else nn.LayerNorm(width, eps=config.layer_norm_eps)
+    """The family's norm: LayerNorm (BERT's; without a bias for ModernBERT) or RMSNorm."""
+    if config.norm == "rmsnorm":
+        return RMSNorm(width, config.layer_norm_eps)
+    return nn.LayerNorm(width, eps=config.layer_norm_eps, bias=config.norm_bias)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -108,10 +110,10 @@ class RotaryPositions(nn.Module):
     """cos and sin of position * inv_freq, inv_freq_i = theta^(-2i/d): what `rotate` turns queries and
     keys by, so that their product depends on the distance between their positions only."""
 
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, theta: float) -> None:
         super().__init__()
         d = config.d_k
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,13 +223,15 @@ class FeedForward(nn.Module):
 class EncoderLayer(nn.Module):
     """Self-attention and feed-forward, each wrapped in a residual connection and LayerNorm."""
 
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, index: int = 0) -> None:
         super().__init__()
         self.norm_first, self.causal = config.norm_first, config.causal
         self.attention = MultiHeadAttention(
             config.d_model, config.n_heads, config.attention_dropout, bias=config.bias, n_kv_heads=config.n_kv_heads,
             head_dim=config.head_dim, qk_norm=(lambda width: make_norm(config, width)) if config.qk_norm else None)
-        self.norm1 = make_norm(config, config.d_model)
+        # ModernBERT's first layer attends its embeddings as they are: they leave a norm already
+        keep_norm1 = index > 0 or config.first_attention_norm or not config.norm_first
+        self.norm1 = make_norm(config, config.d_model) if keep_norm1 else nn.Identity()
         self.ffn = FeedForward(config)
         self.norm2 = make_norm(config, config.d_model)
         self.dropout = nn.Dropout(config.dropout)
@@ -262,6 +266,12 @@ def relative_position_bucket(relative: torch.Tensor, buckets: int, max_distance:
     large = exact + (torch.log(n.float() / exact) / math.log(max_distance / exact) * (half - exact)).to(torch.long)
     large = torch.min(large, torch.full_like(large, half - 1))
     return bucket + torch.where(is_small, n, large)
+
+
+def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """positions (B, T) -> (B, 1, T, T), true where key j lies at most `window` positions from query i
+    (a bidirectional sliding window: ModernBERT's local layers)."""
+    return ((positions[:, :, None] - positions[:, None, :]).abs() <= window)[:, None]
 
 
 class RelativePositionBias(nn.Module):
@@ -421,9 +431,13 @@ class Encoder(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = Embeddings(config)
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(EncoderLayer(config, i) for i in range(config.n_layers))
         self.relative = RelativePositionBias(config) if config.relative_buckets else None
-        self.rotary = RotaryPositions(config) if config.position_kind == "rotary" else None
+        rotary = config.position_kind == "rotary"
+        self.rotary = RotaryPositions(config, config.rope_theta) if rotary else None
+        # local layers: their own window and, where the family says so, their own rotary base
+        self.local_rotary = RotaryPositions(config, config.local_rope_theta) \
+            if rotary and config.sliding_layers and config.local_rope_theta is not None else self.rotary
         # Pre-norm leaves the residual stream un-normalised; one final norm fixes that.
         self.final_norm = make_norm(config, config.d_model) if config.norm_first else nn.Identity()
         self.dense = nn.ModuleList(DenseHead(layer) for layer in config.dense)
@@ -435,18 +449,29 @@ class Encoder(nn.Module):
         token_type_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self.embeddings(input_ids, token_type_ids, attention_mask)  # (B, T, d_model)
-        # positions of right-padded rows: token indexes. Relative biases and rotations are computed once,
-        # for every layer, as MPNet and the RoPE families do
+        # positions of right-padded rows: token indexes
         positions = torch.arange(input_ids.size(1), device=input_ids.device)[None]  # (1, T)
-        bias = self.relative(positions) if self.relative is not None else None  # (1, H, T, T)
-        rotary = self.rotary(positions) if self.rotary is not None else None  # cos, sin (1, 1, T, d_k)
         all_weights = []
-        for layer in self.layers:
-            x, weights = layer(x, attention_mask, bias=bias, rotary=rotary)
+        for layer, (mask, bias, rotary) in zip(self.layers, self.layer_inputs(positions, None)):
+            x, weights = layer(x, attention_mask, mask, bias, rotary)
             all_weights.append(weights)  # (B, heads, T, T)
         x = self.final_norm(x)
         embedding = self.finish(pool(x, attention_mask, self.config.pooling))  # (B, sentence_dim)
         return x, embedding, torch.stack(all_weights)  # attentions: (layers, B, heads, T, T)
+
+    def layer_inputs(self, positions: torch.Tensor, mask: torch.Tensor | None):
+        """Each layer's (mask, score bias, rotary cos/sin), computed once from the positions (B, T) for all
+        layers, as MPNet and the RoPE families do: local layers add their window to `mask` and rotate by
+        their own base."""
+        bias = self.relative(positions) if self.relative is not None else None  # (B, H, T, T)
+        rotary = self.rotary(positions) if self.rotary is not None else None  # cos, sin (B, 1, T, d_k)
+        local = None
+        if self.config.sliding_layers:
+            window = window_mask(positions, self.config.sliding_window)  # (B, 1, T, T)
+            local_rotary = rotary if self.local_rotary is self.rotary else self.local_rotary(positions)
+            local = (window if mask is None else mask & window, bias, local_rotary)
+        full = (mask, bias, rotary)
+        return [local if i in self.config.sliding_layers else full for i in range(len(self.layers))]
 
     def finish(self, pooled: torch.Tensor) -> torch.Tensor:
         """What follows pooling: the Dense projections and the L2 normalisation, (B, d_model) -> (B, sentence_dim)."""
@@ -475,11 +500,10 @@ class Encoder(nn.Module):
         """
         x = self.embeddings(input_ids, token_type_ids, position_ids=position_ids)  # (1, T, d_model)
         own_segment = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # (1, 1, T, T)
-        # within a text, position differences are index differences; across texts the mask hides them
-        bias = self.relative(position_ids) if self.relative is not None else None
-        rotary = self.rotary(position_ids) if self.rotary is not None else None
-        for layer in self.layers:
-            x, _ = layer(x, None, own_segment, bias, rotary)
+        # within a text, position differences are index differences (relative biases, rotations and
+        # windows alike); across texts the mask hides them
+        for layer, (mask, bias, rotary) in zip(self.layers, self.layer_inputs(position_ids, own_segment)):
+            x, _ = layer(x, None, mask, bias, rotary)
         x = self.final_norm(x)
         # a weighted sum rather than a matrix product: OpenVINO at bf16 runs matrix products in bf16,
         # and a bf16 pooling product cost short texts fidelity (gate minimum cosine 0.99982, here 0.99995)

@@ -17,6 +17,8 @@ _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "g
 
 # BERT's parameter names -> ours; RoBERTa, XLM-RoBERTa, CamemBERT and ELECTRA share them.
 # Anything that matches no rename of its family and is not ignored is an error naming the tensor.
+# A tuple of replacements is a fused projection: the tensor is cut into that many equal parts along
+# its output rows (weights and biases alike), in order, as transformers' own code splits it.
 _BERT_RENAMES = (
     (r"^embeddings\.word_embeddings\.", "embeddings.token."),
     (r"^embeddings\.position_embeddings\.", "embeddings.position."),
@@ -80,6 +82,24 @@ _QWEN3_RENAMES = (
     (r"^layers\.(\d+)\.mlp\.down_proj\.", r"layers.\1.ffn.linear2."),
     (r"^norm\.", "final_norm."),
 )
+# ModernBERT (modeling_modernbert.py): pre-norm, fused Wqkv, GeGLU in one Wi (input, then gate), no
+# position table; ModernBertForMaskedLM and the classifier keep it under `model.`
+_MODERNBERT_RENAMES = (
+    (r"^embeddings\.tok_embeddings\.", "embeddings.token."),
+    (r"^embeddings\.norm\.", "embeddings.norm."),
+    (r"^layers\.(\d+)\.attn_norm\.", r"layers.\1.norm1."),
+    (r"^layers\.(\d+)\.attn\.Wqkv\.",
+     (r"layers.\1.attention.w_q.", r"layers.\1.attention.w_k.", r"layers.\1.attention.w_v.")),
+    (r"^layers\.(\d+)\.attn\.Wo\.", r"layers.\1.attention.w_o."),
+    (r"^layers\.(\d+)\.mlp_norm\.", r"layers.\1.norm2."),
+    (r"^layers\.(\d+)\.mlp\.Wi\.", (r"layers.\1.ffn.linear1.", r"layers.\1.ffn.up.")),
+    (r"^layers\.(\d+)\.mlp\.Wo\.", r"layers.\1.ffn.linear2."),
+    (r"^final_norm\.", "final_norm."),
+)
+_MODERNBERT_IGNORED = {
+    re.compile(r"^head\."): "the masked-LM prediction head, not part of the encoder",
+    re.compile(r"^decoder\."): "the masked-LM decoder, not part of the encoder",
+}
 _QWEN3_IGNORED = {
     re.compile(r"^lm_head\."): "the language-model head (next-token logits), not part of the embedder",
     re.compile(r"^rotary_emb\."): "RoPE's frequencies, rebuilt from rope_theta by the encoder",
@@ -213,6 +233,56 @@ def _qwen3_fields(raw: dict, model_type: str, config_path: Path) -> dict:
     )
 
 
+_MODERNBERT_LAYER_TYPES = ("full_attention", "sliding_attention")
+_MODERNBERT_THETA = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}  # ModernBertConfig.default_theta
+
+
+def _modernbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
+    """ModernBERT's config keys, in the layout transformers 5 saves (layer_types, rope_parameters per
+    layer type) and the original one (global_attn_every_n_layers, global/local_rope_theta): pre-norm
+    without biases, a sliding window of local_attention // 2 each way on the local layers, GeGLU."""
+    n_layers = raw["num_hidden_layers"]
+    every = config_value(raw, "global_attn_every_n_layers", 3)
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if i % every else "full_attention" for i in range(n_layers)]
+    if len(layer_types) != n_layers or not set(layer_types) <= set(_MODERNBERT_LAYER_TYPES):
+        raise CheckpointError(f"{config_path}: layer_types {layer_types} is not one of "
+                              f"{'/'.join(_MODERNBERT_LAYER_TYPES)} per layer")
+    params = raw.get("rope_parameters") or {}
+    theta = {}
+    for kind, old_key in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
+        kind_params = params.get(kind) or {}
+        if (kind_params.get("rope_type") or "default") != "default" or raw.get("rope_scaling"):
+            raise CheckpointError(f"{config_path}: a scaled RoPE on {kind} layers is not supported (default RoPE only)")
+        theta[kind] = float(kind_params.get("rope_theta") or config_value(raw, old_key, _MODERNBERT_THETA[kind]))
+    if bool(raw.get("attention_bias", False)) != bool(raw.get("mlp_bias", False)):
+        raise CheckpointError(f"{config_path}: attention_bias and mlp_bias must agree (the encoder has one bias switch)")
+    return dict(
+        vocab_size=raw["vocab_size"],
+        d_model=raw["hidden_size"],
+        n_layers=n_layers,
+        n_heads=raw["num_attention_heads"],
+        d_ff=raw["intermediate_size"],
+        max_positions=config_value(raw, "max_position_embeddings", 8192),
+        type_vocab_size=0,
+        layer_norm_eps=config_value(raw, "norm_eps", 1e-5),
+        dropout=0.0,
+        attention_dropout=config_value(raw, "attention_dropout", 0.0),
+        activation=_activation(raw, "hidden_activation", config_path),
+        position_kind="rotary",
+        rope_theta=theta["full_attention"],
+        local_rope_theta=theta["sliding_attention"],
+        sliding_window=config_value(raw, "local_attention", 128) // 2,
+        sliding_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
+        norm_bias=bool(raw.get("norm_bias", False)),
+        bias=bool(raw.get("attention_bias", False)),
+        gated_mlp=True,
+        norm_first=True,
+        first_attention_norm=False,
+        pad_token_id=config_value(raw, "pad_token_id", 50283),
+    )
+
+
 def _pad_id(raw: dict) -> int:
     """A decoder's padding id: its pad_token_id, else its (first) EOS; the mask hides padding anyway."""
     pad = config_value(raw, "pad_token_id", config_value(raw, "eos_token_id", 0))
@@ -250,9 +320,20 @@ class HeadLayout:
     activation: str  # ClassifierConfig.activation
     input_dropout: bool  # dropout on the first token's encoding before dense, too
     dropout_keys: tuple[str, ...]  # config.json keys of the head's dropout rate, the first set one wins
+    norm: str | None = None  # a norm after the activation (ModernBERT's prediction head)
+    activation_key: str | None = None  # config.json's key for the activation, when the family has one
+    pooling_key: str | None = None  # config.json's key for what the head reads ("cls" or "mean")
+    dense_bias_key: str | None = None  # config.json's key for the dense layer's bias (default: it has one)
 
-    def tensors(self) -> tuple[str, ...]:
-        return tuple(f"{layer}{kind}" for layer in (self.dense, self.out_proj) for kind in ("weight", "bias"))
+    def tensors(self, dense_bias: bool = True) -> tuple[str, ...]:
+        """The tensors such a head has (a norm's bias, which the encoder's norm_bias decides, is checked on load)."""
+        weights = tuple(f"{layer}weight" for layer in (self.dense, self.norm, self.out_proj) if layer)
+        return (*weights, *((f"{self.dense}bias",) if dense_bias else ()), f"{self.out_proj}bias")
+
+    def layers(self) -> tuple[tuple[str, str], ...]:
+        """(checkpoint prefix, our prefix) of each of its layers."""
+        ours = ((self.dense, "head.dense."), (self.norm, "head.norm."), (self.out_proj, "head.out_proj."))
+        return tuple((source, target) for source, target in ours if source)
 
 
 _CLASSIFIER_DROPOUT = ("classifier_dropout", "hidden_dropout_prob")
@@ -263,6 +344,11 @@ _ROBERTA_HEAD = HeadLayout("classifier.dense.", "classifier.out_proj.", "tanh", 
 _DISTILBERT_HEAD = HeadLayout("pre_classifier.", "classifier.", "relu", False, ("seq_classif_dropout",))
 # ElectraClassificationHead calls get_activation("gelu"), whatever the config's hidden_act says
 _ELECTRA_HEAD = HeadLayout("classifier.dense.", "classifier.out_proj.", "gelu", True, _CLASSIFIER_DROPOUT)
+# ModernBertForSequenceClassification: pooled (classifier_pooling), then ModernBertPredictionHead
+# (dense, classifier_activation, norm), dropout and `classifier`
+_MODERNBERT_HEAD = HeadLayout("head.dense.", "classifier.", "gelu", False, ("classifier_dropout",), norm="head.norm.",
+                              activation_key="classifier_activation", pooling_key="classifier_pooling",
+                              dense_bias_key="classifier_bias")
 
 
 @dataclass(frozen=True)
@@ -272,7 +358,7 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     prefix: str  # the base model's attribute in task checkpoints ("roberta." in RobertaForMaskedLM)
-    renames: tuple[tuple[str, str], ...]
+    renames: tuple[tuple[str, str | tuple[str, ...]], ...]
     ignored: dict[re.Pattern, str] = field(hash=False)
     head: HeadLayout | None  # its *ForSequenceClassification head (None: not loaded yet)
     # config.json (raw, model_type, its path) -> EncoderConfig's fields: the choices this family makes
@@ -288,6 +374,8 @@ FAMILIES = (
     Family("ELECTRA", ("electra",), "electra.", _ELECTRA_RENAMES, _ELECTRA_IGNORED, _ELECTRA_HEAD, _bert_like_fields),
     # MPNetClassificationHead is RoBERTa's: dense, tanh, out_proj on the first token, dropout before each
     Family("MPNet", ("mpnet",), "mpnet.", _MPNET_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD, _mpnet_fields),
+    Family("ModernBERT", ("modernbert",), "model.", _MODERNBERT_RENAMES, _MODERNBERT_IGNORED, _MODERNBERT_HEAD,
+           _modernbert_fields),
     # a decoder embedder (Qwen3-Embedding): pooled by its last token, the EOS its tokenizer appends
     Family("Qwen3", ("qwen3",), "model.", _QWEN3_RENAMES, _QWEN3_IGNORED, None, _qwen3_fields),
 )

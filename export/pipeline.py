@@ -123,7 +123,8 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
     if ckpt.classifier is not None:
         head = ckpt.classifier
         progress(f"      task classification: {head.num_labels} label(s) {list(head.labels)}, "
-                 f"problem_type {head.problem_type}, head {head.activation} on the first token, "
+                 f"problem_type {head.problem_type}, head {head.activation}{' + norm' if head.norm else ''} on "
+                 f"{'the first token' if cfg.pooling == 'cls' else 'the mean of the tokens'}, "
                  f"scores {head.score_activation} of the logits (CrossEncoder.predict's)")
     else:
         progress("      task embedding")

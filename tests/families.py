@@ -35,6 +35,8 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "electra": ("ElectraForPreTraining", "wordpiece", "discriminator: embedding_size 16 projected to hidden 32"),
     "mpnet": ("MPNetForMaskedLM", "unigram", "relative-position buckets on every layer's scores, positions from 2, "
               "no token types, lm_head"),
+    "modernbert": ("ModernBertForMaskedLM", "wordpiece", "no position table: RoPE with a global and a local base, "
+                   "a sliding window of 4 each way on layer 1, pre-norm without biases, GeGLU, fused Wqkv, MLM head"),
     "qwen3": ("Qwen3ForCausalLM", "bytelevel-eos", "a decoder embedder: causal mask, GQA (4 query heads on 2), head_dim "
               "16 apart from hidden / heads, QK-RMSNorm, RoPE, SwiGLU, no biases, an EOS appended, lm_head"),
 }
@@ -50,7 +52,10 @@ CLASSIFIERS: dict[str, str] = {
     "distilbert-sinusoidal": "DistilBertForSequenceClassification",
     "electra": "ElectraForSequenceClassification",
     "mpnet": "MPNetForSequenceClassification",
+    "modernbert": "ModernBertForSequenceClassification",  # pools the mean (classifier_pooling), a norm in its head
 }
+# ModernBERT's local layers see this many tokens each way (local_attention // 2): test texts run past it
+MODERNBERT_WINDOW = 4
 POOLINGS = ("mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 MAX_TOKENS = 64  # the longest input, special tokens included
 
@@ -206,6 +211,13 @@ def _config(family: str, vocab_size: int, specials: dict[str, int], max_tokens: 
             num_key_value_heads=_HEADS // 2, head_dim=16, intermediate_size=_FFN, max_position_embeddings=max_tokens,
             pad_token_id=specials["pad"], eos_token_id=specials["eos"], bos_token_id=None, rope_theta=1000.0,
             tie_word_embeddings=False)
+    if family == "modernbert":  # layer 0 global, layer 1 local; classifiers pool the mean
+        return transformers.ModernBertConfig(
+            vocab_size=vocab_size, hidden_size=_HIDDEN, num_hidden_layers=_LAYERS, num_attention_heads=_HEADS,
+            intermediate_size=_FFN, max_position_embeddings=max_tokens, pad_token_id=specials["pad"],
+            bos_token_id=specials["cls"], eos_token_id=specials["sep"], cls_token_id=specials["cls"],
+            sep_token_id=specials["sep"], global_attn_every_n_layers=2, local_attention=2 * MODERNBERT_WINDOW,
+            global_rope_theta=160_000.0, local_rope_theta=10_000.0, classifier_pooling="mean")
     if family == "mpnet":  # padding_idx is 1 in MPNet's code: the Unigram tokenizer's <pad> is 1 too
         assert specials["pad"] == 1, specials
         return transformers.MPNetConfig(**bert_like, max_position_embeddings=max_tokens + 2,

@@ -1,5 +1,5 @@
 """Every checkpoint family we load (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT learned and
-sinusoidal, ELECTRA discriminator), loaded into our encoder and held against the references:
+sinusoidal, ELECTRA discriminator, MPNet, ModernBERT, the Qwen3 decoder embedder), loaded into our encoder and held against the references:
 transformers (hidden states, attention probabilities) and sentence-transformers (pooled embedding),
 through PyTorch and through the bundle's ONNX graphs, on small random checkpoints built locally."""
 
@@ -46,7 +46,7 @@ TEXTS = [
 BUNDLE_POOLING = {
     "bert": "mean", "roberta": "cls", "xlm-roberta": "max", "camembert": "mean",
     "distilbert": "cls", "distilbert-sinusoidal": "max", "electra": "mean", "mpnet": "mean",
-    "qwen3": "lasttoken",
+    "qwen3": "lasttoken", "modernbert": "mean",
 }
 EXPECTED = {  # family name, pad id, position offset, embedding width, token types, position kind
     "bert": ("BERT", 0, 0, 32, 2, "learned"),
@@ -57,6 +57,7 @@ EXPECTED = {  # family name, pad id, position offset, embedding width, token typ
     "distilbert-sinusoidal": ("DistilBERT", 0, 0, 32, 0, "sinusoidal"),
     "mpnet": ("MPNet", 1, 2, 32, 0, "learned"),
     "qwen3": ("Qwen3", 0, 0, 32, 0, "rotary"),
+    "modernbert": ("ModernBERT", 0, 0, 32, 0, "rotary"),
     "electra": ("ELECTRA", 0, 0, 16, 2, "learned"),
 }
 
@@ -225,9 +226,9 @@ def test_an_unsupported_family_is_one_error_listing_the_supported_ones(model_typ
     assert message.startswith(f"{directory / 'config.json'}: model_type {model_type!r} is not supported")
     for name, model_types in [("BERT", "bert"), ("RoBERTa", "roberta"), ("XLM-RoBERTa", "xlm-roberta"),
                               ("CamemBERT", "camembert"), ("DistilBERT", "distilbert"), ("ELECTRA", "electra"),
-                              ("MPNet", "mpnet"), ("Qwen3", "qwen3")]:
+                              ("MPNet", "mpnet"), ("Qwen3", "qwen3"), ("ModernBERT", "modernbert")]:
         assert f"{name} ({model_types})" in message
-    assert len(LOADED_FAMILIES) == 8
+    assert len(LOADED_FAMILIES) == 9
 
 
 def test_roberta_positions_are_counted_over_real_tokens_from_padding_idx_plus_one(checkpoints):
@@ -384,3 +385,40 @@ def test_what_a_decoder_family_does_not_load_yet_is_refused_by_name(checkpoints,
     for name, (changes, message) in cases.items():
         with pytest.raises(CheckpointError, match=re.escape(message)):
             load_checkpoint(edited(name, **changes))
+
+
+def test_modernbert_reads_both_config_layouts_and_its_local_layers_see_only_their_window(checkpoints, tmp_path):
+    """transformers 5 saves layer_types and a rope_parameters per layer type; ModernBERT's own configs
+    (on the hub) say global_attn_every_n_layers and global/local_rope_theta. Both give the same encoder,
+    whose local layer puts exactly zero weight past the window and whose global layer does not."""
+    import shutil
+
+    from tests.families import MODERNBERT_WINDOW
+
+    cfg = load_checkpoint(checkpoints["modernbert"]).config
+    assert (cfg.sliding_layers, cfg.sliding_window, cfg.rope_theta, cfg.local_rope_theta) == (
+        (1,), MODERNBERT_WINDOW, 160_000.0, 10_000.0)
+    assert (cfg.norm_bias, cfg.bias, cfg.gated_mlp, cfg.norm_first, cfg.first_attention_norm) == (
+        False, False, True, True, False)
+    directory = shutil.copytree(checkpoints["modernbert"], tmp_path / "original-layout")
+    raw = json.loads((directory / "config.json").read_text())
+    del raw["layer_types"], raw["rope_parameters"]
+    raw |= {"global_attn_every_n_layers": 2, "global_rope_theta": 160_000.0, "local_rope_theta": 10_000.0}
+    (directory / "config.json").write_text(json.dumps(raw))
+    ckpt = load_checkpoint(directory)
+    assert ckpt.config == cfg
+
+    ids, mask = tokenize(ckpt.tokenizer_path, cfg.pad_token_id, ckpt.max_tokens)
+    with torch.no_grad():
+        _, _, attentions = ckpt.encoder(ids, mask)
+    positions = torch.arange(ids.size(1))
+    far = (positions[:, None] - positions[None, :]).abs() > MODERNBERT_WINDOW  # (Tq, Tk)
+    real = (mask.bool()[:, :, None] & mask.bool()[:, None, :])[:, None] & far  # (B, 1, Tq, Tk): real pairs, far apart
+    assert real.any()
+    assert attentions[1].masked_select(real).abs().max() == 0  # the local layer
+    assert attentions[0].masked_select(real).min() > 0  # the global layer
+
+    raw["rope_parameters"] = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 160_000.0}}
+    (directory / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="a scaled RoPE on full_attention layers is not supported"):
+        load_checkpoint(directory)

@@ -34,8 +34,8 @@ from export.checkpoint import CheckpointError, load_checkpoint
 from export.pipeline import ExportOptions, build_bundle
 from tests.families import MAX_TOKENS, classifier_labels, make_checkpoint, make_classifier
 
-# one per family the loader knows: BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT, ELECTRA
-FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "mpnet")
+# one per family with a classifier: BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT, ELECTRA, MPNet, ModernBERT
+FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "mpnet", "modernbert")
 LABEL_COUNTS = (1, 3)  # a cross-encoder's single score, and a three-way classifier
 PYTORCH_TOLERANCE = 1e-5
 ONNX_TOLERANCE = 1e-4
@@ -64,6 +64,7 @@ HEAD_TENSORS = {
     "distilbert": "pre_classifier.bias",
     "mpnet": "classifier.dense.bias",
     "electra": "classifier.dense.bias",
+    "modernbert": "head.norm.weight",
 }
 
 
@@ -98,7 +99,7 @@ def reference_logits(directory: Path, family: str, batch: tuple[torch.Tensor, ..
     if key not in cache:
         model = AutoModelForSequenceClassification.from_pretrained(str(directory), attn_implementation="eager").eval()
         # DistilBERT takes no token types; the RoBERTa family's are all 0, as its post-processor writes them
-        extra = {} if family == "distilbert" else {"token_type_ids": types}
+        extra = {} if family in ("distilbert", "modernbert") else {"token_type_ids": types}
         with torch.no_grad():
             cache[key] = model(input_ids=ids, attention_mask=mask, **extra).logits
     return cache[key]
@@ -139,12 +140,15 @@ def check_classifier_bundle(out: Path, family: str, num_labels: int, directory: 
         problem_type or ("regression" if num_labels == 1 else "single_label_classification"))
     raw = json.loads((out / "bundle.json").read_text())["model"]
     assert raw["task"] == "classification" and raw["labels"] == classifier_labels(num_labels)
-    assert (m.model.pooling, m.model.normalize, m.model.embedding_dim) == ("cls", False, None)
+    # ModernBERT's head reads the mean of the tokens (classifier_pooling), the others the first token
+    pooling = "mean" if family == "modernbert" else "cls"
+    assert (m.model.pooling, m.model.normalize, m.model.embedding_dim) == (pooling, False, None)
     assert tuple(m.graph.outputs) == CLASSIFIER_OUTPUT_NAMES and set(m.variants) == {"fp32"}
     assert tuple(m.variants["fp32"].outputs) == CLASSIFIER_ENCODINGS_OUTPUT_NAMES
     # the head leaves the optimizer's fusions as they are: every attention layer but ELECTRA's first, and
-    # none of MPNet's (the optimizer's BERT attention pattern has no relative-position bias)
-    assert m.variants["fp32"].fusions.get("Attention", 0) == {"electra": 1, "mpnet": 0}.get(family, 2)
+    # none of MPNet's or ModernBERT's (the optimizer's BERT attention pattern has no relative-position bias
+    # and no rotation)
+    assert m.variants["fp32"].fusions.get("Attention", 0) == {"electra": 1, "mpnet": 0, "modernbert": 0}.get(family, 2)
     for report in (m.parity, m.variants["fp32"].parity):
         assert report.passed and "logits" in {o.output for o in report.outputs}
         assert all(o.values > 0 and o.max_abs_diff <= DEFAULT_ATOL for o in report.outputs)

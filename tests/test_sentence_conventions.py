@@ -1,7 +1,8 @@
 """What sentence-transformers models carry, honoured end to end: every pooling mode of
 sentence-transformers 6 (both config formats) through the parity gate, packed rows and padded
 batches; prompts (prompt_name, input_type, default_prompt_name, include_prompt false) and matryoshka
-sizes, each held against SentenceTransformer.encode on the same checkpoint."""
+sizes, each held against SentenceTransformer.encode on the same checkpoint; and the newer families
+as users serve them (a Qwen3 embedder, a ModernBERT embedder and reranker) against sentence-transformers."""
 
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ from service.engine.engine import EngineTable, load_engine
 from service.engine.runner import EncodeJob
 from service.engine.service import EncoderService
 from tests.conftest import deploy
-from tests.families import CORPUS, make_checkpoint
+from tests.families import CORPUS, make_checkpoint, make_classifier
 
 TEXTS = list(CORPUS[:9]) + ["short", "a somewhat longer text that goes on for a while, with commas, and more words"]
 PROMPTS = {"query": "query: ", "document": "passage: ", "instruct": "Represent this sentence for retrieval: "}
 TOLERANCE = 1e-4
+NOMIC_PROMPTS = {"query": "search_query: ", "document": "search_document: "}  # modernbert-embed's
+PAIRS = [(CORPUS[3], CORPUS[4]), (CORPUS[3], CORPUS[5]), (CORPUS[6], CORPUS[15]), ("short", TEXTS[-1])]
 QWEN_QUERY = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 
 
@@ -90,11 +93,18 @@ def conventions(tmp_path_factory):
     # queries only, matryoshka sizes given at export
     qwen3 = make_checkpoint("qwen3", root / "qwen3", pooling="lasttoken", normalize=True,
                             prompts={"query": QWEN_QUERY, "document": ""})
+    # ModernBERT as modernbert-embed is used (mean, Normalize, search_query/search_document prefixes), and as
+    # gte-reranker-modernbert is (a one-label classifier; this one pools the mean, its head has a norm)
+    modernbert = make_checkpoint("modernbert", root / "modernbert", normalize=True, prompts=NOMIC_PROMPTS)
+    ranker = make_classifier("modernbert", root / "modernbert-ranker", 1)
     return {
-        "dirs": {"skip": skip, "keep": keep, "plain": plain, "qwen3": qwen3},
+        "dirs": {"skip": skip, "keep": keep, "plain": plain, "qwen3": qwen3, "modernbert": modernbert,
+                 "modernbert-ranker": ranker},
         "bundles": {"skip": export(skip, root / "b-skip"), "keep": export(keep, root / "b-keep"),
                     "plain": export(plain, root / "b-plain", matryoshka_dimensions=None),
-                    "qwen3": export(qwen3, root / "b-qwen3", matryoshka_dimensions=(32, 16))},
+                    "qwen3": export(qwen3, root / "b-qwen3", matryoshka_dimensions=(32, 16)),
+                    "modernbert": export(modernbert, root / "b-modernbert"),
+                    "modernbert-ranker": export(ranker, root / "b-modernbert-ranker")},
     }
 
 
@@ -129,9 +139,7 @@ def test_a_prompt_left_out_of_pooling_matches_sentence_transformers_packed_and_p
 @pytest.fixture(scope="module")
 def conventions_url(ray_serve, conventions):
     b = conventions["bundles"]
-    deploy({"bundles": [{"path": str(b["skip"]), "name": "skip"}, {"path": str(b["keep"]), "name": "keep"},
-                        {"path": str(b["plain"]), "name": "plain"}, {"path": str(b["qwen3"]), "name": "qwen3"}],
-            "num_cpus": 0.5},
+    deploy({"bundles": [{"path": str(b[name]), "name": name} for name in b], "num_cpus": 0.5},
            "conventions", "/conventions", b["skip"])
     return f"{ray_serve.url}/conventions"
 
@@ -178,6 +186,46 @@ def test_a_qwen3_embedder_with_its_query_prompt_and_matryoshka_sizes_is_sentence
     r = httpx.post(f"{conventions_url}/v1/embeddings", json={"model": "qwen3", "input": "x", "dimensions": 8},
                    timeout=30)
     assert r.status_code == 400 and "supports dimensions 32, 16, not 8" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("packed_tokens", [256, 0])
+def test_a_modernbert_embedder_serves_packed_and_padded_as_sentence_transformers(conventions, packed_tokens):
+    """Global and sliding-window layers with their two RoPE bases, in packed rows (each text's window and
+    positions its own) and padded batches; texts run well past the window of 4 tokens each way."""
+    from sentence_transformers import SentenceTransformer
+
+    bundle = conventions["bundles"]["modernbert"]
+    assert load_bundle(bundle).manifest.packed.passed
+    st = SentenceTransformer(str(conventions["dirs"]["modernbert"]), device="cpu")
+    ours = served(engine_service(bundle, packed_tokens), [NOMIC_PROMPTS["query"] + t for t in TEXTS], normalize=True)
+    np.testing.assert_allclose(ours, st.encode(TEXTS, prompt_name="query", batch_size=4), atol=TOLERANCE, rtol=0)
+
+
+def test_a_modernbert_reranker_and_embedder_over_http_are_cross_encoder_and_sentence_transformers(
+        conventions, conventions_url):
+    """The issue's end-to-end case: a ModernBERT reranker on /v1/rerank gives CrossEncoder.predict's scores,
+    and its embedder with a prompt on /v1/embeddings gives SentenceTransformer.encode's vectors."""
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    ranker = CrossEncoder(str(conventions["dirs"]["modernbert-ranker"]), device="cpu")
+    by_query: dict[str, list[int]] = {}
+    for i, (query, _) in enumerate(PAIRS):
+        by_query.setdefault(query, []).append(i)
+    expected = ranker.predict(PAIRS, batch_size=len(PAIRS))
+    for query, indexes in by_query.items():
+        documents = [PAIRS[i][1] for i in indexes]
+        r = httpx.post(f"{conventions_url}/v1/rerank",
+                       json={"model": "modernbert-ranker", "query": query, "documents": documents}, timeout=60)
+        assert r.status_code == 200, r.text
+        scores = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+        np.testing.assert_allclose([scores[j] for j in range(len(documents))], expected[indexes], atol=TOLERANCE,
+                                   rtol=0)
+    st = SentenceTransformer(str(conventions["dirs"]["modernbert"]), device="cpu")
+    r = httpx.post(f"{conventions_url}/v1/embeddings",
+                   json={"model": "modernbert", "input": TEXTS, "input_type": "document"}, timeout=60)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.array([e["embedding"] for e in r.json()["data"]]),
+                               st.encode(TEXTS, prompt_name="document"), atol=TOLERANCE, rtol=0)
 
 
 def test_an_unknown_prompt_is_a_400_listing_the_models_prompts(conventions_url):
