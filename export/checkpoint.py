@@ -259,7 +259,8 @@ def map_state_dict(
         if ours is not None:
             mapped[ours] = tensor
             continue
-        key = name.removeprefix(family.prefix)
+        prefixes = (family.prefix,) if isinstance(family.prefix, str) else family.prefix
+        key = next((name[len(p):] for p in prefixes if name.startswith(p)), name)
         key = re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", key))  # TF-era LayerNorm names
         if any(pattern.search(key) for pattern in family.ignored):
             ignored.append(name)

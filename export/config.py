@@ -100,6 +100,7 @@ class EncoderConfig:
     qk_norm: bool = False  # a norm over each head's queries and keys before the rotation (Qwen3)
     bias: bool = True  # biases on the attention and feed-forward projections
     gated_mlp: bool = False  # down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu
+    gate_bias: bool | None = None  # biases on the gate and up projections (None: as `bias`; GTE has none there)
     causal: bool = False  # a token attends only to itself and the tokens before it (decoder embedders)
     embedding_norm: bool = True  # a norm after the embeddings (BERT's; decoders have none)
     norm_bias: bool = True  # LayerNorm with a bias (ModernBERT's has none)

@@ -205,8 +205,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
-        self.linear1 = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
-        self.up = nn.Linear(config.d_model, config.d_ff, bias=config.bias) if config.gated_mlp else None
+        gate_bias = config.bias if config.gate_bias is None else config.gate_bias
+        self.linear1 = nn.Linear(config.d_model, config.d_ff, bias=gate_bias if config.gated_mlp else config.bias)
+        self.up = nn.Linear(config.d_model, config.d_ff, bias=gate_bias) if config.gated_mlp else None
         self.linear2 = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
         self.activation = {
             "gelu": nn.GELU(),

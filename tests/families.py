@@ -37,6 +37,10 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
               "no token types, lm_head"),
     "modernbert": ("ModernBertForMaskedLM", "wordpiece", "no position table: RoPE with a global and a local base, "
                    "a sliding window of 4 each way on layer 1, pre-norm without biases, GeGLU, fused Wqkv, MLM head"),
+    "gte": ("GteForMaskedLM", "unigram", "no position table: RoPE (base 160000), post-norm, GeGLU without biases on "
+            "its gate and up projections, one token type, lm_head"),
+    "nomic": ("NomicBertForMaskedLM", "wordpiece", "no position table: RoPE (base 1000), post-norm, SwiGLU, no linear "
+              "biases, two token types, MLM head"),
     "qwen3": ("Qwen3ForCausalLM", "bytelevel-eos", "a decoder embedder: causal mask, GQA (4 query heads on 2), head_dim "
               "16 apart from hidden / heads, QK-RMSNorm, RoPE, SwiGLU, no biases, an EOS appended, lm_head"),
 }
@@ -53,9 +57,12 @@ CLASSIFIERS: dict[str, str] = {
     "electra": "ElectraForSequenceClassification",
     "mpnet": "MPNetForSequenceClassification",
     "modernbert": "ModernBertForSequenceClassification",  # pools the mean (classifier_pooling), a norm in its head
+    "gte": "GteForSequenceClassification",
+    "nomic": "NomicBertForSequenceClassification",
 }
 # ModernBERT's local layers see this many tokens each way (local_attention // 2): test texts run past it
 MODERNBERT_WINDOW = 4
+TOKEN_TYPES = ("bert", "electra", "nomic")  # families whose tokenizer marks a pair's second text (segment 1)
 POOLINGS = ("mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 MAX_TOKENS = 64  # the longest input, special tokens included
 
@@ -123,7 +130,7 @@ def make_checkpoint(family: str, out: Path, pooling: str = "mean", seed: int = 0
     if config_extra:
         raw = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**raw, **config_extra}, indent=2))
-    _write_tokenizer(out, tokenizer_json, names, token_types=family in ("bert", "electra"))
+    _write_tokenizer(out, tokenizer_json, names, token_types=family in TOKEN_TYPES)
     _write_sentence_transformers(out, pooling, normalize, include_prompt, pooling_format)
     if prompts is not None:
         (out / "config_sentence_transformers.json").write_text(json.dumps(
@@ -172,7 +179,7 @@ def make_classifier(family: str, out: Path, num_labels: int, problem_type: str |
                 if not name.startswith(base) or ".pooler." in name:  # the head (BERT's pooler is part of it)
                     parameter.normal_(std=0.3)
     model.save_pretrained(out, safe_serialization=True)
-    _write_tokenizer(out, tokenizer_json, names, token_types=family in ("bert", "electra"), max_tokens=max_tokens)
+    _write_tokenizer(out, tokenizer_json, names, token_types=family in TOKEN_TYPES, max_tokens=max_tokens)
     return out
 
 
@@ -218,6 +225,10 @@ def _config(family: str, vocab_size: int, specials: dict[str, int], max_tokens: 
             bos_token_id=specials["cls"], eos_token_id=specials["sep"], cls_token_id=specials["cls"],
             sep_token_id=specials["sep"], global_attn_every_n_layers=2, local_attention=2 * MODERNBERT_WINDOW,
             global_rope_theta=160_000.0, local_rope_theta=10_000.0, classifier_pooling="mean")
+    if family == "gte":
+        return transformers.GteConfig(**bert_like, max_position_embeddings=max_tokens, type_vocab_size=1)
+    if family == "nomic":
+        return transformers.NomicBertConfig(**bert_like, max_position_embeddings=max_tokens)
     if family == "mpnet":  # padding_idx is 1 in MPNet's code: the Unigram tokenizer's <pad> is 1 too
         assert specials["pad"] == 1, specials
         return transformers.MPNetConfig(**bert_like, max_position_embeddings=max_tokens + 2,
@@ -391,3 +402,20 @@ def add_dense(checkpoint: Path, out: Path, seed: int = 7) -> Path:
                    Dense(24, 16, bias=False, activation_function=torch.nn.Identity()), Normalize()]
     SentenceTransformer(modules=modules, device="cpu").save(str(out))
     return Path(out)
+
+
+def native_layout(checkpoint: Path, out: Path) -> Path:
+    """`checkpoint` with its weights under transformers 5's own names (the model's state_dict: `layers.N.
+    self_attn.q_proj`, ...) instead of the original layout save_pretrained writes back for GTE and NomicBert
+    (`encoder.layer.N.attention.qkv_proj`, `attn.Wqkv`, ...): a checkpoint saved by other tools."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import save_file
+
+    out = Path(shutil.copytree(checkpoint, out))
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, architecture).from_pretrained(str(checkpoint))
+    save_file({k: v.clone().contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out

@@ -1,5 +1,5 @@
 """Every checkpoint family we load (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT learned and
-sinusoidal, ELECTRA discriminator, MPNet, ModernBERT, the Qwen3 decoder embedder), loaded into our encoder and held against the references:
+sinusoidal, ELECTRA discriminator, MPNet, ModernBERT, GTE, NomicBert, the Qwen3 decoder embedder), loaded into our encoder and held against the references:
 transformers (hidden states, attention probabilities) and sentence-transformers (pooled embedding),
 through PyTorch and through the bundle's ONNX graphs, on small random checkpoints built locally."""
 
@@ -46,7 +46,7 @@ TEXTS = [
 BUNDLE_POOLING = {
     "bert": "mean", "roberta": "cls", "xlm-roberta": "max", "camembert": "mean",
     "distilbert": "cls", "distilbert-sinusoidal": "max", "electra": "mean", "mpnet": "mean",
-    "qwen3": "lasttoken", "modernbert": "mean",
+    "qwen3": "lasttoken", "modernbert": "mean", "gte": "cls", "nomic": "mean",
 }
 EXPECTED = {  # family name, pad id, position offset, embedding width, token types, position kind
     "bert": ("BERT", 0, 0, 32, 2, "learned"),
@@ -58,6 +58,8 @@ EXPECTED = {  # family name, pad id, position offset, embedding width, token typ
     "mpnet": ("MPNet", 1, 2, 32, 0, "learned"),
     "qwen3": ("Qwen3", 0, 0, 32, 0, "rotary"),
     "modernbert": ("ModernBERT", 0, 0, 32, 0, "rotary"),
+    "gte": ("GTE", 1, 0, 32, 1, "rotary"),
+    "nomic": ("NomicBert", 0, 0, 32, 2, "rotary"),
     "electra": ("ELECTRA", 0, 0, 16, 2, "learned"),
 }
 
@@ -226,9 +228,10 @@ def test_an_unsupported_family_is_one_error_listing_the_supported_ones(model_typ
     assert message.startswith(f"{directory / 'config.json'}: model_type {model_type!r} is not supported")
     for name, model_types in [("BERT", "bert"), ("RoBERTa", "roberta"), ("XLM-RoBERTa", "xlm-roberta"),
                               ("CamemBERT", "camembert"), ("DistilBERT", "distilbert"), ("ELECTRA", "electra"),
-                              ("MPNet", "mpnet"), ("Qwen3", "qwen3"), ("ModernBERT", "modernbert")]:
+                              ("MPNet", "mpnet"), ("Qwen3", "qwen3"), ("ModernBERT", "modernbert"),
+                              ("GTE", "gte/new"), ("NomicBert", "nomic_bert")]:
         assert f"{name} ({model_types})" in message
-    assert len(LOADED_FAMILIES) == 9
+    assert len(LOADED_FAMILIES) == 11
 
 
 def test_roberta_positions_are_counted_over_real_tokens_from_padding_idx_plus_one(checkpoints):
@@ -421,4 +424,68 @@ def test_modernbert_reads_both_config_layouts_and_its_local_layers_see_only_thei
     raw["rope_parameters"] = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 160_000.0}}
     (directory / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="a scaled RoPE on full_attention layers is not supported"):
+        load_checkpoint(directory)
+
+
+@pytest.mark.parametrize("family", ["gte", "nomic"])
+def test_the_original_and_the_native_weight_layouts_load_the_same_encoder(family, checkpoints, tmp_path):
+    """transformers 5 saves these families in their original layout (fused qkv_proj/up_gate_proj; attn.Wqkv
+    with fc11/fc12) and loads both; so does the export, cutting fused tensors as transformers' conversion
+    tables do. (ModernBERT has one layout: transformers' own module keeps Wqkv and Wi fused.)"""
+    from safetensors.torch import load_file
+
+    from tests.families import native_layout
+
+    original = load_checkpoint(checkpoints[family])
+    native_dir = native_layout(checkpoints[family], tmp_path / "native")
+    names = set(load_file(str(native_dir / "model.safetensors")))
+    fused = {"gte": "qkv_proj", "nomic": "Wqkv"}[family]
+    assert not any(fused in n for n in names) and any(fused in n for n in load_file(
+        str(checkpoints[family] / "model.safetensors")))
+    native = load_checkpoint(native_dir)
+    assert native.config == original.config
+    theirs = native.encoder.state_dict()
+    for name, tensor in original.encoder.state_dict().items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def test_nomic_and_gte_original_configs_give_the_same_encoder_and_what_they_cannot_say_is_refused(
+        checkpoints, tmp_path):
+    """nomic-embed-text's own config.json (n_embd, rotary_emb_base, activation_function swiglu, ...) and GTE's
+    remote-code one (model_type "new", weights under `new.`) read as transformers 5's do; a partial rotation,
+    a pre-norm or a scaled RoPE is refused by name."""
+    import shutil
+
+    nomic = json.loads((checkpoints["nomic"] / "config.json").read_text())
+    directory = shutil.copytree(checkpoints["nomic"], tmp_path / "nomic-original")
+    original = {k: v for k, v in nomic.items() if k not in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings",
+        "layer_norm_eps", "rope_parameters", "hidden_act", "head_dim")}
+    original |= {"n_embd": nomic["hidden_size"], "n_layer": nomic["num_hidden_layers"],
+                 "n_head": nomic["num_attention_heads"], "n_inner": nomic["intermediate_size"],
+                 "n_positions": nomic["max_position_embeddings"], "layer_norm_epsilon": nomic["layer_norm_eps"],
+                 "rotary_emb_base": nomic["rope_parameters"]["rope_theta"], "activation_function": "swiglu",
+                 "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "prenorm": False,
+                 "qkv_proj_bias": False, "rotary_scaling_factor": None}
+    (directory / "config.json").write_text(json.dumps(original))
+    assert load_checkpoint(directory).config == load_checkpoint(checkpoints["nomic"]).config
+    for key, value, message in (("rotary_emb_fraction", 0.5, "rotary_emb_fraction 0.5 is not supported"),
+                                ("prenorm", True, "prenorm True is not supported"),
+                                ("activation_function", "gelu", "activation_function 'gelu' is not supported")):
+        (directory / "config.json").write_text(json.dumps(original | {key: value}))
+        with pytest.raises(CheckpointError, match=message):
+            load_checkpoint(directory)
+
+    gte = json.loads((checkpoints["gte"] / "config.json").read_text())
+    directory = shutil.copytree(checkpoints["gte"], tmp_path / "gte-new")
+    weights = {("new." + k.removeprefix("gte.")): v for k, v in load_file(str(directory / "model.safetensors")).items()}
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    del gte["rope_parameters"]
+    remote = gte | {"model_type": "new", "rope_theta": 160_000.0, "logn_attention_scale": False,
+                    "layer_norm_type": "layer_norm", "position_embedding_type": "rope"}
+    (directory / "config.json").write_text(json.dumps(remote))
+    ckpt = load_checkpoint(directory)
+    assert ckpt.config == load_checkpoint(checkpoints["gte"]).config and ckpt.family == "GTE"
+    (directory / "config.json").write_text(json.dumps(remote | {"rope_scaling": {"type": "ntk", "factor": 2.0}}))
+    with pytest.raises(CheckpointError, match="rope_type 'ntk' is not supported"):
         load_checkpoint(directory)

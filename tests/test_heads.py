@@ -34,8 +34,11 @@ from export.checkpoint import CheckpointError, load_checkpoint
 from export.pipeline import ExportOptions, build_bundle
 from tests.families import MAX_TOKENS, classifier_labels, make_checkpoint, make_classifier
 
-# one per family with a classifier: BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT, ELECTRA, MPNet, ModernBERT
-FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "mpnet", "modernbert")
+# one per family with a classifier: BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT, ELECTRA, MPNet, ModernBERT,
+# GTE, NomicBert
+FAMILIES = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "electra", "mpnet", "modernbert", "gte",
+            "nomic")
+ROTARY = ("modernbert", "gte", "nomic")
 LABEL_COUNTS = (1, 3)  # a cross-encoder's single score, and a three-way classifier
 PYTORCH_TOLERANCE = 1e-5
 ONNX_TOLERANCE = 1e-4
@@ -65,6 +68,8 @@ HEAD_TENSORS = {
     "mpnet": "classifier.dense.bias",
     "electra": "classifier.dense.bias",
     "modernbert": "head.norm.weight",
+    "gte": "gte.pooler.dense.weight",
+    "nomic": "classifier.bias",
 }
 
 
@@ -146,9 +151,9 @@ def check_classifier_bundle(out: Path, family: str, num_labels: int, directory: 
     assert tuple(m.graph.outputs) == CLASSIFIER_OUTPUT_NAMES and set(m.variants) == {"fp32"}
     assert tuple(m.variants["fp32"].outputs) == CLASSIFIER_ENCODINGS_OUTPUT_NAMES
     # the head leaves the optimizer's fusions as they are: every attention layer but ELECTRA's first, and
-    # none of MPNet's or ModernBERT's (the optimizer's BERT attention pattern has no relative-position bias
-    # and no rotation)
-    assert m.variants["fp32"].fusions.get("Attention", 0) == {"electra": 1, "mpnet": 0, "modernbert": 0}.get(family, 2)
+    # none of MPNet's or the RoPE families' (the optimizer's BERT attention pattern has no relative-position
+    # bias and no rotation)
+    assert m.variants["fp32"].fusions.get("Attention", 0) == {"electra": 1}.get(family, 0 if family in ("mpnet", *ROTARY) else 2)
     for report in (m.parity, m.variants["fp32"].parity):
         assert report.passed and "logits" in {o.output for o in report.outputs}
         assert all(o.values > 0 and o.max_abs_diff <= DEFAULT_ATOL for o in report.outputs)
