@@ -97,6 +97,8 @@ class EncoderConfig:
     head_dim: int | None = None  # per-head width when it is not d_model / n_heads (Qwen3)
     rope_theta: float = 10000.0  # the rotary base, with position_kind "rotary"
     norm: NormKind = "layernorm"  # RMSNorm: x / rms(x) * w, no centring, no bias (Llama, Qwen)
+    norm_weight_offset: float = 0.0  # RMSNorm scales by offset + w: Gemma stores w around 0 and scales by 1 + w
+    post_sublayer_norm: bool = False  # pre-norm plus a norm on each sub-layer's output before the residual (Gemma)
     qk_norm: bool = False  # a norm over each head's queries and keys before the rotation (Qwen3)
     bias: bool = True  # biases on the attention and feed-forward projections
     gated_mlp: bool = False  # down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu

@@ -79,23 +79,26 @@ def attention_mask(
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, in float32: no centring and no bias (Llama's, Qwen's)."""
+    """x / sqrt(mean(x^2) + eps) * (offset + weight), in float32: no centring and no bias (Llama's and
+    Qwen's with offset 0; Gemma's stores the weight around 0 and scales by 1 + weight)."""
 
-    def __init__(self, width: int, eps: float) -> None:
+    def __init__(self, width: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.full((width,), 1.0 - offset))
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # as Gemma computes it: in float32, then cast
+            return (h * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
 def make_norm(config: EncoderConfig, width: int) -> nn.Module:
     """The family's norm: LayerNorm (BERT's; without a bias for ModernBERT) or RMSNorm."""
     if config.norm == "rmsnorm":
-        return RMSNorm(width, config.layer_norm_eps)
+        return RMSNorm(width, config.layer_norm_eps, config.norm_weight_offset)
     return nn.LayerNorm(width, eps=config.layer_norm_eps, bias=config.norm_bias)
 
 
@@ -235,17 +238,21 @@ class EncoderLayer(nn.Module):
         self.norm1 = make_norm(config, config.d_model) if keep_norm1 else nn.Identity()
         self.ffn = FeedForward(config)
         self.norm2 = make_norm(config, config.d_model)
+        # Gemma's sandwich: each sub-layer's output is normed too, before it joins the residual stream
+        post = config.post_sublayer_norm
+        self.post_norm1 = make_norm(config, config.d_model) if post else nn.Identity()
+        self.post_norm2 = make_norm(config, config.d_model) if post else nn.Identity()
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, mask: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         attend = dict(key_padding_mask=key_padding_mask, mask=mask, bias=bias, rotary=rotary, causal=self.causal)
-        if self.norm_first:  # pre-norm: x + Sublayer(LayerNorm(x))
+        if self.norm_first:  # pre-norm: x + Sublayer(LayerNorm(x)) (Gemma: x + Norm(Sublayer(Norm(x))))
             h = self.norm1(x)
             attended, weights = self.attention(h, h, h, **attend)
-            x = x + self.dropout(attended)
-            x = x + self.dropout(self.ffn(self.norm2(x)))
+            x = x + self.dropout(self.post_norm1(attended))
+            x = x + self.dropout(self.post_norm2(self.ffn(self.norm2(x))))
         else:  # post-norm (BERT): LayerNorm(x + Sublayer(x))
             attended, weights = self.attention(x, x, x, **attend)
             x = self.norm1(x + self.dropout(attended))

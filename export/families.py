@@ -141,6 +141,13 @@ _MODERNBERT_IGNORED = {
     re.compile(r"^head\."): "the masked-LM prediction head, not part of the encoder",
     re.compile(r"^decoder\."): "the masked-LM decoder, not part of the encoder",
 }
+# Gemma 3 (modeling_gemma3.py), as EmbeddingGemma uses it: Qwen3's names, and a norm after each sub-layer too
+_GEMMA3_RENAMES = (
+    *(rename for rename in _QWEN3_RENAMES if "post_attention_layernorm" not in rename[0]),
+    (r"^layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.post_norm1."),
+    (r"^layers\.(\d+)\.pre_feedforward_layernorm\.", r"layers.\1.norm2."),
+    (r"^layers\.(\d+)\.post_feedforward_layernorm\.", r"layers.\1.post_norm2."),
+)
 _QWEN3_IGNORED = {
     re.compile(r"^lm_head\."): "the language-model head (next-token logits), not part of the embedder",
     re.compile(r"^rotary_emb\."): "RoPE's frequencies, rebuilt from rope_theta by the encoder",
@@ -347,13 +354,8 @@ def _modernbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
     if len(layer_types) != n_layers or not set(layer_types) <= set(_MODERNBERT_LAYER_TYPES):
         raise CheckpointError(f"{config_path}: layer_types {layer_types} is not one of "
                               f"{'/'.join(_MODERNBERT_LAYER_TYPES)} per layer")
-    params = raw.get("rope_parameters") or {}
-    theta = {}
-    for kind, old_key in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
-        kind_params = params.get(kind) or {}
-        if (kind_params.get("rope_type") or "default") != "default" or raw.get("rope_scaling"):
-            raise CheckpointError(f"{config_path}: a scaled RoPE on {kind} layers is not supported (default RoPE only)")
-        theta[kind] = float(kind_params.get("rope_theta") or config_value(raw, old_key, _MODERNBERT_THETA[kind]))
+    theta = _layer_thetas(raw, config_path, _MODERNBERT_THETA,
+                          {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"})
     if bool(raw.get("attention_bias", False)) != bool(raw.get("mlp_bias", False)):
         raise CheckpointError(f"{config_path}: attention_bias and mlp_bias must agree (the encoder has one bias switch)")
     return dict(
@@ -379,6 +381,79 @@ def _modernbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
         norm_first=True,
         first_attention_norm=False,
         pad_token_id=config_value(raw, "pad_token_id", 50283),
+    )
+
+
+_GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig.default_theta
+
+
+def _layer_thetas(raw: dict, config_path: Path, defaults: dict[str, float],
+                  old_keys: dict[str, str]) -> dict[str, float]:
+    """The rotary base of each layer type, from rope_parameters keyed by layer type (transformers 5) or the
+    family's older keys; a scaled RoPE on either is refused by name."""
+    params = raw.get("rope_parameters") or {}
+    theta = {}
+    for kind, default in defaults.items():
+        kind_params = params.get(kind) or {}
+        if (kind_params.get("rope_type") or "default") != "default" or raw.get("rope_scaling"):
+            raise CheckpointError(f"{config_path}: a scaled RoPE on {kind} layers is not supported (default RoPE only)")
+        theta[kind] = float(kind_params.get("rope_theta") or config_value(raw, old_keys[kind], default))
+    return theta
+
+
+def _gemma3_fields(raw: dict, model_type: str, config_path: Path) -> dict:
+    """Gemma 3's config keys with use_bidirectional_attention (EmbeddingGemma): GQA with QK-norm, RMSNorm
+    scaled by 1 + w before and after each sub-layer, GeGLU (tanh), token embeddings times sqrt(hidden), and
+    local layers that see sliding_window // 2 positions each way (transformers' exclusive bound of
+    sliding_window // 2 + 1) with their own rotary base. A causal Gemma (a language model), logit soft-capping
+    or a query scale other than the head width is refused by name."""
+    if not raw.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{config_path}: a causal gemma3_text is a language model; the encoder loads Gemma 3 "
+                              "as EmbeddingGemma uses it (use_bidirectional_attention true)")
+    n_layers = raw["num_hidden_layers"]
+    head_dim = config_value(raw, "head_dim", 256)
+    for key in ("attn_logit_softcapping", "attention_bias"):
+        if raw.get(key):
+            raise CheckpointError(f"{config_path}: {key} {raw[key]!r} is not supported for gemma3_text")
+    if config_value(raw, "query_pre_attn_scalar", 256) != head_dim:
+        raise CheckpointError(f"{config_path}: query_pre_attn_scalar {raw['query_pre_attn_scalar']} is not supported "
+                              f"(scores are scaled by the head width, {head_dim})")
+    pattern = config_value(raw, "sliding_window_pattern", 6)
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    if len(layer_types) != n_layers or not set(layer_types) <= set(_GEMMA3_THETA):
+        raise CheckpointError(f"{config_path}: layer_types {layer_types} is not one of {'/'.join(_GEMMA3_THETA)} per layer")
+    theta = _layer_thetas(raw, config_path, _GEMMA3_THETA,
+                          {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"})
+    return dict(
+        vocab_size=raw["vocab_size"],
+        d_model=raw["hidden_size"],
+        n_layers=n_layers,
+        n_heads=raw["num_attention_heads"],
+        n_kv_heads=config_value(raw, "num_key_value_heads", raw["num_attention_heads"]),
+        head_dim=head_dim,
+        d_ff=raw["intermediate_size"],
+        max_positions=raw["max_position_embeddings"],
+        type_vocab_size=0,
+        layer_norm_eps=config_value(raw, "rms_norm_eps", 1e-6),
+        dropout=0.0,
+        attention_dropout=config_value(raw, "attention_dropout", 0.0),
+        activation=_activation(raw, "hidden_activation", config_path),
+        position_kind="rotary",
+        rope_theta=theta["full_attention"],
+        local_rope_theta=theta["sliding_attention"],
+        sliding_window=config_value(raw, "sliding_window", 4096) // 2,
+        sliding_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
+        embedding_scale=raw["hidden_size"] ** 0.5,
+        norm="rmsnorm",
+        norm_weight_offset=1.0,
+        post_sublayer_norm=True,
+        qk_norm=True,
+        bias=False,
+        gated_mlp=True,
+        norm_first=True,
+        embedding_norm=False,
+        pad_token_id=_pad_id(raw),
     )
 
 
@@ -480,6 +555,8 @@ FAMILIES = (
     Family("MPNet", ("mpnet",), "mpnet.", _MPNET_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD, _mpnet_fields),
     Family("ModernBERT", ("modernbert",), "model.", _MODERNBERT_RENAMES, _MODERNBERT_IGNORED, _MODERNBERT_HEAD,
            _modernbert_fields),
+    # EmbeddingGemma: Gemma 3 with bidirectional attention, pooled by the mean, Dense modules after
+    Family("Gemma3", ("gemma3_text",), "model.", _GEMMA3_RENAMES, _QWEN3_IGNORED, None, _gemma3_fields),
     Family("GTE", ("gte", "new"), ("gte.", "new."), _GTE_RENAMES, _ROTARY_BERT_IGNORED, _GTE_HEAD, _rotary_bert_fields),
     Family("NomicBert", ("nomic_bert",), ("nomic_bert.", "bert."), _NOMIC_RENAMES, _ROTARY_BERT_IGNORED, _NOMIC_HEAD,
            _rotary_bert_fields),

@@ -41,6 +41,9 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
             "its gate and up projections, one token type, lm_head"),
     "nomic": ("NomicBertForMaskedLM", "wordpiece", "no position table: RoPE (base 1000), post-norm, SwiGLU, no linear "
               "biases, two token types, MLM head"),
+    "gemma3": ("Gemma3ForCausalLM", "bytelevel-bpe", "EmbeddingGemma's: bidirectional, a window of 4 each way on "
+               "layer 0, two RoPE bases, GQA, QK-norm, RMSNorm (1 + w) before and after each sub-layer, GeGLU (tanh), "
+               "embeddings times sqrt(hidden), no biases"),
     "qwen3": ("Qwen3ForCausalLM", "bytelevel-eos", "a decoder embedder: causal mask, GQA (4 query heads on 2), head_dim "
               "16 apart from hidden / heads, QK-RMSNorm, RoPE, SwiGLU, no biases, an EOS appended, lm_head"),
 }
@@ -225,6 +228,13 @@ def _config(family: str, vocab_size: int, specials: dict[str, int], max_tokens: 
             bos_token_id=specials["cls"], eos_token_id=specials["sep"], cls_token_id=specials["cls"],
             sep_token_id=specials["sep"], global_attn_every_n_layers=2, local_attention=2 * MODERNBERT_WINDOW,
             global_rope_theta=160_000.0, local_rope_theta=10_000.0, classifier_pooling="mean")
+    if family == "gemma3":  # layer 0 local (sliding_window 8: 4 each way when bidirectional), layer 1 global
+        return transformers.Gemma3TextConfig(
+            vocab_size=vocab_size, hidden_size=_HIDDEN, num_hidden_layers=_LAYERS, num_attention_heads=_HEADS,
+            num_key_value_heads=_HEADS // 2, head_dim=16, query_pre_attn_scalar=16, intermediate_size=_FFN,
+            max_position_embeddings=max_tokens, sliding_window=2 * MODERNBERT_WINDOW,
+            layer_types=["sliding_attention", "full_attention"], use_bidirectional_attention=True,
+            pad_token_id=specials["pad"], bos_token_id=specials["bos"], eos_token_id=specials["eos"])
     if family == "gte":
         return transformers.GteConfig(**bert_like, max_position_embeddings=max_tokens, type_vocab_size=1)
     if family == "nomic":
@@ -386,21 +396,30 @@ def _write_sentence_transformers(out: Path, pooling: str, normalize: bool, inclu
     (out / "1_Pooling" / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def add_dense(checkpoint: Path, out: Path, seed: int = 7) -> Path:
-    """`checkpoint` with two sentence-transformers Dense modules after its pooling, as distiluse-style
-    models have them (Tanh to 24 wide, then a linear map to 16 without bias), then Normalize; saved
-    by sentence-transformers itself into `out`."""
+def add_dense(checkpoint: Path, out: Path, seed: int = 7, like: str = "distiluse",
+              prompts: dict[str, str] | None = None) -> Path:
+    """`checkpoint` with two sentence-transformers Dense modules after its pooling, then Normalize; saved
+    by sentence-transformers itself into `out`. like "distiluse": Tanh to 24 wide, then a linear map to 16
+    without bias; "embeddinggemma": linear maps without bias or activation out to 1.5x the width and
+    back, as EmbeddingGemma's 768 -> 3072 -> 768. prompts: saved with the model."""
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.models import Dense, Normalize
 
     base = SentenceTransformer(str(checkpoint), device="cpu")
     hidden = base.get_sentence_embedding_dimension()
+    identity = torch.nn.Identity()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        modules = [base[0], base[1], Dense(hidden, 24, activation_function=torch.nn.Tanh()),
-                   Dense(24, 16, bias=False, activation_function=torch.nn.Identity()), Normalize()]
-    SentenceTransformer(modules=modules, device="cpu").save(str(out))
+        if like == "distiluse":
+            dense = [Dense(hidden, 24, activation_function=torch.nn.Tanh()),
+                     Dense(24, 16, bias=False, activation_function=identity)]
+        else:
+            wide = hidden * 3 // 2
+            dense = [Dense(hidden, wide, bias=False, activation_function=identity),
+                     Dense(wide, hidden, bias=False, activation_function=identity)]
+        modules = [base[0], base[1], *dense, Normalize()]
+    SentenceTransformer(modules=modules, device="cpu", prompts=prompts).save(str(out))
     return Path(out)
 
 

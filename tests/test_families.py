@@ -1,5 +1,6 @@
 """Every checkpoint family we load (BERT, RoBERTa, XLM-RoBERTa, CamemBERT, DistilBERT learned and
-sinusoidal, ELECTRA discriminator, MPNet, ModernBERT, GTE, NomicBert, the Qwen3 decoder embedder), loaded into our encoder and held against the references:
+sinusoidal, ELECTRA discriminator, MPNet, ModernBERT, GTE, NomicBert, EmbeddingGemma's Gemma 3, the Qwen3
+decoder embedder), loaded into our encoder and held against the references:
 transformers (hidden states, attention probabilities) and sentence-transformers (pooled embedding),
 through PyTorch and through the bundle's ONNX graphs, on small random checkpoints built locally."""
 
@@ -46,7 +47,7 @@ TEXTS = [
 BUNDLE_POOLING = {
     "bert": "mean", "roberta": "cls", "xlm-roberta": "max", "camembert": "mean",
     "distilbert": "cls", "distilbert-sinusoidal": "max", "electra": "mean", "mpnet": "mean",
-    "qwen3": "lasttoken", "modernbert": "mean", "gte": "cls", "nomic": "mean",
+    "qwen3": "lasttoken", "modernbert": "mean", "gte": "cls", "nomic": "mean", "gemma3": "mean",
 }
 EXPECTED = {  # family name, pad id, position offset, embedding width, token types, position kind
     "bert": ("BERT", 0, 0, 32, 2, "learned"),
@@ -60,6 +61,7 @@ EXPECTED = {  # family name, pad id, position offset, embedding width, token typ
     "modernbert": ("ModernBERT", 0, 0, 32, 0, "rotary"),
     "gte": ("GTE", 1, 0, 32, 1, "rotary"),
     "nomic": ("NomicBert", 0, 0, 32, 2, "rotary"),
+    "gemma3": ("Gemma3", 1, 0, 32, 0, "rotary"),
     "electra": ("ELECTRA", 0, 0, 16, 2, "learned"),
 }
 
@@ -229,9 +231,9 @@ def test_an_unsupported_family_is_one_error_listing_the_supported_ones(model_typ
     for name, model_types in [("BERT", "bert"), ("RoBERTa", "roberta"), ("XLM-RoBERTa", "xlm-roberta"),
                               ("CamemBERT", "camembert"), ("DistilBERT", "distilbert"), ("ELECTRA", "electra"),
                               ("MPNet", "mpnet"), ("Qwen3", "qwen3"), ("ModernBERT", "modernbert"),
-                              ("GTE", "gte/new"), ("NomicBert", "nomic_bert")]:
+                              ("GTE", "gte/new"), ("NomicBert", "nomic_bert"), ("Gemma3", "gemma3_text")]:
         assert f"{name} ({model_types})" in message
-    assert len(LOADED_FAMILIES) == 11
+    assert len(LOADED_FAMILIES) == 12
 
 
 def test_roberta_positions_are_counted_over_real_tokens_from_padding_idx_plus_one(checkpoints):
@@ -489,3 +491,26 @@ def test_nomic_and_gte_original_configs_give_the_same_encoder_and_what_they_cann
     (directory / "config.json").write_text(json.dumps(remote | {"rope_scaling": {"type": "ntk", "factor": 2.0}}))
     with pytest.raises(CheckpointError, match="rope_type 'ntk' is not supported"):
         load_checkpoint(directory)
+
+
+def test_gemma3_loads_as_embeddinggemma_uses_it_and_refuses_a_causal_language_model(checkpoints, tmp_path):
+    """Bidirectional Gemma 3: sliding_window 8 in config.json is 4 positions each way (transformers' exclusive
+    bound of 8 // 2 + 1), global and local RoPE bases, RMSNorm scaling by 1 + w; a causal one, soft-capped
+    logits or a query scale other than the head width are refused by name."""
+    import shutil
+
+    from tests.families import MODERNBERT_WINDOW
+
+    cfg = load_checkpoint(checkpoints["gemma3"]).config
+    assert (cfg.sliding_layers, cfg.sliding_window, cfg.rope_theta, cfg.local_rope_theta) == (
+        (0,), MODERNBERT_WINDOW, 1_000_000.0, 10_000.0)
+    assert (cfg.norm, cfg.norm_weight_offset, cfg.post_sublayer_norm, cfg.causal, cfg.embedding_scale) == (
+        "rmsnorm", 1.0, True, False, 32 ** 0.5)
+    directory = shutil.copytree(checkpoints["gemma3"], tmp_path / "gemma3")
+    raw = json.loads((directory / "config.json").read_text())
+    for change, message in (({"use_bidirectional_attention": False}, "a causal gemma3_text is a language model"),
+                            ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported"),
+                            ({"query_pre_attn_scalar": 8}, "query_pre_attn_scalar 8 is not supported")):
+        (directory / "config.json").write_text(json.dumps(raw | change))
+        with pytest.raises(CheckpointError, match=message):
+            load_checkpoint(directory)

@@ -22,11 +22,12 @@ from service.engine.engine import EngineTable, load_engine
 from service.engine.runner import EncodeJob
 from service.engine.service import EncoderService
 from tests.conftest import deploy
-from tests.families import CORPUS, make_checkpoint, make_classifier
+from tests.families import CORPUS, add_dense, make_checkpoint, make_classifier
 
 TEXTS = list(CORPUS[:9]) + ["short", "a somewhat longer text that goes on for a while, with commas, and more words"]
 PROMPTS = {"query": "query: ", "document": "passage: ", "instruct": "Represent this sentence for retrieval: "}
 TOLERANCE = 1e-4
+GEMMA_PROMPTS = {"query": "task: search result | query: ", "document": "title: none | text: "}  # EmbeddingGemma's
 NOMIC_PROMPTS = {"query": "search_query: ", "document": "search_document: "}  # modernbert-embed's
 PAIRS = [(CORPUS[3], CORPUS[4]), (CORPUS[3], CORPUS[5]), (CORPUS[6], CORPUS[15]), ("short", TEXTS[-1])]
 QWEN_QUERY = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
@@ -97,14 +98,18 @@ def conventions(tmp_path_factory):
     # gte-reranker-modernbert is (a one-label classifier; this one pools the mean, its head has a norm)
     modernbert = make_checkpoint("modernbert", root / "modernbert", normalize=True, prompts=NOMIC_PROMPTS)
     ranker = make_classifier("modernbert", root / "modernbert-ranker", 1)
+    # EmbeddingGemma's pipeline: mean pooling, two Dense maps without bias (out to 1.5x and back), Normalize
+    gemma = add_dense(make_checkpoint("gemma3", root / "gemma3-base"), root / "gemma3", like="embeddinggemma",
+                      prompts=GEMMA_PROMPTS)
     return {
         "dirs": {"skip": skip, "keep": keep, "plain": plain, "qwen3": qwen3, "modernbert": modernbert,
-                 "modernbert-ranker": ranker},
+                 "modernbert-ranker": ranker, "gemma3": gemma},
         "bundles": {"skip": export(skip, root / "b-skip"), "keep": export(keep, root / "b-keep"),
                     "plain": export(plain, root / "b-plain", matryoshka_dimensions=None),
                     "qwen3": export(qwen3, root / "b-qwen3", matryoshka_dimensions=(32, 16)),
                     "modernbert": export(modernbert, root / "b-modernbert"),
-                    "modernbert-ranker": export(ranker, root / "b-modernbert-ranker")},
+                    "modernbert-ranker": export(ranker, root / "b-modernbert-ranker"),
+                    "gemma3": export(gemma, root / "b-gemma3", matryoshka_dimensions=(32, 16))},
     }
 
 
@@ -189,16 +194,34 @@ def test_a_qwen3_embedder_with_its_query_prompt_and_matryoshka_sizes_is_sentence
 
 
 @pytest.mark.parametrize("packed_tokens", [256, 0])
-def test_a_modernbert_embedder_serves_packed_and_padded_as_sentence_transformers(conventions, packed_tokens):
-    """Global and sliding-window layers with their two RoPE bases, in packed rows (each text's window and
-    positions its own) and padded batches; texts run well past the window of 4 tokens each way."""
+@pytest.mark.parametrize(("family", "prompts"), [("modernbert", NOMIC_PROMPTS), ("gemma3", GEMMA_PROMPTS)])
+def test_local_attention_embedders_serve_packed_and_padded_as_sentence_transformers(conventions, family, prompts,
+                                                                                    packed_tokens):
+    """Global and sliding-window layers with their two RoPE bases (ModernBERT; EmbeddingGemma's Gemma 3 with
+    its Dense modules), in packed rows (each text's window and positions its own) and padded batches;
+    texts run well past the window of 4 tokens each way."""
     from sentence_transformers import SentenceTransformer
 
-    bundle = conventions["bundles"]["modernbert"]
+    bundle = conventions["bundles"][family]
     assert load_bundle(bundle).manifest.packed.passed
-    st = SentenceTransformer(str(conventions["dirs"]["modernbert"]), device="cpu")
-    ours = served(engine_service(bundle, packed_tokens), [NOMIC_PROMPTS["query"] + t for t in TEXTS], normalize=True)
+    st = SentenceTransformer(str(conventions["dirs"][family]), device="cpu")
+    ours = served(engine_service(bundle, packed_tokens), [prompts["query"] + t for t in TEXTS], normalize=True)
     np.testing.assert_allclose(ours, st.encode(TEXTS, prompt_name="query", batch_size=4), atol=TOLERANCE, rtol=0)
+
+
+def test_an_embeddinggemma_with_its_prompts_dense_modules_and_matryoshka_sizes_is_sentence_transformers(
+        conventions, conventions_url):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(conventions["dirs"]["gemma3"]), device="cpu")
+    for extra, expected in (({"input_type": "query"}, st.encode(TEXTS, prompt_name="query")),
+                            ({"prompt_name": "document", "dimensions": 16},
+                             st.encode(TEXTS, prompt_name="document", truncate_dim=16))):
+        r = httpx.post(f"{conventions_url}/v1/embeddings", json={"model": "gemma3", "input": TEXTS, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        ours = np.array([e["embedding"] for e in r.json()["data"]])
+        expected = expected / np.linalg.norm(expected, axis=1, keepdims=True)
+        np.testing.assert_allclose(ours, expected, atol=TOLERANCE, rtol=0, err_msg=str(extra))
 
 
 def test_a_modernbert_reranker_and_embedder_over_http_are_cross_encoder_and_sentence_transformers(
