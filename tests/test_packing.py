@@ -152,3 +152,23 @@ def test_a_packed_row_is_bounded_because_its_attention_grows_with_its_square():
 
     with pytest.raises(ValidationError, match="less than or equal to 2048"):
         BatchingSettings(packed_tokens=4096)
+
+
+def test_info_says_how_each_model_is_batched_and_why_a_model_runs_padded_only(services, tmp_path):
+    """Packed rows hold every family (each text keeps its own positions, window and causal mask); /info
+    says so, and names the reason where a model runs padded only: a pooling with no per-token weights,
+    or packing turned off."""
+    from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
+    from export.pipeline import ExportOptions, build_bundle
+    from tests.families import make_checkpoint
+
+    packed, padded = (services[k].describe(services[k].engines.default)["batches"] for k in ("packed", "padded"))
+    assert packed.startswith("packed: ") and "128 tokens" in packed, packed
+    assert padded == "padded only: batching.packed_tokens is 0"
+    bundle = tmp_path / "max"
+    build_bundle(ExportOptions(str(make_checkpoint("bert", tmp_path / "ckpt", pooling="max")), bundle, DEFAULT_OPSET,
+                               DEFAULT_ATOL, DEFAULT_RTOL, lossy=()), progress=lambda _: None)
+    settings = ServiceSettings.model_validate({"bundle": str(bundle), "runtime": "onnxruntime", "precision": "fp32"})
+    svc = EncoderService(settings, EngineTable([load_engine(BundleRef(path=bundle), settings)]))
+    assert svc.describe(svc.engines.default)["batches"] == \
+        "padded only: max pooling has no per-token weights to pool a packed row by"

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 
+from bundle.contract import PACKED_POOLINGS
 from service.config import BatchingSettings, ServiceSettings
 from service.engine.engine import Engine, EngineTable
 from service.engine.errors import BackendError, ClientGone, InvalidRequest, NotReady, ServiceError, Timeout, TooLarge
@@ -256,6 +257,19 @@ class EncoderService:
 
     # ---- what it runs, for /info ----
 
+    def batch_shape(self, engine: Engine) -> str:
+        """How this model's texts are batched, and why not packed where they are not: packed rows hold
+        every family exactly (each text keeps its own positions, window and causal mask), but not a
+        pooling without per-token weights, nor a replica configured without them."""
+        if engine.runtime.packed is not None and self.batching.packed_tokens:
+            return (f"packed: texts that need only their pooled output run several to a row of up to "
+                    f"{self.batching.packed_tokens} tokens, each attending only its own; the rest run padded")
+        if engine.runtime.packed is not None:
+            return "padded only: batching.packed_tokens is 0"
+        if engine.model.pooling not in PACKED_POOLINGS:
+            return f"padded only: {engine.model.pooling} pooling has no per-token weights to pool a packed row by"
+        return "padded only: the bundle has no packed graph"
+
     def describe(self, engine: Engine) -> dict:
         """One model's execution state in this replica: provider, precision, graphs, counters."""
         runtime = engine.runtime
@@ -271,6 +285,7 @@ class EncoderService:
             "cuda": runtime.describe_cuda(),
             "graphs": {"attentions": runtime.full.label, "encodings": runtime.fast.label,
                        "packed": runtime.packed.label if runtime.packed is not None else None},
+            "batches": self.batch_shape(engine),
             "graph_providers": {"attentions": runtime.full.provider, "encodings": runtime.fast.provider},
             "ort_runs_by_graph": dict(engine.runner.runs_by_graph),
             "counters": dict(engine.runner.counters),
