@@ -25,13 +25,14 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install run test export bundle bench profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
+.PHONY: help install run test export bundle bench bench-families profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
 	@echo "make test    install into $(VENV) and run the whole test suite"
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes docs/performance.md and the README's headline"
+	@echo "make bench-families  MPNet, ModernBERT and Qwen3 shapes at real sizes: the service vs sentence-transformers (PEERS=infinity: and infinity-emb)"
 	@echo "make profile py-spy flame graphs of the replica (and the proxy actor) under load -> results/profile/"
 	@echo "make report  make bench with a concurrency sweep, and the plot docs/performance.png"
 	@echo "make reliability        fault tests (overload, kills, shutdown, hostile input, bad bundles, auth) -> RELIABILITY.md"
@@ -68,6 +69,11 @@ run: bundle
 
 bench: bundle
 	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) $(if $(PEERS),--peers $(PEERS)) $(BENCH_ARGS)
+
+# MPNet, ModernBERT and Qwen3 shapes at their real sizes (random weights): the service against
+# sentence-transformers (and infinity-emb with PEERS=infinity); rows into docs/performance.md
+bench-families: bundle
+	$(BIN)/python -m benchmarks.families $(if $(PEERS),--peers $(PEERS)) $(BENCH_ARGS)
 
 # py-spy flame graphs of the replica under single-text load (PROFILE_ARGS='--ingress proxy --precision int8')
 PROFILE_ARGS ?=

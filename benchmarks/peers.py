@@ -125,8 +125,9 @@ def port_is_free(port: int) -> bool:
 class InfinityServer:
     """`infinity_emb v2` on loopback in its own process group; stopped whole on exit."""
 
-    def __init__(self, install: dict, log: Path, port: int | None = None, start_timeout_s: float = 300):
-        self.install, self.log, self.port = install, log, port or free_port()
+    def __init__(self, install: dict, log: Path, port: int | None = None, start_timeout_s: float = 300,
+                 model: str | None = None):
+        self.install, self.log, self.port, self.model = install, log, port or free_port(), model
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.port}"
@@ -134,7 +135,7 @@ class InfinityServer:
     def __enter__(self) -> InfinityServer:
         if not port_is_free(self.port):
             raise SystemExit(f"port {self.port} is already taken: not starting the peer there")
-        model = model_path(self.install["python"])
+        model = self.model or model_path(self.install["python"])
         cmd = [str(self.install["cli"]), "v2", "--model-id", model, "--served-model-name", SERVED_NAME,
                "--engine", "torch", "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
                "--no-vector-disk-cache"]
@@ -204,16 +205,18 @@ def group_alive(pgid: int) -> bool:
 
 
 def measure_infinity(texts: list[str], short_text: str, batch: int, wrk: dict, encoding_format: str,
-                     root: Path = ROOT / "infinity", install: dict | None = None) -> list[dict]:
+                     root: Path = ROOT / "infinity", install: dict | None = None, model: str | None = None,
+                     batches_only: bool = False) -> list[dict]:
     """The peer's rows: client batches of `batch` at 4 clients (httpx), single texts at 32
-    connections and one short text at 1 connection (wrk), the same texts as the service's rows."""
+    connections and one short text at 1 connection (wrk), the same texts as the service's rows.
+    model: a model directory to serve instead of the default checkpoint; batches_only: the first row only."""
     install = install or ensure_infinity(root)
     version = install["versions"]["infinity_emb"]
     name = f"infinity-emb {version}"
     engine = f"{name} (torch engine, fp32)"
     fmt = {"encoding_format": encoding_format} if encoding_format != "float" else {}
     rows = []
-    with InfinityServer(install, root / "server.log") as server:
+    with InfinityServer(install, root / "server.log", model=model) as server:
         pgid = server.proc.pid
         asyncio.run(load(server.url, [{"model": SERVED_NAME, "input": texts[i : i + batch], **fmt}
                                       for i in range(0, min(len(texts), 128), batch)], 4, path="/embeddings"))  # warm-up
@@ -227,6 +230,8 @@ def measure_infinity(texts: list[str], short_text: str, batch: int, wrk: dict, e
                              failures, {"load generator": (mine1 - mine0), "peer server": cpu1 - cpu0}, len(texts), "httpx"))
         print(f"  {rows[-1]['engine']}, concurrency 4: {rows[-1]['texts_s']:.0f} texts/s, p50 {rows[-1]['p50']:.1f} ms, "
               f"failures {rows[-1]['failures']}", flush=True)
+        if batches_only:
+            return rows
         for label, pool, connections, short in (("single texts", texts, 32, False), ("one short text", [short_text], 1, True)):
             bodies = [json.dumps({"model": SERVED_NAME, "input": t, **fmt}) for t in pool]
             if wrk["warmup_s"]:

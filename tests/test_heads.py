@@ -172,9 +172,10 @@ def check_classifier_bundle(out: Path, family: str, num_labels: int, directory: 
             assert np.abs(logits - expected).max() <= ONNX_TOLERANCE, (kind, np.abs(logits - expected).max())
 
 
-# ELECTRA with three labels is exported by `python -m export` in test_export_cli_exports_a_classifier.
-@pytest.mark.parametrize(("family", "num_labels"),
-                         [(f, n) for f in FAMILIES for n in LABEL_COUNTS if (f, n) != ("electra", 3)])
+# One export per family, the label counts taken in turn (the PyTorch test above holds both counts of every
+# family; the graph does not depend on the count); ELECTRA with three labels is exported by `python -m export`
+# in test_export_cli_exports_a_classifier.
+@pytest.mark.parametrize(("family", "num_labels"), [(f, LABEL_COUNTS[(i + 1) % 2]) for i, f in enumerate(FAMILIES)])
 def test_bundle_graphs_give_the_logits_and_pass_parity(family, num_labels, classifiers, references, tmp_path):
     out = tmp_path / "bundle"
     lines: list[str] = []
