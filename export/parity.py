@@ -59,13 +59,26 @@ def _pad(rows: Sequence[Sequence[int]], type_rows: Sequence[Sequence[int]] | Non
     return Probe(ids, mask, types)
 
 
+# What one probe's attention output may hold, in float32 values: PyTorch's and onnxruntime's copies of
+# (layers, batch, heads, T, T) and their comparison must fit beside the model on a 24 GiB machine (a
+# Qwen3-0.6B's 8 rows of 512 tokens were 3.8 GB a copy and the export was killed for memory)
+ATTENTION_VALUES_PER_PROBE = 2 ** 28  # 1 GiB
+
+
+def rows_per_probe(max_tokens: int, layers: int, heads: int) -> int:
+    """How many rows of max_tokens one probe may batch under ATTENTION_VALUES_PER_PROBE (at least one)."""
+    return max(1, ATTENTION_VALUES_PER_PROBE // (layers * heads * max_tokens * max_tokens))
+
+
 def make_probes(
-    max_tokens: int, vocab_size: int, pad_id: int = 0, tokenizer: Tokenizer | None = None
+    max_tokens: int, vocab_size: int, pad_id: int = 0, tokenizer: Tokenizer | None = None,
+    max_rows: int | None = None,
 ) -> list[Probe]:
     """Batch 1 and several; lengths from 1 token to max_tokens; mixed-length padded batches.
 
     With a tokenizer, real multilingual text and a sentence pair (segment B) join the
-    random-id probes.
+    random-id probes. max_rows (rows_per_probe): the mixed-length batch padded to max_tokens is cut
+    into probes of that many rows, so that a large model's attention output stays within bounds.
     """
     rng = np.random.default_rng(0)
     cls_id, sep_id = (101, 102) if vocab_size > 1000 else (1, 2)
@@ -89,8 +102,11 @@ def make_probes(
         _pad([random_row(1)], None, pad_id),  # batch 1, one token
         _pad([random_row(max_tokens)], None, pad_id),  # batch 1, exactly max_tokens
         _pad([random_row(1), random_row(1), random_row(1)], None, pad_id),  # batch 3, one token each
-        _pad([random_row(n) for n in mixed_lengths], None, pad_id),  # 1..max, padded to max
     ]
+    *shorter, longest = (random_row(n) for n in mixed_lengths)  # 1..max tokens
+    per = max((max_rows or len(mixed_lengths)) - 1, 1)  # every cut keeps the longest row: it pads to max
+    for start in range(0, len(shorter), per):
+        probes.append(_pad([*shorter[start : start + per], longest], None, pad_id))
     if tokenizer is not None:
         texts = [e.ids for e in tokenizer.encode_batch(list(PROBE_TEXTS))]
         long_text = tokenizer.encode(" ".join(PROBE_TEXTS * 40)).ids  # truncated to max_tokens

@@ -143,7 +143,8 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
 
         started = _step(progress, 3, total, f"parity gate: PyTorch vs onnxruntime (atol {options.atol:g}, rtol {options.rtol:g})")
         tokenizer = Tokenizer.from_file(str(ckpt.tokenizer_path))
-        probes = parity.make_probes(ckpt.max_tokens, cfg.vocab_size, cfg.pad_token_id, tokenizer)
+        probes = parity.make_probes(ckpt.max_tokens, cfg.vocab_size, cfg.pad_token_id, tokenizer,
+                                    parity.rows_per_probe(ckpt.max_tokens, cfg.n_layers, cfg.n_heads))
         report: ParityReport = parity.check_parity(
             ckpt.encoder, staging / GRAPH_FILE, probes, options.atol, options.rtol
         )

@@ -242,6 +242,10 @@ class ServiceSettings(BaseModel):
         "tokens^2, summed over its texts; 4 bytes each): it grows with n^2, so it is checked before inference",
     )
 
+    access_log: bool = Field(
+        True, description="one JSON line per request on the replica's stderr (logger service.access): time, id "
+        "(X-Request-Id), method, route, model, status, texts and tokens inferred, milliseconds")
+
     # access control: a bearer token on the inference routes, from a mounted secret file or an
     # environment variable (never from this config, which is not a secret)
     auth_token_file: Path | None = Field(None, description="file holding the API token (e.g. a mounted Secret)")

@@ -126,7 +126,10 @@ def test_openapi_fuzzing_finds_no_server_errors(service_url):
             content_type = content_type[0] if isinstance(content_type, list) else content_type
             assert content_type.startswith("application/json"), (where, content_type)
             if response.status_code >= 400:
-                assert set(response.json()["error"]) == {"type", "message"}, where
+                error = response.json()["error"]
+                assert set(error) == {"type", "message", "request_id"}, where
+                echoed = headers.get("x-request-id")
+                assert error["request_id"] == (echoed[0] if isinstance(echoed, list) else echoed), where
 
         fuzz()
     record("schema-driven fuzzing (schemathesis)", f"{len(operations)} OpenAPI operations, 20 generated requests each",

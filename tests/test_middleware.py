@@ -1,6 +1,7 @@
 """The metrics middleware's status for requests that end without a response: a handler cancelled
 because its client went away is a 499 (nginx's and Envoy's convention), an exception is a 500. The
-service's own end-to-end check of the mid-upload case is in test_metrics.py."""
+service's own end-to-end check of the mid-upload case is in test_metrics.py. Request ids and the
+access log line, which the same middleware writes."""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def test_answered_requests_count_with_their_own_status(monkeypatch, status):
 
 def test_ray_answers_become_our_json_error_and_ours_pass_untouched():
     """service/http/ingress.py: Serve's plain-text answers (its queue-full 503 with Retry-After, its 408)
-    become `{"error": {"type", "message"}}` with status and headers kept; JSON answers are not touched."""
+    become `{"error": {"type", "message"}}` (and the request's id, where Serve gave it one) with status and
+    headers kept; JSON answers are not touched."""
     import asyncio
 
     from service.http.ingress import RayAnswersAsJson
@@ -123,3 +125,58 @@ def test_ray_answers_become_our_json_error_and_ours_pass_untouched():
     assert body == ours and dict(start["headers"])[b"content-type"] == b"application/json"
     start, body = run(app_answering(200, b"success", b"text/plain"))
     assert start["status"] == 200 and body == b"success"  # Serve's /-/healthz: not an error, not touched
+
+
+def test_each_request_gets_an_id_in_its_error_body_its_header_and_its_access_log_line(monkeypatch):
+    """The client's X-Request-Id (or one made for it, where it sent none or one that is not 1-128 visible
+    ASCII characters) is on the error body, on the response's header where no Serve ingress echoes it, and
+    on the request's one JSON access log line with its route, model, status, texts and tokens."""
+    import logging
+
+    from service.http.errors import error_response
+    from service.http.request_ids import access_logger, enable_access_log
+
+    lines: list[dict] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(json.loads(record.getMessage()))
+
+    async def refused(scope, receive, send):
+        scope.update(route_template="/v1/encode", model="m", texts=2, tokens=9)
+        await error_response(413, "too_large", "too long")(scope, receive, send)
+
+    def through(headers):
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/encode", "headers": list(headers)}
+        asyncio.run(middleware.MetricsMiddleware(refused)(scope, _receive, send))
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+        return [v.decode() for k, v in start["headers"] if k.lower() == b"x-request-id"], body["error"]
+
+    handler = Collect()
+    enable_access_log(True)
+    access_logger.addHandler(handler)
+    monkeypatch.setattr(middleware.MetricsMiddleware, "behind_serve", False)
+    try:
+        assert through([(b"x-request-id", b"client-7f3a")]) == (["client-7f3a"], {
+            "type": "too_large", "message": "too long", "request_id": "client-7f3a"})
+        made, error = through([])
+        assert len(made) == 1 and len(made[0]) == 32 and error["request_id"] == made[0]
+        replaced, error = through([(b"x-request-id", b"two words")])
+        assert replaced != ["two words"] and error["request_id"] == replaced[0]
+        monkeypatch.setattr(middleware.MetricsMiddleware, "behind_serve", True)  # Serve echoes it: not twice
+        assert through([(b"x-request-id", b"behind-serve")])[0] == []
+    finally:
+        access_logger.removeHandler(handler)
+    assert [line["id"] for line in lines] == ["client-7f3a", made[0], replaced[0], "behind-serve"]
+    first = lines[0]
+    assert {k: first[k] for k in ("method", "route", "model", "status", "texts", "tokens")} == {
+        "method": "POST", "route": "/v1/encode", "model": "m", "status": 413, "texts": 2, "tokens": 9}
+    assert first["ms"] >= 0 and first["time"].endswith("Z")
+    assert error_response(400, "bad_request", "outside a request").body == \
+        b'{"error":{"type":"bad_request","message":"outside a request"}}'

@@ -84,3 +84,18 @@ def test_sinusoidal_encoder_outputs_do_not_depend_on_padding():
     torch.testing.assert_close(hp[:, :9], h, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ep, e, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ap[..., :9, :9], a, atol=1e-6, rtol=1e-5)
+
+
+def test_a_large_models_mixed_length_probe_is_cut_to_bound_its_attention_output():
+    """The mixed-length probe (8 rows padded to max_tokens) is cut into probes of rows_per_probe rows, each
+    with the longest row so that it still pads, covering every length once: a Qwen3-0.6B-sized model (28
+    layers, 16 heads, 512 tokens) was killed for memory by one probe's 3.8 GB of attention weights a copy."""
+    assert parity.rows_per_probe(512, 28, 16) == 2 and parity.rows_per_probe(64, 2, 4) >= 8
+    whole = parity.make_probes(512, 30522)
+    cut = parity.make_probes(512, 30522, max_rows=parity.rows_per_probe(512, 28, 16))
+    assert [p.shape for p in whole][3:] == [(8, 512)]
+    mixed = cut[3:]
+    assert all(p.shape == (2, 512) for p in mixed) and len(mixed) == 7
+    lengths = sorted(n for p in mixed for n in p.attention_mask.sum(1).tolist() if n != 512)
+    assert lengths == sorted(n for n in whole[3].attention_mask.sum(1).tolist() if n != 512)
+    assert all(28 * p.shape[0] * 16 * 512 * 512 <= 2 * parity.ATTENTION_VALUES_PER_PROBE for p in mixed)

@@ -60,7 +60,7 @@ def test_bad_request_gets_a_json_error(client, method, path, kwargs, status, mes
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
     error = r.json()["error"]
-    assert set(error) == {"type", "message"}
+    assert set(error) == {"type", "message", "request_id"} and error["request_id"] == r.headers["x-request-id"]
     assert message in error["message"], error
 
 
@@ -111,3 +111,16 @@ def test_overload_is_refused_at_once_with_retry_after(ray_serve, default_bundle)
            {"200": statuses.count(200), "503 + Retry-After": statuses.count(503)}, None,
            note=f"refusals at once (slowest refusal {max(t for t, _ in refused):.2f} s); healthy right after")
     print(f"\noverload burst: {statuses.count(200)} accepted, {statuses.count(503)} refused with 503")
+
+
+def test_a_request_id_is_echoed_once_and_carried_by_the_error_body(client):
+    """Through Serve's ingress: the client's X-Request-Id comes back in one header and in the error body;
+    without one, the id Serve made is the one the body carries."""
+    r = client.post("/v1/encode", json={"inputs": []}, headers={"X-Request-Id": "client-7f3a"})
+    assert r.status_code == 422 and r.headers.get_list("x-request-id") == ["client-7f3a"], r.headers
+    assert r.json()["error"]["request_id"] == "client-7f3a"
+    r = client.post("/v1/encode", json={"inputs": []})
+    made = r.headers.get_list("x-request-id")
+    assert len(made) == 1 and r.json()["error"]["request_id"] == made[0], (r.headers, r.text)
+    r = client.post("/v1/encode", json={"inputs": "x"}, headers={"X-Request-Id": "ok-1"})
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["ok-1"]

@@ -96,7 +96,8 @@ def assert_error_names(r: httpx.Response, status: int, words: str) -> None:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
     error = r.json()["error"]
-    assert set(error) == {"type", "message"} and words in error["message"], error
+    assert set(error) == {"type", "message", "request_id"} and words in error["message"], error
+    assert error["request_id"] == r.headers["x-request-id"]
 
 
 def text_request(**extra) -> dict:

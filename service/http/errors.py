@@ -4,6 +4,7 @@ type, Retry-After where retrying helps, and the one JSON error body."""
 from __future__ import annotations
 
 from service.engine.errors import ServiceError
+from service.http.request_ids import current_request_id
 from service.http.responses import JSONResponse
 
 STATUS = {
@@ -27,8 +28,12 @@ def status_of(exc: ServiceError) -> int:
 
 
 def error_response(status: int, type_: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The one JSON error body, `{"error": {"type", "message"}}`, with its status and headers."""
-    return JSONResponse({"error": {"type": type_, "message": message}}, status_code=status, headers=headers)
+    """The one JSON error body, `{"error": {"type", "message", "request_id"}}`, with its status and headers;
+    the id is the request's (X-Request-Id), so a client's complaint can be matched to its log line."""
+    error = {"type": type_, "message": message}
+    if (request_id := current_request_id.get()) is not None:
+        error["request_id"] = request_id
+    return JSONResponse({"error": error}, status_code=status, headers=headers)
 
 
 def service_error_response(exc: ServiceError) -> JSONResponse:

@@ -6,7 +6,7 @@ application serves, its 500 when a replica dies. Serve writes them as plain text
 the function named by RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH (service/config.py, INGRESS_ENV)
 in its HTTP proxy and in each replica's own HTTP server (the one HAProxy sends to), and wraps
 their ASGI apps in the middlewares it returns: this one rewrites those answers into
-`{"error": {"type", "message"}}`, keeps their status and headers (Retry-After), and counts
+`{"error": {"type", "message", "request_id"}}`, keeps their status and headers (Retry-After), and counts
 Serve's refusals in ray_encoder_request_failures_total{reason="overloaded"}, where the
 overload alert looks. Our own answers are JSON already and pass through untouched.
 
@@ -23,6 +23,7 @@ from typing import Any
 from starlette.middleware import Middleware
 
 from service.http.middleware import TIMEOUT_HEADER, asked_deadline_s
+from service.http.request_ids import REQUEST_ID_HEADER
 
 # Serve's status -> our error type (service/engine/errors.py names the same ones)
 RAY_ANSWER_TYPES = {404: "not_found", 408: "timeout", 413: "too_large", 500: "backend", 503: "unavailable"}
@@ -76,7 +77,11 @@ class RayAnswersAsJson:
                 status, message = 503, deadline_message(scope)
                 kept = [(k, v) for k, v in kept if k.lower() != b"retry-after"]
                 kept.append((b"retry-after", str(RayAnswersAsJson.retry_after_s).encode()))
-            payload = json.dumps({"error": {"type": type_, "message": message}}).encode()
+            error = {"type": type_, "message": message}
+            request_id = dict(scope.get("headers") or []).get(REQUEST_ID_HEADER.encode())
+            if request_id:  # Serve's RequestIdMiddleware, outside this one, has put the client's id or its own
+                error["request_id"] = request_id.decode("ascii", "replace")
+            payload = json.dumps({"error": error}).encode()
             await send({"type": "http.response.start", "status": status,
                         "headers": kept + [(b"content-type", b"application/json"),
                                            (b"content-length", str(len(payload)).encode())]})

@@ -16,6 +16,7 @@ from typing import Any
 
 from service.config import ServiceSettings
 from service.http.errors import error_response
+from service.http.request_ids import REQUEST_ID_HEADER, current_request_id, enable_access_log, log_access, request_id_of
 from service.metrics import service_metrics, status_class
 
 _REASON_BY_STATUS = {401: "unauthorized", 404: "not_found", 413: "too_large", 422: "validation",
@@ -72,9 +73,11 @@ def app_path(scope: dict) -> str:
 
 class MetricsMiddleware:
     """Counts every request by route template and status, its total time, in-flight requests,
-    failures by reason, and response bytes (the routes report bytes per output kind)."""
+    failures by reason, and response bytes (the routes report bytes per output kind); gives it its
+    id (service/http/request_ids.py) and writes its access log line."""
 
     in_flight = 0  # requests inside this replica's app now
+    behind_serve = False  # a Serve ingress in front echoes X-Request-Id itself (configure())
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -85,6 +88,10 @@ class MetricsMiddleware:
         metrics = service_metrics()
         started = time.perf_counter()
         scope["arrived"] = started  # a request's deadline counts from here (context.deadline)
+        request_id = request_id_of(dict(scope.get("headers") or []))
+        scope["request_id"] = request_id
+        id_token = current_request_id.set(request_id)
+        echo = not MetricsMiddleware.behind_serve
         status = 500  # what an exception that escapes the app without a response amounts to
         responded = False
         sent = 0
@@ -95,6 +102,9 @@ class MetricsMiddleware:
             nonlocal status, sent, responded
             if message["type"] == "http.response.start":
                 status, responded = message["status"], True
+                if echo:
+                    headers = [h for h in message.get("headers", []) if h[0].lower() != REQUEST_ID_HEADER.encode()]
+                    message = {**message, "headers": [*headers, (REQUEST_ID_HEADER.encode(), request_id.encode())]}
             elif message["type"] == "http.response.body":
                 sent += len(message.get("body", b""))
             await send(message)
@@ -108,6 +118,7 @@ class MetricsMiddleware:
             scope["timed_out" if past_client_deadline(scope, time.perf_counter()) else "client_gone"] = True
             raise
         finally:
+            current_request_id.reset(id_token)
             if not responded and scope.get("timed_out"):
                 status = 503
                 scope.setdefault("failure_reason", "timeout")
@@ -133,6 +144,7 @@ class MetricsMiddleware:
             other = sent - sum(kinds.values())
             if other > 0:
                 metrics.response_bytes.inc(other, tags={"route": route, "kind": "other", "model": model})
+            log_access(scope, status, started, time.perf_counter())
 
 
 class BearerAuthMiddleware:
@@ -253,5 +265,7 @@ def configure(settings: ServiceSettings) -> None:
     from service.http.ingress import RayAnswersAsJson
 
     BodyLimitMiddleware.limit = settings.max_body_bytes
+    MetricsMiddleware.behind_serve = serve_config_now() is not None
+    enable_access_log(settings.access_log)
     RayAnswersAsJson.retry_after_s = settings.retry_after_s
     BearerAuthMiddleware.token = load_token(settings)

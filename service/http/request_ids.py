@@ -1,0 +1,65 @@
+"""Request ids: the X-Request-Id a client sent, or one made for it, on every answer and log line.
+
+Ray Serve's ingress (its proxy's and each replica's RequestIdMiddleware, and HAProxy's `unique-id`)
+already puts an `x-request-id` into the request's headers when the client sent none, and echoes it in
+the response's headers; the service reads that id, puts it in its JSON error bodies and its access log
+line, and echoes it itself only where no Serve ingress stands in front (plain uvicorn, tests).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from contextvars import ContextVar
+
+REQUEST_ID_HEADER = "x-request-id"
+# what a client's id may be: 1-128 visible ASCII characters (Envoy's and nginx's ids are 32-36);
+# anything else is replaced by one made here, never echoed into a header or a log line as it came
+_VALID = re.compile(r"[\x21-\x7e]{1,128}")
+
+# the id of the request this task serves: what error bodies carry (service/http/errors.py)
+current_request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
+
+access_logger = logging.getLogger("service.access")
+
+
+def request_id_of(headers: dict[bytes, bytes]) -> str:
+    """The id the request came with (from the client or Serve's ingress), else a new one."""
+    raw = headers.get(REQUEST_ID_HEADER.encode())
+    if raw is not None:
+        value = raw.decode("ascii", errors="replace")
+        if _VALID.fullmatch(value):
+            return value
+    return uuid.uuid4().hex
+
+
+def enable_access_log(enabled: bool) -> None:
+    """One JSON line per request on stderr (the replica's log), or none. Its own handler: Ray's
+    loggers and the root logger's level leave it alone."""
+    access_logger.propagate = False
+    access_logger.setLevel(logging.INFO if enabled else logging.CRITICAL + 1)
+    if enabled and not access_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access_logger.addHandler(handler)
+
+
+def log_access(scope: dict, status: int, started: float, now: float) -> None:
+    """The access log line of one request: time (UTC), id, method, route template, model, status,
+    texts and tokens that reached inference, and milliseconds."""
+    if not access_logger.isEnabledFor(logging.INFO):
+        return
+    access_logger.info(json.dumps({
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z",
+        "id": scope.get("request_id"),
+        "method": scope.get("method"),
+        "route": scope.get("route_template", "unmatched"),
+        "model": scope.get("model") or None,
+        "status": status,
+        "texts": scope.get("texts", 0),
+        "tokens": scope.get("tokens", 0),
+        "ms": round((now - started) * 1000, 1),
+    }, separators=(",", ":")))
