@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -92,6 +93,30 @@ class EncodingsOnly(nn.Module):
         return hidden, pooled_or_logits
 
 
+def needs_external_data(encoder: Encoder) -> bool:
+    """Whether a graph of this encoder keeps its weights in an external data file beside it
+    (<graph>.data): protobuf caps one file at 2 GB (a Qwen3-0.6B holds 1.9 to 2.4 GB of weights)."""
+    return sum(p.numel() * p.element_size() for p in encoder.parameters()) > _SINGLE_FILE_LIMIT
+
+
+def _export_legacy(module: nn.Module, inputs: tuple, path: Path, large: bool, **options) -> None:
+    """The TorchScript-based exporter into `path`; with `large`, the weights end in one `<path>.data`
+    (the exporter itself scatters a file per tensor past 2 GB, so it writes into a scratch directory
+    first and the graph is saved again from there)."""
+    with warnings.catch_warnings():
+        # TorchScript-exporter deprecation and tracer warnings: known, and the parity gate is the check.
+        warnings.simplefilter("ignore")
+        if not large:
+            torch.onnx.export(module, inputs, str(path), dynamo=False, **options)
+            return
+        with tempfile.TemporaryDirectory(prefix="onnx-export-") as scratch:
+            traced = Path(scratch) / path.name
+            torch.onnx.export(module, inputs, str(traced), dynamo=False, **options)
+            model = onnx.load(str(traced))  # with whatever external files the exporter wrote
+            onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=path.name + ".data", size_threshold=1024)
+
+
 def export_encodings_onnx(encoder: Encoder, path: Path, opset: int) -> None:
     """Export the encodings-only graph with the TorchScript-based exporter.
 
@@ -102,24 +127,11 @@ def export_encodings_onnx(encoder: Encoder, path: Path, opset: int) -> None:
     which needs no fusion, stays on torch.export.
     """
     encoder.eval()
-    n_bytes = sum(p.numel() * p.element_size() for p in encoder.parameters())
-    if n_bytes > _SINGLE_FILE_LIMIT:
-        raise ValueError(f"model of {n_bytes / 1e9:.1f} GB: the encodings graph supports single-file models only")
     outputs = encodings_output_names(encoder.task)
     names = [*INPUT_NAMES, *outputs]
-    with warnings.catch_warnings():
-        # TorchScript-exporter deprecation and tracer warnings: known, and the parity gate is the check.
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            EncodingsOnly(encoder),
-            example_inputs(vocab_size=encoder.config.vocab_size),
-            str(path),
-            input_names=list(INPUT_NAMES),
-            output_names=list(outputs),
-            dynamic_axes={name: DYNAMIC_AXES[name] for name in names},
-            opset_version=opset,
-            dynamo=False,
-        )
+    _export_legacy(EncodingsOnly(encoder), example_inputs(vocab_size=encoder.config.vocab_size), path,
+                   needs_external_data(encoder), input_names=list(INPUT_NAMES), output_names=list(outputs),
+                   dynamic_axes={name: DYNAMIC_AXES[name] for name in names}, opset_version=opset)
     check_graph(path, outputs)
 
 
@@ -154,22 +166,11 @@ def export_packed_onnx(encoder: Encoder, path: Path, opset: int) -> None:
     padding mask, not a block-diagonal one (measured: fused, it fails at run time; with only the
     LayerNorm and Gelu fusions, no faster than onnxruntime's own load-time fusions)."""
     encoder.eval()
-    n_bytes = sum(p.numel() * p.element_size() for p in encoder.parameters())
-    if n_bytes > _SINGLE_FILE_LIMIT:
-        raise ValueError(f"model of {n_bytes / 1e9:.1f} GB: the packed graph supports single-file models only")
     outputs = packed_output_names(encoder.task)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
-        torch.onnx.export(
-            Packed(encoder),
-            example_packed_inputs(encoder),
-            str(path),
-            input_names=list(PACKED_INPUT_NAMES),
-            output_names=list(outputs),
-            dynamic_axes={name: PACKED_DYNAMIC_AXES[name] for name in [*PACKED_INPUT_NAMES, *outputs]},
-            opset_version=opset,
-            dynamo=False,
-        )
+    _export_legacy(Packed(encoder), example_packed_inputs(encoder), path, needs_external_data(encoder),
+                   input_names=list(PACKED_INPUT_NAMES), output_names=list(outputs),
+                   dynamic_axes={name: PACKED_DYNAMIC_AXES[name] for name in [*PACKED_INPUT_NAMES, *outputs]},
+                   opset_version=opset)
     check_graph(path, outputs, PACKED_INPUT_NAMES)
 
 

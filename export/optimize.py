@@ -49,10 +49,20 @@ def _fusion_counts(model) -> dict[str, int]:
     return {op: n for op, n in sorted(model.get_fused_operator_statistics().items()) if n}
 
 
+def external_data_of(graph: Path) -> Path:
+    """Where a graph too large for one file keeps its weights (onnxruntime's and our exporter's name)."""
+    return graph.with_name(graph.name + ".data")
+
+
+def _save(model, source: Path, target: Path) -> None:
+    """Save as the source was saved: with its weights in `<target>.data` when the source had external data."""
+    model.save_model_to_file(str(target), use_external_data_format=external_data_of(source).exists())
+
+
 def optimize_fp32(source: Path, target: Path, config: EncoderConfig) -> dict[str, int]:
     """The fp32 encodings graph; returns the fused operators by type."""
     model = _optimize(source, config, for_gpu=False)
-    model.save_model_to_file(str(target))
+    _save(model, source, target)
     return _fusion_counts(model)
 
 
@@ -73,6 +83,7 @@ def quantize_int8(source: Path, target: Path, per_channel: bool = True) -> None:
             weight_type=QuantType.QInt8,
             per_channel=per_channel,
             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+            use_external_data_format=external_data_of(source).exists(),
         )
 
 
@@ -82,5 +93,5 @@ def optimize_fp16(source: Path, target: Path, config: EncoderConfig) -> dict[str
     counts = _fusion_counts(model)
     with _quiet():
         model.convert_float_to_float16(keep_io_types=True)
-    model.save_model_to_file(str(target))
+    _save(model, source, target)
     return counts

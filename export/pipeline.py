@@ -213,8 +213,8 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
             tokenizer=TOKENIZER_FILE,
             files={
                 name: file_entry(staging / name)
-                for name in [*graph_files, *(v.file for v in variants.values()), *([packed.file] if packed else []),
-                             TOKENIZER_FILE]
+                for name in _with_data(staging, [*graph_files, *(v.file for v in variants.values()),
+                                                 *([packed.file] if packed else []), TOKENIZER_FILE])
             },
             parity=report,
             variants=variants,
@@ -238,6 +238,18 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
         return ExportResult(out=out, manifest=manifest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _with_data(staging: Path, names: list[str]) -> list[str]:
+    """The files to publish: each graph, and beside a large one its external data (`<graph>.data`)."""
+    data = [optimize.external_data_of(staging / n).name for n in names]
+    return list(dict.fromkeys([*names, *(d for d in data if (staging / d).exists())]))
+
+
+def _remove_graph(path: Path) -> None:
+    """A graph its gate rejected, with its external data: nothing of it is published."""
+    path.unlink()
+    optimize.external_data_of(path).unlink(missing_ok=True)
 
 
 def _encodings_fp32(ckpt: Checkpoint, staging: Path, probes, options: ExportOptions, progress: Progress) -> VariantInfo:
@@ -280,7 +292,7 @@ def _packed(ckpt: Checkpoint, staging: Path, probes, options: ExportOptions, pro
     for line in parity_lines(report):
         progress("      packed " + line)
     if not report.passed:
-        target.unlink()
+        _remove_graph(target)
         progress("      packed graph rejected by its gate: not published (every run is padded)")
         return None
     return PackedInfo(file=PACKED_FILE, opset=onnx_export.graph_opset(target), inputs=list(PACKED_INPUT_NAMES),
@@ -328,7 +340,7 @@ def _lossy_variant(
     )
     progress("      " + quality_line(precision, gate))
     if not gate.passed:
-        target.unlink()
+        _remove_graph(target)
         progress(f"      {precision} rejected by its gate: not published")
         return None
     return VariantInfo(

@@ -99,3 +99,47 @@ def test_a_large_models_mixed_length_probe_is_cut_to_bound_its_attention_output(
     lengths = sorted(n for p in mixed for n in p.attention_mask.sum(1).tolist() if n != 512)
     assert lengths == sorted(n for n in whole[3].attention_mask.sum(1).tolist() if n != 512)
     assert all(28 * p.shape[0] * 16 * 512 * 512 <= 2 * parity.ATTENTION_VALUES_PER_PROBE for p in mixed)
+
+
+def test_a_model_too_large_for_one_file_publishes_every_graph_with_its_weights_beside_it(tmp_path, monkeypatch):
+    """Past protobuf's 2 GB (a real Qwen3-0.6B), every graph keeps its weights in one `<graph>.data` file: the
+    full, encodings (and its lossy variants) and packed graphs are exported, gated, hashed in the manifest,
+    and served. Forced here on a small Qwen3 by lowering the single-file limit."""
+    import asyncio
+
+    from sentence_transformers import SentenceTransformer
+
+    from bundle.contract import DEFAULT_ATOL, DEFAULT_RTOL
+    from bundle.manifest import load_bundle
+    from export.pipeline import ExportOptions, build_bundle
+    from service.config import BundleRef, ServiceSettings
+    from service.engine.engine import EngineTable, load_engine
+    from service.engine.runner import EncodeJob
+    from service.engine.service import EncoderService
+    from tests.families import CORPUS, make_checkpoint
+
+    monkeypatch.setattr(onnx_export, "_SINGLE_FILE_LIMIT", 0)
+    checkpoint = make_checkpoint("qwen3", tmp_path / "qwen3", pooling="lasttoken", normalize=True)
+    out = tmp_path / "bundle"
+    build_bundle(ExportOptions(str(checkpoint), out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, lossy=("int8",)),
+                 progress=lambda _: None)
+    manifest = load_bundle(out).manifest  # every file, data files included, checked against its hash
+    graphs = [GRAPH_FILE, *(v.file for v in manifest.variants.values()), manifest.packed.file]
+    for graph in graphs:
+        assert f"{graph}.data" in manifest.files and (out / f"{graph}.data").stat().st_size > 10_000, graph
+        assert (out / graph).stat().st_size < 1_000_000, graph  # the graph itself holds no weights
+    assert sorted(p.name for p in out.glob("*.data")) == sorted(f"{g}.data" for g in graphs)  # nothing stray
+
+    texts = list(CORPUS[:6])
+    expected = SentenceTransformer(str(checkpoint), device="cpu").encode(texts)
+    for packed_tokens in (256, 0):
+        settings = ServiceSettings.model_validate({"bundle": str(out), "precision": "fp32", "runtime": "onnxruntime",
+                                                   "batching": {"packed_tokens": packed_tokens}})
+        svc = EncoderService(settings, EngineTable([load_engine(BundleRef(path=out), settings)]))
+
+        async def run():
+            engine = svc.engines.default
+            tokenized = await svc.tokenize(engine, texts, True, "test")
+            return await svc.infer(engine, EncodeJob(route="test", ids=[t.ids for t in tokenized], normalize=True), 60)
+
+        np.testing.assert_allclose(asyncio.run(run()).embeddings, expected, atol=1e-4, rtol=0)
