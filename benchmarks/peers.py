@@ -206,7 +206,7 @@ def group_alive(pgid: int) -> bool:
 
 def measure_infinity(texts: list[str], short_text: str, batch: int, wrk: dict, encoding_format: str,
                      root: Path = ROOT / "infinity", install: dict | None = None, model: str | None = None,
-                     batches_only: bool = False) -> list[dict]:
+                     batches_only: bool = False, start_timeout_s: float = 300) -> list[dict]:
     """The peer's rows: client batches of `batch` at 4 clients (httpx), single texts at 32
     connections and one short text at 1 connection (wrk), the same texts as the service's rows.
     model: a model directory to serve instead of the default checkpoint; batches_only: the first row only."""
@@ -216,7 +216,7 @@ def measure_infinity(texts: list[str], short_text: str, batch: int, wrk: dict, e
     engine = f"{name} (torch engine, fp32)"
     fmt = {"encoding_format": encoding_format} if encoding_format != "float" else {}
     rows = []
-    with InfinityServer(install, root / "server.log", model=model) as server:
+    with InfinityServer(install, root / "server.log", model=model, start_timeout_s=start_timeout_s) as server:
         pgid = server.proc.pid
         asyncio.run(load(server.url, [{"model": SERVED_NAME, "input": texts[i : i + batch], **fmt}
                                       for i in range(0, min(len(texts), 128), batch)], 4, path="/embeddings"))  # warm-up
