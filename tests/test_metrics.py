@@ -339,7 +339,8 @@ def test_a_deadline_that_passes_first_on_serves_clock_is_the_same_503_timeout(se
     assert status_line.split()[1] == "503" and headers.get("retry-after") == "1", answer
     error = json.loads(body[: int(headers["content-length"])])["error"]
     assert error == {"type": "timeout", "message": "the request did not finish within the client's deadline "
-                                                   "(x-request-timeout-seconds: 1s)"}, error
+                                                   "(x-request-timeout-seconds: 1s)",
+                     "request_id": headers["x-request-id"]}, (error, headers)
     after = counts(poll(metrics_url, lambda f: counts(f)[1] > before[1], "the deadline to be counted as a timeout"))
     assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (1, 1, 0), (before, after)
 
