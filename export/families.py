@@ -339,7 +339,6 @@ def _qwen3_fields(raw: dict, model_type: str, config_path: Path) -> dict:
     )
 
 
-_MODERNBERT_LAYER_TYPES = ("full_attention", "sliding_attention")
 _MODERNBERT_THETA = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}  # ModernBertConfig.default_theta
 
 
@@ -349,13 +348,8 @@ def _modernbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
     without biases, a sliding window of local_attention // 2 each way on the local layers, GeGLU."""
     n_layers = raw["num_hidden_layers"]
     every = config_value(raw, "global_attn_every_n_layers", 3)
-    layer_types = raw.get("layer_types") or [
-        "sliding_attention" if i % every else "full_attention" for i in range(n_layers)]
-    if len(layer_types) != n_layers or not set(layer_types) <= set(_MODERNBERT_LAYER_TYPES):
-        raise CheckpointError(f"{config_path}: layer_types {layer_types} is not one of "
-                              f"{'/'.join(_MODERNBERT_LAYER_TYPES)} per layer")
-    theta = _layer_thetas(raw, config_path, _MODERNBERT_THETA,
-                          {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"})
+    local = _local_attention(raw, config_path, [bool(i % every) for i in range(n_layers)], _MODERNBERT_THETA,
+                             {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"})
     if bool(raw.get("attention_bias", False)) != bool(raw.get("mlp_bias", False)):
         raise CheckpointError(f"{config_path}: attention_bias and mlp_bias must agree (the encoder has one bias switch)")
     return dict(
@@ -371,10 +365,8 @@ def _modernbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
         attention_dropout=config_value(raw, "attention_dropout", 0.0),
         activation=_activation(raw, "hidden_activation", config_path),
         position_kind="rotary",
-        rope_theta=theta["full_attention"],
-        local_rope_theta=theta["sliding_attention"],
+        **local,
         sliding_window=config_value(raw, "local_attention", 128) // 2,
-        sliding_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
         norm_bias=bool(raw.get("norm_bias", False)),
         bias=bool(raw.get("attention_bias", False)),
         gated_mlp=True,
@@ -385,6 +377,21 @@ def _modernbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
 
 
 _GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig.default_theta
+
+
+def _local_attention(raw: dict, config_path: Path, sliding_by_pattern: list[bool], defaults: dict[str, float],
+                     old_keys: dict[str, str]) -> dict:
+    """EncoderConfig's rope_theta, local_rope_theta and sliding_layers of a family with global and local
+    layers: the layers from layer_types (transformers 5), else from the family's older pattern (true where
+    a layer is local); each type's rotary base from _layer_thetas."""
+    n_layers = len(sliding_by_pattern)
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if local else "full_attention" for local in sliding_by_pattern]
+    if len(layer_types) != n_layers or not set(layer_types) <= set(defaults):
+        raise CheckpointError(f"{config_path}: layer_types {layer_types} is not one of {'/'.join(defaults)} per layer")
+    theta = _layer_thetas(raw, config_path, defaults, old_keys)
+    return dict(rope_theta=theta["full_attention"], local_rope_theta=theta["sliding_attention"],
+                sliding_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"))
 
 
 def _layer_thetas(raw: dict, config_path: Path, defaults: dict[str, float],
@@ -419,12 +426,8 @@ def _gemma3_fields(raw: dict, model_type: str, config_path: Path) -> dict:
         raise CheckpointError(f"{config_path}: query_pre_attn_scalar {raw['query_pre_attn_scalar']} is not supported "
                               f"(scores are scaled by the head width, {head_dim})")
     pattern = config_value(raw, "sliding_window_pattern", 6)
-    layer_types = raw.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
-    if len(layer_types) != n_layers or not set(layer_types) <= set(_GEMMA3_THETA):
-        raise CheckpointError(f"{config_path}: layer_types {layer_types} is not one of {'/'.join(_GEMMA3_THETA)} per layer")
-    theta = _layer_thetas(raw, config_path, _GEMMA3_THETA,
-                          {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"})
+    local = _local_attention(raw, config_path, [bool((i + 1) % pattern) for i in range(n_layers)], _GEMMA3_THETA,
+                             {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"})
     return dict(
         vocab_size=raw["vocab_size"],
         d_model=raw["hidden_size"],
@@ -440,10 +443,8 @@ def _gemma3_fields(raw: dict, model_type: str, config_path: Path) -> dict:
         attention_dropout=config_value(raw, "attention_dropout", 0.0),
         activation=_activation(raw, "hidden_activation", config_path),
         position_kind="rotary",
-        rope_theta=theta["full_attention"],
-        local_rope_theta=theta["sliding_attention"],
+        **local,
         sliding_window=config_value(raw, "sliding_window", 4096) // 2,
-        sliding_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"),
         embedding_scale=raw["hidden_size"] ** 0.5,
         norm="rmsnorm",
         norm_weight_offset=1.0,
