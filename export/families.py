@@ -82,14 +82,16 @@ _QWEN3_RENAMES = (
     (r"^layers\.(\d+)\.mlp\.down_proj\.", r"layers.\1.ffn.linear2."),
     (r"^norm\.", "final_norm."),
 )
+# a fused query/key/value projection (ModernBERT's Wqkv, GTE's qkv_proj, nomic's Wqkv): three equal parts
+_FUSED_QKV = (r"layers.\1.attention.w_q.", r"layers.\1.attention.w_k.", r"layers.\1.attention.w_v.")
+
 # ModernBERT (modeling_modernbert.py): pre-norm, fused Wqkv, GeGLU in one Wi (input, then gate), no
 # position table; ModernBertForMaskedLM and the classifier keep it under `model.`
 _MODERNBERT_RENAMES = (
     (r"^embeddings\.tok_embeddings\.", "embeddings.token."),
     (r"^embeddings\.norm\.", "embeddings.norm."),
     (r"^layers\.(\d+)\.attn_norm\.", r"layers.\1.norm1."),
-    (r"^layers\.(\d+)\.attn\.Wqkv\.",
-     (r"layers.\1.attention.w_q.", r"layers.\1.attention.w_k.", r"layers.\1.attention.w_v.")),
+    (r"^layers\.(\d+)\.attn\.Wqkv\.", _FUSED_QKV),
     (r"^layers\.(\d+)\.attn\.Wo\.", r"layers.\1.attention.w_o."),
     (r"^layers\.(\d+)\.mlp_norm\.", r"layers.\1.norm2."),
     (r"^layers\.(\d+)\.mlp\.Wi\.", (r"layers.\1.ffn.linear1.", r"layers.\1.ffn.up.")),
@@ -118,8 +120,7 @@ _ROTARY_BERT_RENAMES = (
 )
 _GTE_RENAMES = (
     *_ROTARY_BERT_RENAMES,
-    (r"^encoder\.layer\.(\d+)\.attention\.qkv_proj\.",
-     (r"layers.\1.attention.w_q.", r"layers.\1.attention.w_k.", r"layers.\1.attention.w_v.")),
+    (r"^encoder\.layer\.(\d+)\.attention\.qkv_proj\.", _FUSED_QKV),
     (r"^encoder\.layer\.(\d+)\.attention\.o_proj\.", r"layers.\1.attention.w_o."),
     (r"^encoder\.layer\.(\d+)\.attn_ln\.", r"layers.\1.norm1."),
     (r"^encoder\.layer\.(\d+)\.mlp\.up_gate_proj\.", (r"layers.\1.ffn.up.", r"layers.\1.ffn.linear1.")),
@@ -128,8 +129,7 @@ _GTE_RENAMES = (
 )
 _NOMIC_RENAMES = (
     *_ROTARY_BERT_RENAMES,
-    (r"^encoder\.layers\.(\d+)\.attn\.Wqkv\.",
-     (r"layers.\1.attention.w_q.", r"layers.\1.attention.w_k.", r"layers.\1.attention.w_v.")),
+    (r"^encoder\.layers\.(\d+)\.attn\.Wqkv\.", _FUSED_QKV),
     (r"^encoder\.layers\.(\d+)\.attn\.out_proj\.", r"layers.\1.attention.w_o."),
     (r"^encoder\.layers\.(\d+)\.mlp\.fc11\.", r"layers.\1.ffn.up."),
     (r"^encoder\.layers\.(\d+)\.mlp\.fc12\.", r"layers.\1.ffn.linear1."),

@@ -172,6 +172,16 @@ def test_prompt_name_input_type_and_the_default_prompt_over_http_match_sentence_
     close(np.array([e["embedding"] for e in r.json()["data"]]), skip.encode(TEXTS, prompt_name="query"))
 
 
+def assert_served_as(url: str, model: str, extra: dict, expected: np.ndarray) -> None:
+    """/v1/embeddings of TEXTS with `extra` fields is `expected` (sentence-transformers' vectors), L2-normalised
+    as OpenAI's API returns them (a cut vector normalised again)."""
+    r = httpx.post(f"{url}/v1/embeddings", json={"model": model, "input": TEXTS, **extra}, timeout=60)
+    assert r.status_code == 200, r.text
+    ours = np.array([e["embedding"] for e in r.json()["data"]])
+    expected = expected / np.linalg.norm(expected, axis=1, keepdims=True)
+    np.testing.assert_allclose(ours, expected, atol=TOLERANCE, rtol=0, err_msg=str(extra))
+
+
 def test_a_qwen3_embedder_with_its_query_prompt_and_matryoshka_sizes_is_sentence_transformers(
         conventions, conventions_url):
     """The issue's end-to-end case: a decoder embedder (last token, causal, GQA, RoPE) served with its
@@ -183,11 +193,7 @@ def test_a_qwen3_embedder_with_its_query_prompt_and_matryoshka_sizes_is_sentence
                             ({"input_type": "document"}, st.encode(TEXTS, prompt_name="document")),
                             ({"input_type": "query", "dimensions": 16},
                              st.encode(TEXTS, prompt_name="query", truncate_dim=16))):
-        r = httpx.post(f"{conventions_url}/v1/embeddings", json={"model": "qwen3", "input": TEXTS, **extra}, timeout=60)
-        assert r.status_code == 200, r.text
-        ours = np.array([e["embedding"] for e in r.json()["data"]])
-        expected = expected / np.linalg.norm(expected, axis=1, keepdims=True)
-        np.testing.assert_allclose(ours, expected, atol=TOLERANCE, rtol=0, err_msg=str(extra))
+        assert_served_as(conventions_url, "qwen3", extra, expected)
     r = httpx.post(f"{conventions_url}/v1/embeddings", json={"model": "qwen3", "input": "x", "dimensions": 8},
                    timeout=30)
     assert r.status_code == 400 and "supports dimensions 32, 16, not 8" in r.json()["error"]["message"], r.text
@@ -217,11 +223,7 @@ def test_an_embeddinggemma_with_its_prompts_dense_modules_and_matryoshka_sizes_i
     for extra, expected in (({"input_type": "query"}, st.encode(TEXTS, prompt_name="query")),
                             ({"prompt_name": "document", "dimensions": 16},
                              st.encode(TEXTS, prompt_name="document", truncate_dim=16))):
-        r = httpx.post(f"{conventions_url}/v1/embeddings", json={"model": "gemma3", "input": TEXTS, **extra}, timeout=60)
-        assert r.status_code == 200, r.text
-        ours = np.array([e["embedding"] for e in r.json()["data"]])
-        expected = expected / np.linalg.norm(expected, axis=1, keepdims=True)
-        np.testing.assert_allclose(ours, expected, atol=TOLERANCE, rtol=0, err_msg=str(extra))
+        assert_served_as(conventions_url, "gemma3", extra, expected)
 
 
 def test_a_modernbert_reranker_and_embedder_over_http_are_cross_encoder_and_sentence_transformers(
