@@ -26,8 +26,10 @@ from pydantic import ValidationError
 from bundle.manifest import BundleError
 from service import processes
 from service.config import DEFAULT_INGRESS, INGRESS_ENV, ServiceSettings, serve_app_values
+from service.grpc.protocol import SERVICER_FUNCTION
 
 APP_NAME = "encoder"
+DEFAULT_GRPC_PORT = 9000  # KServe v2 over gRPC (Triton's and KServe's gRPC port is 8001; 9000 is KServe's Serve default)
 DEFAULT_CONFIG = Path("deploy/serve_config.yaml")
 
 
@@ -41,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "several models (every replica serves all; the first is the default)")
     p.add_argument("--host", help="HTTP host (default from the config, else 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default from the config, else 8000)")
+    p.add_argument("--grpc-port", type=int, help="KServe v2 gRPC port, on the HTTP host (default from the config, "
+                   "else 9000; 0 turns gRPC off)")
     p.add_argument("--replicas", type=int, help="a fixed number of replicas (instead of the config's autoscaling)")
     p.add_argument("--replica-num-cpus", type=float, dest="num_cpus", help="Ray CPUs reserved per replica")
     p.add_argument("--threads", type=int, dest="intra_op_threads", help="onnxruntime intra-op threads per session")
@@ -76,13 +80,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, Any]]:
-    """Settings and HTTP options: the config file first, then command-line overrides."""
+def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, Any], dict[str, Any]]:
+    """Settings, HTTP options and gRPC options: the config file first, then command-line overrides."""
     settings: dict[str, Any] = {}
     http: dict[str, Any] = {"host": "127.0.0.1", "port": 8000}
+    grpc: dict[str, Any] = {"port": DEFAULT_GRPC_PORT, "grpc_servicer_functions": [SERVICER_FUNCTION]}
     if args.config is not None:
         config = yaml.safe_load(args.config.read_text()) or {}
         http.update(config.get("http_options") or {})
+        grpc.update(config.get("grpc_options") or {})
         apps = config.get("applications") or [{}]
         settings.update(serve_app_values(apps[0]))  # args, and what its deployments entry sets live
     batching = dict(settings.get("batching") or {})
@@ -102,11 +108,16 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
         http["host"] = args.host
     if args.port:
         http["port"] = args.port
+    if args.grpc_port is not None:
+        grpc["port"] = args.grpc_port
     if args.replicas is not None:
         settings["autoscaling"] = None  # a fixed replica count asked for on the command line
     parsed = ServiceSettings.model_validate(settings).resolved()
     http.setdefault("request_timeout_s", parsed.request_timeout_s + 5)
-    return parsed, http
+    grpc.setdefault("request_timeout_s", http["request_timeout_s"])
+    if not grpc["port"]:
+        grpc = {}  # gRPC off: Serve starts no gRPC server
+    return parsed, http, grpc
 
 
 def free_the_port(port: int) -> str | None:
@@ -140,7 +151,7 @@ def quiet_std_streams(log_path: Path) -> tuple[TextIO, TextIO]:
     return out, err
 
 
-def summary(settings: ServiceSettings, http: dict, info: dict, args: argparse.Namespace, log_path: Path,
+def summary(settings: ServiceSettings, http: dict, grpc: dict, info: dict, args: argparse.Namespace, log_path: Path,
             seconds: float) -> list[str]:
     """The start-up lines: what a user needs to call, watch and stop the service."""
     from service.http.middleware import load_token
@@ -180,6 +191,8 @@ def summary(settings: ServiceSettings, http: dict, info: dict, args: argparse.Na
         f"  access     {access}",
         f"  logs       {log_path} (Ray's own messages)",
         f"  try        curl -s {url}/v1/embeddings -H 'content-type: application/json' -d '{{\"input\": \"hello\"{pick}}}'",
+        *([f"  grpc       {http['host']}:{grpc['port']}: KServe v2 (inference.GRPCInferenceService; tritonclient.grpc, "
+            "perf_analyzer -i grpc)"] if grpc else []),
         f"  explore    {url}/explorer (attention and similarity in a browser)",
         f"  info       {url}/info   API docs: {url}/docs",
         "stop it with Ctrl-C or SIGTERM (in-flight requests finish first)",
@@ -215,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault(key, value)
     # (set before anything below imports ray)
     try:
-        settings, http = load_settings(args)
+        settings, http, grpc = load_settings(args)
         from service.http.middleware import load_token
         from service.runtimes.cuda import check_cuda
         from service.runtimes.onnxruntime import check_bundles
@@ -225,9 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.address == "local":
             if settings.provider == "cuda" and not check_cuda().usable:
                 raise RuntimeError(f"provider 'cuda' was asked for, but CUDA cannot be used: {check_cuda().reason}")
-            freed = free_the_port(int(http["port"]))
-            if freed:
-                print(freed, flush=True)
+            for port in [int(http["port"])] + ([int(grpc["port"])] if grpc else []):
+                freed = free_the_port(port)
+                if freed:
+                    print(freed, flush=True)
             metrics_holders = processes.listening_pids(args.metrics_port)
             if metrics_holders:  # else Ray's metrics agent dies and ray.init times out, saying nothing of why
                 pid = min(metrics_holders)
@@ -278,10 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     spawned: set[int] = set()
     try:
-        serve.start(http_options=http, logging_config={"enable_access_log": False})
+        serve.start(http_options=http, grpc_options=grpc or None, logging_config={"enable_access_log": False})
         serve.run(build_app(settings), name=APP_NAME, route_prefix="/", logging_config={"enable_access_log": False})
         info = serve.get_deployment_handle("Encoder", APP_NAME).info.remote().result(timeout_s=60)
-        for line in summary(settings, http, info, args, log_path, time.perf_counter() - started):
+        for line in summary(settings, http, grpc, info, args, log_path, time.perf_counter() - started):
             print(line, file=out)
         while not signals:
             time.sleep(0.2)

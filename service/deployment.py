@@ -30,7 +30,9 @@ from service.http.middleware import BearerAuthMiddleware, MetricsMiddleware, con
 # snapshots the app below
 from service.http.routes import attention, explorer, heads, native, openai, v2  # noqa: F401
 from service.http.routes.ops import replica_info
-from service.listeners import bind_replica_grpc_to_node_address
+from service.grpc import serve_hooks
+from service.grpc.inference import KServeGrpc
+from service.listeners import bind_grpc_ingress_to_node_address, bind_replica_grpc_to_node_address
 from service.metrics import node_metrics_url, refresh_periodically, service_metrics
 from service.runtimes.cuda import ray_gpu_assignment
 
@@ -39,12 +41,15 @@ logger = logging.getLogger("ray.serve")
 
 @serve.deployment(name="Encoder")
 @serve.ingress(app)
-class Encoder:
-    """A replica: the routes of service/http/, and per served model an engine."""
+class Encoder(KServeGrpc):
+    """A replica: the routes of service/http/, the KServe v2 gRPC calls (service/grpc/, inherited), and
+    per served model an engine."""
 
     def __init__(self, settings: ServiceSettings) -> None:
         started = time.perf_counter()
         bind_replica_grpc_to_node_address()  # before Serve starts that server, after this returns
+        bind_grpc_ingress_to_node_address()  # the same for its gRPC ingress server, when gRPC is on
+        serve_hooks.install(settings.retry_after_s)
         # the GPU share this replica asked Ray for (fixed in app.compose) and the device Ray gave it
         self.gpu = ray_gpu_assignment(settings.num_gpus or 0.0)
         self.engines = EngineTable([load_engine(ref, settings, self.gpu) for ref in settings.bundles])

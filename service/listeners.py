@@ -1,4 +1,4 @@
-"""The two listeners Ray Serve 2.60 opens on every interface whatever its settings, put on the
+"""The listeners Ray Serve 2.60 opens on every interface whatever its settings, put on the
 node's own address instead.
 
 Everything else Ray and Serve open has an address setting (service/__main__.py, tests/cluster.py
@@ -7,6 +7,10 @@ use them). These two have none:
 - each replica's inter-deployment gRPC server, bound to `[::]:0` (ray/serve/_private/replica.py,
   `_on_initialized`). Serve's routers reach it at the replica's node address, so binding that
   address alone loses nothing: 127.0.0.1 on a local cluster, the pod IP on Kubernetes.
+- the gRPC ingress servers of its proxy actor and of each ingress replica (direct ingress),
+  bound to `[::]:PORT` (ray/serve/_private/default_impl.py, `add_grpc_address`) when gRPC is on.
+  HAProxy and the proxy reach them at the node address too. Moved in every process that imports
+  Serve's HTTP proxy callback (service/http/ingress.py) and in each replica.
 - HAProxy's stats page and Prometheus endpoint (`bind *:PORT` in Ray's config template): Ray runs
   the HAProxy binary that RAY_SERVE_HAPROXY_BINARY_PATH names, so a local cluster runs
   service/bin/haproxy, which moves them to the HTTP frontend's host (IPv4 or IPv6; it refuses to
@@ -42,6 +46,27 @@ def bind_replica_grpc_to_node_address() -> None:
 
     add_port.binds_node_address = True  # type: ignore[attr-defined]
     replica.add_port_to_grpc_server = add_port
+
+
+def bind_grpc_ingress_to_node_address() -> None:
+    """In a proxy actor or a replica, before Serve starts its gRPC ingress server: bind it to this
+    node's address."""
+    import ray
+    from ray.serve._private import default_impl
+
+    original = getattr(default_impl, "add_grpc_address", None)
+    if original is None or getattr(original, "binds_node_address", False):
+        return
+    node_address = ray.util.get_node_ip_address()
+    host = f"[{node_address}]" if ":" in node_address else node_address
+
+    def add_grpc_address(server, address: str):
+        if address.startswith(WILDCARD):
+            address = f"{host}:{address[len(WILDCARD):]}"
+        return original(server, address)
+
+    add_grpc_address.binds_node_address = True  # type: ignore[attr-defined]
+    default_impl.add_grpc_address = add_grpc_address
 
 
 def real_haproxy() -> str | None:

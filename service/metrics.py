@@ -5,13 +5,14 @@ one process would show one random replica. `ray.serve.metrics` families are expo
 on every node's metrics port (with the `ray_` prefix, next to Ray Serve's own `ray_serve_*`
 families), tagged with deployment, replica and application, so Prometheus sees all replicas.
 
-Families (exported names; one question each):
-  ray_encoder_requests_total{route,status_class}        how many requests, and how they ended
-  ray_encoder_request_failures_total{route,reason}      how many failed, and why
-  ray_encoder_request_duration_seconds{route,stage}     time per stage: tokenization, queue, inference, total
+Families (exported names; one question each). `protocol` is http or grpc (KServe v2 over gRPC,
+service/grpc/), on the families a request records:
+  ray_encoder_requests_total{route,status_class,protocol}     how many requests, and how they ended
+  ray_encoder_request_failures_total{route,reason,protocol}   how many failed, and why
+  ray_encoder_request_duration_seconds{route,stage,protocol}  time per stage: tokenization, queue, inference, total
   ray_encoder_in_flight_requests                        requests being handled right now (per ingress replica)
   ray_encoder_batch_queue_requests                      requests waiting for a batch (per replica and model)
-  ray_encoder_response_bytes_total{route,kind}          bytes sent, by output kind
+  ray_encoder_response_bytes_total{route,kind,protocol}  bytes sent, by output kind
   ray_encoder_batch_size_requests                       requests per batch (batch fill)
   ray_encoder_batch_size_tokens                         real tokens per batch
   ray_encoder_batch_padding_ratio                       padded share of the tokens computed, per batch
@@ -44,6 +45,15 @@ FAILURE_REASONS = ("bad_request", "validation", "too_large", "not_found", "unaut
                    "cancelled", "backend")
 
 
+# The protocol label: every request's families carry it; a gRPC call's route is its method's full
+# name (/inference.GRPCInferenceService/ModelInfer), so the engine, which knows only the route, can tell.
+GRPC_ROUTE_PREFIX = "/inference."
+
+
+def protocol_of(route: str) -> str:
+    return "grpc" if route.startswith(GRPC_ROUTE_PREFIX) else "http"
+
+
 # Every family of a request or a batch carries the served model's name (empty on routes that run
 # no model: /info, /health, the explorer page, unknown paths).
 MODEL = ("model",)
@@ -55,26 +65,29 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self.requests = Counter(
             PREFIX + "requests_total", "HTTP requests by route and status class (2xx, 4xx, 5xx).",
-            tag_keys=("route", "status_class", "model", "task"),
+            tag_keys=("route", "status_class", "model", "task", "protocol"),
         )
         self.failures = Counter(
             PREFIX + "request_failures_total",
             f"Failed requests by reason ({', '.join(FAILURE_REASONS)}).",
-            tag_keys=("route", "reason", "model", "task"),
+            tag_keys=("route", "reason", "model", "task", "protocol"),
         )
         self.duration = Histogram(
             PREFIX + "request_duration_seconds",
             "Request time by stage: tokenization, queue (waiting for a batch), inference, total.",
-            boundaries=LATENCY_BUCKETS, tag_keys=("route", "stage", "model", "task"),
+            boundaries=LATENCY_BUCKETS, tag_keys=("route", "stage", "model", "task", "protocol"),
         )
+        for family in (self.requests, self.failures, self.duration):
+            family.set_default_tags({"protocol": "http"})  # (Serve's set_default_tags returns None)
         self.in_flight = Gauge(PREFIX + "in_flight_requests", "Requests being handled by this ingress replica.")
         self.batch_queue = Gauge(PREFIX + "batch_queue_requests",
                                  "Requests waiting in this replica's batch queue for a runner slot.", tag_keys=MODEL)
         self.response_bytes = Counter(
             PREFIX + "response_bytes_total",
             "Response body bytes by output kind (embedding, token_embeddings, tokens, attention, other).",
-            tag_keys=("route", "kind", "model"),
+            tag_keys=("route", "kind", "model", "protocol"),
         )
+        self.response_bytes.set_default_tags({"protocol": "http"})
         self.batch_requests = Histogram(
             PREFIX + "batch_size_requests", "Requests per batch.", boundaries=REQUEST_BUCKETS, tag_keys=MODEL
         )

@@ -46,6 +46,7 @@ def default_bundle(tmp_path_factory) -> Path:
 class RayServe:
     url: str  # the Serve HTTP proxy
     metrics_url: str  # Ray's Prometheus endpoint on this node
+    grpc_target: str  # KServe v2 over gRPC, HOST:PORT
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +55,9 @@ def ray_serve(default_bundle):
     import ray
     from ray import serve
 
-    port, metrics_port = free_port(), free_port()
+    from service.grpc.protocol import SERVICER_FUNCTION
+
+    port, metrics_port, grpc_port = free_port(), free_port(), free_port()
     # 8 logical CPUs: scheduling slots only, so that the extra apps (tight limits, two replicas)
     # fit beside the main one on a 2-core machine. Metrics are flushed every second (10 s by
     # default) so tests that read them wait less.
@@ -63,9 +66,12 @@ def ray_serve(default_bundle):
         _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000},
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]},
+                    logging_config={"enable_access_log": False})
         _INGRESS.append(f"http://127.0.0.1:{port}")
-        yield RayServe(url=f"http://127.0.0.1:{port}", metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
+        yield RayServe(url=f"http://127.0.0.1:{port}", metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+                       grpc_target=f"127.0.0.1:{grpc_port}")
     finally:
         try:
             serve.shutdown()

@@ -63,9 +63,10 @@ def wait_for_health(url: str, proc: subprocess.Popen, lines: list[str] | None = 
 def start_service(bundle: Path, port: int, *flags: str, env: dict[str, str] | None = None
                   ) -> tuple[subprocess.Popen, list[str]]:
     """`python -m service` on `port` with one replica on 2 CPUs and its own ports; its output lines."""
+    grpc = [] if "--grpc-port" in flags else ["--grpc-port", str(free_port())]
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "--bundle", str(bundle), "--port", str(port), "--num-cpus", "2",
-         "--metrics-port", str(free_port()), "--replicas", "1", *flags],
+         "--metrics-port", str(free_port()), "--replicas", "1", *grpc, *flags],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or service_env(),
     )
     return proc, collect(proc)
@@ -86,12 +87,15 @@ def collect(proc: subprocess.Popen) -> list[str]:
 
 
 def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(default_bundle, tmp_path):
-    port, metrics_port = free_port(), free_port()
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+
+    port, metrics_port, grpc_port = free_port(), free_port(), free_port()
     log = tmp_path / "service.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "--config", str(ROOT / "deploy/serve_config.yaml"),
          "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
-         "--metrics-port", str(metrics_port), "--log-file", str(log)],
+         "--metrics-port", str(metrics_port), "--log-file", str(log), "--grpc-port", str(grpc_port)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(),
     )
     lines = collect(proc)
@@ -106,6 +110,13 @@ def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(
         info = httpx.get(f"{url}/info", timeout=30).json()
         explorer = httpx.get(f"{url}/explorer", timeout=30)
         assert explorer.status_code == 200 and explorer.headers["content-type"].startswith("text/html")
+        # KServe v2 over gRPC, beside HTTP, as the config turns it on
+        grpc_client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        text = triton_grpc.InferInput("text", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"started by python -m service"], dtype=object))
+        embedded = grpc_client.infer("all-MiniLM-L6-v2", [text]).as_numpy("sentence_embedding")
+        np.testing.assert_allclose(embedded[0], r.json()["data"][0]["embedding"], atol=1e-5)
+        grpc_client.close()
         # the summary is printed before health answers; wait for its last line all the same
         wait_until(lambda: any(line.startswith("stop it with Ctrl-C") for line in lines), "the start-up summary")
         spawned |= stop_with_sigterm(proc)
@@ -122,6 +133,7 @@ def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(
     assert f"metrics    {metrics_url}" in output and info["metrics"]["prometheus_url"] == metrics_url
     assert f"logs       {log}" in output
     assert f"explore    {url}/explorer" in output
+    assert f"grpc       127.0.0.1:{grpc_port}: KServe v2" in output
     assert "stop it with Ctrl-C or SIGTERM" in output and output.rstrip().endswith("stopped")
     # and nothing else: no colour codes (red errors, Ray's coloured prefixes), no warnings, no tracebacks
     assert "\x1b[" not in output and "Traceback" not in output and "WARNING" not in output, output
@@ -268,15 +280,15 @@ def sockets_once_serving(proc: subprocess.Popen, port: int) -> list[tuple[str, s
 
 
 def test_ray_listens_on_loopback_only_under_python_m_service(default_bundle):
-    """Every listener of `make run` faces loopback: GCS, raylet, agents, metrics, the HTTP ingress
-    (HAProxy), HAProxy's stats and Prometheus ports and each replica's own HTTP and gRPC ports
-    (service/listeners.py moves the last three, which Ray binds to every interface)."""
+    """Every listener of `make run` faces loopback: GCS, raylet, agents, metrics, the HTTP and gRPC
+    ingress (HAProxy), HAProxy's stats and Prometheus ports, the fallback proxy's gRPC port and each
+    replica's own HTTP and gRPC ports (service/listeners.py moves those Ray binds to every interface)."""
     from tests.reliability import record
 
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     env = service_env()
     haproxy_own = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
-    proc, lines = start_service(default_bundle, port, env=env)
+    proc, lines = start_service(default_bundle, port, "--grpc-port", str(grpc_port), env=env)
     try:
         wait_for_health(f"http://127.0.0.1:{port}", proc, lines)
         sockets = sockets_once_serving(proc, port)
@@ -289,13 +301,16 @@ def test_ray_listens_on_loopback_only_under_python_m_service(default_bundle):
     assert any(n.startswith("ray::ServeReplica") for n in names), names  # the replica's ports are among them
     on_port = [s for s in sockets if s[2] == port]
     assert all(name == "haproxy" and processes.is_loopback(address) for name, address, _ in on_port), on_port
+    on_grpc_port = [s for s in sockets if s[2] == grpc_port]
+    assert on_grpc_port and all(name == "haproxy" for name, _, _ in on_grpc_port), on_grpc_port
+    assert int(env["RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"]) in {p for name, _, p in sockets if name.startswith("ray::ProxyActor")}
     assert haproxy_own <= {p for name, _, p in sockets if name == "haproxy"}, sockets  # stats, metrics
     beyond = [s for s in sockets if not processes.is_loopback(s[1])]
     assert not beyond, f"listening beyond loopback: {beyond}"
     assert_no_orphans(spawned)
     record("Ray's own ports under make run", "every listening TCP socket of the service's processes, read from /proc",
-           f"{len(sockets)} listeners, all on loopback (GCS, raylet, agents, metrics, the HTTP port, HAProxy's "
-           "stats and Prometheus ports, replicas' own HTTP and gRPC ports)",
+           f"{len(sockets)} listeners, all on loopback (GCS, raylet, agents, metrics, the HTTP and gRPC ports, HAProxy's "
+           "stats and Prometheus ports, the fallback proxy's ports, replicas' own HTTP and gRPC ports)",
            note="no dashboard, no Ray client server")
 
 
@@ -365,7 +380,8 @@ def test_python_m_service_refuses_a_port_another_program_holds(default_bundle):
         held.listen()
         port = held.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port)],
+            [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(port),
+             "--grpc-port", str(free_port())],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )
     assert result.returncode == 1, result.stdout + result.stderr
@@ -384,7 +400,7 @@ def test_python_m_service_refuses_a_metrics_port_another_program_holds(default_b
         metrics_port = held.getsockname()[1]
         result = subprocess.run(
             [sys.executable, "-m", "service", "--bundle", str(default_bundle), "--port", str(free_port()),
-             "--metrics-port", str(metrics_port)],
+             "--metrics-port", str(metrics_port), "--grpc-port", str(free_port())],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )
     assert result.returncode == 1, result.stdout + result.stderr

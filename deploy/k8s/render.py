@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # run as a script: the repo root, for service.config
 from service.config import DEFAULT_INGRESS, INGRESS_ENV  # noqa: E402
 SERVE_CONFIG = HERE.parent / "serve_config.yaml"
+GRPC_PORT = yaml.safe_load(SERVE_CONFIG.read_text())["grpc_options"]["port"]
 GPU_SERVE_CONFIG = HERE.parent / "serve_config.gpu.yaml"
 # What a GPU cluster changes: every replica on CUDA (refusing to start without it, rather than
 # serve on CPU unnoticed) with a quarter of a GPU from Ray, so the 4 replicas a GPU pod has CPUs
@@ -117,7 +118,9 @@ def rayservice(variant: str) -> dict:
         if gpu
         else {"requests": {"cpu": "4", "memory": "4Gi"}, "limits": {"cpu": "4", "memory": "4Gi"}}
     )
-    ports = [{"containerPort": 8000, "name": "serve"}, {"containerPort": 8080, "name": "metrics"},
+    # serve: HTTP; grpc: KServe v2 over gRPC (serve_config.yaml's grpc_options), HAProxy's gRPC frontend
+    ports = [{"containerPort": 8000, "name": "serve"}, {"containerPort": GRPC_PORT, "name": "grpc"},
+             {"containerPort": 8080, "name": "metrics"},
              {"containerPort": HAPROXY_METRICS_PORT, "name": "haproxy-metrics"}]
     head_ports = [
         {"containerPort": 6379, "name": "gcs"},

@@ -26,7 +26,7 @@ import numpy as np
 
 from bundle.manifest import BundleManifest, ModelInfo
 from service.config import BatchingSettings, ServiceSettings
-from service.metrics import service_metrics
+from service.metrics import protocol_of, service_metrics
 from service.runtimes import PackedGraph, Runtime
 from service.runtimes.onnxruntime import available_cpus
 from service.runtimes.packing import pack, plan_packs
@@ -441,14 +441,16 @@ class BatchRunner:
         fails has still waited)."""
         for job in jobs:
             self.metrics.duration.observe(started - job.enqueued, tags={"route": job.route, "stage": "queue",
-                                                                        "model": self.model_name, "task": self.task})
+                                                                        "model": self.model_name, "task": self.task,
+                                                                        "protocol": protocol_of(job.route)})
 
     def _count(self, batch: Batch, elapsed: float) -> None:
         """Everything the batch is counted in, from its tally: the metrics, the runner's counters (under
         the lock: two batches may finish at once, each in its own thread) and each result's stats."""
         tally, m, model = batch.tally, self.metrics, {"model": self.model_name}
         for job in batch.jobs:
-            m.duration.observe(elapsed, tags={"route": job.route, "stage": "inference", "task": self.task, **model})
+            m.duration.observe(elapsed, tags={"route": job.route, "stage": "inference", "task": self.task,
+                                              "protocol": protocol_of(job.route), **model})
         m.batch_requests.observe(len(batch.jobs), tags=model)
         m.batch_tokens.observe(tally.real, tags=model)
         m.padding_ratio.observe(tally.padding_ratio, tags=model)

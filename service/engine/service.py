@@ -16,7 +16,7 @@ from service.engine.engine import Engine, EngineTable
 from service.engine.errors import BackendError, ClientGone, InvalidRequest, NotReady, ServiceError, Timeout, TooLarge
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.tokenization import TokenizedText
-from service.metrics import service_metrics
+from service.metrics import protocol_of, service_metrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -88,7 +88,7 @@ class EncoderService:
         started = time.perf_counter()
         result = encode(*args) if inline else await asyncio.to_thread(encode, *args)
         service_metrics().duration.observe(time.perf_counter() - started,
-                                           tags={"route": route, "stage": "tokenization", "model": engine.name,
+                                           tags={"route": route, "stage": "tokenization", "model": engine.name, "protocol": protocol_of(route),
                                                  "task": engine.model.task})
         return result
 

@@ -107,7 +107,7 @@ async def infer(svc: EncoderService, engine: Engine, job: EncodeJob, request: Re
     handler of a client that left; HAProxy closes the connection to the replica only for some of
     them, so the disconnect is also watched for here."""
     timeout = deadline(request, svc)
-    count(request, [job])
+    count(request.scope, [job])
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         return await svc.infer(engine, job, timeout, gone)
@@ -120,7 +120,7 @@ async def infer_all(svc: EncoderService, engine: Engine, jobs: list[EncodeJob], 
     for all of them: `receive()` hands the one `http.disconnect` message to one caller, so a watcher
     per job could leave the others computing for a client that left."""
     timeout = deadline(request, svc)
-    count(request, jobs)
+    count(request.scope, jobs)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         return await svc.infer_all(engine, jobs, timeout, gone)
@@ -128,9 +128,9 @@ async def infer_all(svc: EncoderService, engine: Engine, jobs: list[EncodeJob], 
         gone.cancel()
 
 
-def count(request: Request, jobs: list[EncodeJob]) -> None:
-    """Texts and tokens a request sends to inference, for its access log line."""
-    scope = request.scope
+def count(scope: dict, jobs: list[EncodeJob]) -> None:
+    """Texts and tokens a request sends to inference, for its access log line (`scope`: the request's
+    ASGI scope, or a gRPC call's)."""
     scope["texts"] = scope.get("texts", 0) + sum(len(job.ids) for job in jobs)
     scope["tokens"] = scope.get("tokens", 0) + sum(len(ids) for job in jobs for ids in job.ids)
 

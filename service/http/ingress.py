@@ -100,17 +100,22 @@ def deadline_message(scope: dict) -> str:
     return f"the request did not finish within {within}"
 
 
-def count_refusal() -> None:
+def count_refusal(protocol: str = "http") -> None:
     """Serve refused a request for want of room: a request, and the failure the overload alert counts
     (its ratio divides by ray_encoder_requests_total, which these never reach otherwise)."""
     from service.metrics import service_metrics
 
     metrics = service_metrics()
-    tags = {"route": ROUTE_REFUSED_BY_SERVE, "model": "", "task": ""}
+    tags = {"route": ROUTE_REFUSED_BY_SERVE, "model": "", "task": "", "protocol": protocol}
     metrics.requests.inc(tags={**tags, "status_class": "5xx"})
     metrics.failures.inc(tags={**tags, "reason": "overloaded"})
 
 
 def ray_answers_as_json() -> list[Middleware]:
-    """The callback Serve imports (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH)."""
+    """The callback Serve imports (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), in its proxy actor and in
+    each replica before their ingress servers start: also the moment to move their gRPC ingress off
+    the wildcard address (service/listeners.py)."""
+    from service.listeners import bind_grpc_ingress_to_node_address
+
+    bind_grpc_ingress_to_node_address()
     return [Middleware(RayAnswersAsJson)]

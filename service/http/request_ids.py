@@ -48,8 +48,9 @@ def enable_access_log(enabled: bool) -> None:
 
 
 def log_access(scope: dict, status: int, started: float, now: float) -> None:
-    """The access log line of one request: time (UTC), id, method, route template, model, status,
-    texts and tokens that reached inference, and milliseconds."""
+    """The access log line of one request: time (UTC), id, method (`gRPC` for a gRPC call), route
+    template (a gRPC call's full method name), model, status (a gRPC call's as HTTP would answer it,
+    beside its `grpc_status`), texts and tokens that reached inference, and milliseconds."""
     if not access_logger.isEnabledFor(logging.INFO):
         return
     access_logger.info(json.dumps({
@@ -62,4 +63,5 @@ def log_access(scope: dict, status: int, started: float, now: float) -> None:
         "texts": scope.get("texts", 0),
         "tokens": scope.get("tokens", 0),
         "ms": round((now - started) * 1000, 1),
+        **({"grpc_status": scope["grpc_status"]} if "grpc_status" in scope else {}),
     }, separators=(",", ":")))

@@ -3,7 +3,7 @@ inference with JSON or binary tensors (the binary tensor data extension `tritonc
 
 An inference request is read in three steps, the same for every task: the body is split into its
 JSON header and binary tail (`_parse_v2_body`), the outputs to return are chosen with their binary
-flags (`_select_outputs`), and each input's texts are read from JSON data or from its own slice of
+flags (`select_outputs`), and each input's texts are read from JSON data or from its own slice of
 the tail (`_v2_texts`). Then `_v2_embed` or `_v2_classify` runs the model, and `_v2_response` writes
 JSON or binary outputs.
 
@@ -13,6 +13,7 @@ No `from __future__ import annotations` (see http/routes/native.py).
 import asyncio
 import struct
 from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from itertools import accumulate
 from typing import Any
 
@@ -72,7 +73,7 @@ def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, 
         raise InvalidRequest(describe(list(exc.errors()))) from None
 
 
-def _select_outputs(req: V2InferRequest, task: str) -> dict[str, bool]:
+def select_outputs(req: V2InferRequest, task: str) -> dict[str, bool]:
     """The outputs to return, in the order asked, each with whether it goes as binary data: the
     output's own `binary_data` when it says, else the request's `binary_data_output`."""
     outputs, everything_binary = OUTPUTS_BY_TASK[task], req.parameters.binary_data_output
@@ -193,18 +194,18 @@ def _v2_tensors(result: EncodeResult, tokenized: list[TokenizedText], requested:
     return out
 
 
-_V2_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
+V2_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
 
 
-_V2_KINDS = {"sentence_embedding": "embedding", "last_hidden_state": "token_embeddings", "attentions": "attention"}
+V2_KINDS = {"sentence_embedding": "embedding", "last_hidden_state": "token_embeddings", "attentions": "attention"}
 
 
 def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[str, bool], request: Request) -> Response:
     outputs, tail = [], []
     kinds = KindCounter()
     for name, array in tensors.items():
-        entry: dict[str, Any] = {"name": name, "datatype": _V2_DATATYPES[array.dtype], "shape": list(array.shape)}
-        kind = _V2_KINDS.get(name, "other")
+        entry: dict[str, Any] = {"name": name, "datatype": V2_DATATYPES[array.dtype], "shape": list(array.shape)}
+        kind = V2_KINDS.get(name, "other")
         if binary_out.get(name):
             data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False)).tobytes()
             entry["parameters"] = {"binary_data_size": len(data)}
@@ -225,9 +226,12 @@ def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[st
     )
 
 
+V2_EXTENSIONS = ["binary_tensor_data"]
+
+
 @app.get("/v2")
 async def v2_server() -> JSONResponse:
-    return JSONResponse({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": ["binary_tensor_data"]})
+    return JSONResponse({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": V2_EXTENSIONS})
 
 
 @app.get("/v2/health/live")
@@ -247,32 +251,34 @@ async def v2_ready(svc: EncoderService = Depends(service)) -> JSONResponse:
 @app.get("/v2/models/{name}", response_model=V2ModelMetadata, responses=ERROR_RESPONSES)
 @app.get("/v2/models/{name}/versions/{version}", include_in_schema=False)
 async def v2_metadata(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
-    engine = model_for(svc, name, request, task=None)
+    return JSONResponse(v2_model_metadata(model_for(svc, name, request, task=None)))
+
+
+def v2_model_metadata(engine: Engine) -> dict[str, Any]:
+    """A model's inputs and outputs as v2 describes them (HTTP and gRPC)."""
     if engine.model.task == "classification":
         labels = len(engine.model.labels or [])
-        return JSONResponse({
+        return {
             "name": engine.name, "versions": ["1"], "platform": "onnxruntime_onnx",
             "inputs": [{"name": V2_INPUT, "datatype": "BYTES", "shape": [-1]},
                        {"name": V2_PAIR_INPUT, "datatype": "BYTES", "shape": [-1], "optional": True}],
             "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, labels]} for name in V2_CLASSIFIER_OUTPUTS],
             "parameters": {"labels": engine.model.labels, "problem_type": engine.model.problem_type},
-        })
+        }
     d, L, H = engine.model.hidden_size, engine.model.num_layers, engine.model.num_heads
     e = engine.model.sentence_dim
-    return JSONResponse(
-        {
-            "name": engine.name,
-            "versions": ["1"],
-            "platform": "onnxruntime_onnx",
-            "inputs": [{"name": V2_INPUT, "datatype": "BYTES", "shape": [-1]}],
-            "outputs": [
-                {"name": "sentence_embedding", "datatype": "FP32", "shape": [-1, e]},
-                {"name": "last_hidden_state", "datatype": "FP32", "shape": [-1, -1, d]},
-                {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1]},
-                {"name": "attentions", "datatype": "FP32", "shape": [L, -1, H, -1, -1]},
-            ],
-        }
-    )
+    return {
+        "name": engine.name,
+        "versions": ["1"],
+        "platform": "onnxruntime_onnx",
+        "inputs": [{"name": V2_INPUT, "datatype": "BYTES", "shape": [-1]}],
+        "outputs": [
+            {"name": "sentence_embedding", "datatype": "FP32", "shape": [-1, e]},
+            {"name": "last_hidden_state", "datatype": "FP32", "shape": [-1, -1, d]},
+            {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1]},
+            {"name": "attentions", "datatype": "FP32", "shape": [L, -1, H, -1, -1]},
+        ],
+    }
 
 
 @app.get("/v2/models/{name}/ready", responses=ERROR_RESPONSES)
@@ -298,24 +304,53 @@ async def v2_infer(name: str, request: Request, version: str = "1", svc: Encoder
     """
     engine = model_for(svc, name, request, task=None)
     req, binary = _parse_v2_body(await request.body(), request.headers.get("inference-header-content-length"))
-    outputs = _select_outputs(req, engine.model.task)
+    outputs = select_outputs(req, engine.model.task)
+    ran = await v2_run(svc, engine, req, binary, outputs, V2Call(V2_ROUTE, lambda job: infer(svc, engine, job, request)))
+
+    def build() -> Response:
+        return _v2_response(v2_head(engine, req), ran.tensors(), outputs, request)
+
+    # a large response is built in a worker thread, not on the event loop other requests wait on
+    return build() if ran.estimate <= OFF_LOOP_BYTES else await asyncio.to_thread(build)
+
+
+@dataclass(frozen=True)
+class V2Call:
+    """What a v2 inference takes from the protocol it came in on (HTTP here, gRPC in
+    service/grpc/inference.py): its route label, and how a job runs (deadline, client gone)."""
+
+    route: str
+    infer: Callable[[EncodeJob], Awaitable[EncodeResult]]
+
+
+@dataclass(frozen=True)
+class V2Ran:
+    """A v2 inference's outputs, built when asked (`tensors`), and their size estimate in bytes."""
+
+    tensors: Callable[[], dict[str, np.ndarray]]
+    estimate: int
+
+
+async def v2_run(svc: EncoderService, engine: Engine, req: V2InferRequest, binary: bytes, outputs: dict[str, bool],
+                 call: V2Call) -> V2Ran:
+    """One v2 inference request, whichever protocol it came in on: its texts through the model's task."""
     if engine.model.task == "classification":
-        return await _v2_classify(svc, engine, req, binary, outputs, request)
-    return await _v2_embed(svc, engine, req, binary, outputs, request)
+        return await _v2_classify(svc, engine, req, binary, outputs, call)
+    return await _v2_embed(svc, engine, req, binary, outputs, call)
 
 
-def _v2_head(engine: Engine, req: V2InferRequest) -> dict[str, str]:
+def v2_head(engine: Engine, req: V2InferRequest) -> dict[str, str]:
     return {"model_name": engine.name, "model_version": "1", "id": req.id or ""}
 
 
 async def _v2_embed(svc: EncoderService, engine: Engine, req: V2InferRequest, binary: bytes,
-                    outputs: dict[str, bool], request: Request) -> Response:
+                    outputs: dict[str, bool], call: V2Call) -> V2Ran:
     """An embedding model on v2: `text` in; the sentence embedding, token states, mask and attentions
     out, as `outputs` selects them, after the response's size is checked."""
     pooled_only = not ({"last_hidden_state", "attentions"} & set(outputs))
     texts, skip = prompted(svc, engine, svc.texts(_v2_texts(req, binary)[V2_INPUT]), req.parameters.prompt_name,
                            req.parameters.input_type, pooled_only)
-    tokenized = await svc.tokenize(engine, texts, req.parameters.truncate, V2_ROUTE)
+    tokenized = await svc.tokenize(engine, texts, req.parameters.truncate, call.route)
     n, T = len(tokenized), max(t.n_tokens for t in tokenized)
     d, L, H = engine.model.hidden_size, engine.model.num_layers, engine.model.num_heads
     if "attentions" in outputs:
@@ -324,24 +359,19 @@ async def _v2_embed(svc: EncoderService, engine: Engine, req: V2InferRequest, bi
     estimate = sum(sizes[name] * (4 if as_binary else JSON_FLOAT_BYTES) for name, as_binary in outputs.items())
     svc.check_response_size(estimate)
     job = EncodeJob(
-        route=V2_ROUTE,
+        route=call.route,
         ids=[t.ids for t in tokenized],
         normalize=engine.model.normalize,
         want_hidden="last_hidden_state" in outputs,
         attention=(tuple(range(L)), tuple(range(H))) if "attentions" in outputs else None,
         pool_skip=skip,
     )
-    result = await infer(svc, engine, job, request)
-
-    def build() -> Response:
-        return _v2_response(_v2_head(engine, req), _v2_tensors(result, tokenized, list(outputs), T), outputs, request)
-
-    # a large response is built in a worker thread, not on the event loop other requests wait on
-    return build() if estimate <= OFF_LOOP_BYTES else await asyncio.to_thread(build)
+    result = await call.infer(job)
+    return V2Ran(lambda: _v2_tensors(result, tokenized, list(outputs), T), estimate)
 
 
 async def _v2_classify(svc: EncoderService, engine: Engine, req: V2InferRequest, binary: bytes,
-                       outputs: dict[str, bool], request: Request) -> Response:
+                       outputs: dict[str, bool], call: V2Call) -> V2Ran:
     """A classification model on v2: `text` (and `text_pair` for query-document pairs, one each) in;
     `logits` and `scores` out, scores read as /v1/classify reads them (the checkpoint's problem_type)."""
     from service.http.routes.heads import read_logits
@@ -352,13 +382,13 @@ async def _v2_classify(svc: EncoderService, engine: Engine, req: V2InferRequest,
         pairs = svc.texts(inputs[V2_PAIR_INPUT])
         if len(pairs) != len(texts):
             raise InvalidRequest(f"{V2_PAIR_INPUT!r} has {len(pairs)} elements, {V2_INPUT!r} {len(texts)}: one pair each")
-        tokenized = await svc.tokenize_pairs(engine, list(zip(texts, pairs, strict=True)), truncate, V2_ROUTE)
+        tokenized = await svc.tokenize_pairs(engine, list(zip(texts, pairs, strict=True)), truncate, call.route)
         types = [t.type_ids for t in tokenized]
     else:
-        tokenized, types = await svc.tokenize(engine, texts, truncate, V2_ROUTE), None
-    job = EncodeJob(route=V2_ROUTE, ids=[t.ids for t in tokenized], normalize=False, type_ids=types)
-    result = await infer(svc, engine, job, request)
+        tokenized, types = await svc.tokenize(engine, texts, truncate, call.route), None
+    job = EncodeJob(route=call.route, ids=[t.ids for t in tokenized], normalize=False, type_ids=types)
+    result = await call.infer(job)
     logits = np.ascontiguousarray(result.embeddings, dtype=np.float32)
     computed = {"logits": logits,
                 "scores": np.ascontiguousarray(read_logits(logits, engine.model.problem_type), dtype=np.float32)}
-    return _v2_response(_v2_head(engine, req), {name: computed[name] for name in outputs}, outputs, request)
+    return V2Ran(lambda: {name: computed[name] for name in outputs}, logits.size * 2 * JSON_FLOAT_BYTES)

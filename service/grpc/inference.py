@@ -1,0 +1,309 @@
+"""The KServe v2 gRPC calls, answered by the replica that runs the model, as HTTP's v2 routes are.
+
+Ray Serve's gRPC ingress calls a replica's method of the call's name with the request message and a
+`grpc_context` (metadata in, status code, details and trailing metadata out), so the six calls are
+methods of the deployment: `Encoder` inherits them from `KServeGrpc`. A call is read into the v2
+request HTTP reads (`V2InferRequest`, with the raw input contents as the binary tail) and runs through
+the same code (service/http/routes/v2.py: `v2_run`): the same models, inputs, outputs, limits and
+errors. What gRPC adds is here:
+
+- Each error is a status code a client can act on (GRPC_CODES): INVALID_ARGUMENT, NOT_FOUND,
+  UNAUTHENTICATED, UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, INTERNAL, with the message in the
+  details; RESOURCE_EXHAUSTED is Serve's own refusal when the replicas' slots and queue are full,
+  and like a timeout it carries `retry-after` (seconds) in the trailing metadata.
+- The client's gRPC deadline is the request's deadline, as X-Request-Timeout-Seconds is on HTTP
+  (the service's request_timeout_s when it is shorter); a call cancelled, or past its deadline, is
+  cancelled by gRPC and its job leaves the batch queue.
+- Authentication: the bearer token in the `authorization` metadata on ModelInfer when auth is on.
+- Request ids: Serve takes the client's `request_id` metadata or makes one, and sends it back in
+  the trailing metadata; the access log line and the error details carry it.
+- Metrics: the same families as HTTP, with protocol="grpc" and the call's full name as the route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from pydantic import ValidationError
+
+from service.engine.errors import InvalidRequest, ServiceError, Unauthorized
+from service.engine.runner import EncodeJob, EncodeResult
+from service.engine.service import EncoderService
+from service.grpc.protocol import METHODS, messages, method_path
+from service.http.app import SERVER_NAME, SERVER_VERSION, describe
+from service.http.context import count
+from service.http.errors import status_of
+from service.http.middleware import HEADER_DEADLINE_MARGIN_S, BearerAuthMiddleware, InFlightMiddleware, MetricsMiddleware
+from service.http.request_ids import current_request_id, log_access
+from service.http.routes.v2 import (
+    V2_DATATYPES, V2_EXTENSIONS, V2_KINDS, V2Call, select_outputs, v2_head, v2_model_metadata, v2_run,
+)
+from service.http.schemas import V2InferRequest
+from service.metrics import service_metrics, status_class
+
+# our error type -> the status code a gRPC client acts on (service/engine/errors.py names the types)
+GRPC_CODES = {
+    "validation": grpc.StatusCode.INVALID_ARGUMENT,
+    "bad_request": grpc.StatusCode.INVALID_ARGUMENT,
+    "too_large": grpc.StatusCode.INVALID_ARGUMENT,  # a smaller request fits; the same one never will
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "unauthorized": grpc.StatusCode.UNAUTHENTICATED,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "cancelled": grpc.StatusCode.CANCELLED,
+    "not_ready": grpc.StatusCode.UNAVAILABLE,
+    "backend": grpc.StatusCode.INTERNAL,
+}
+RETRY_AFTER_KEY = "retry-after"  # trailing metadata: seconds after which the same call may succeed
+CLIENT_GONE = 499  # the access log's and metrics' status of a call the client cancelled (as on HTTP)
+
+
+class KServeGrpc:
+    """The calls of `inference.GRPCInferenceService` (service/grpc/kserve_v2.proto), each a method
+    Serve calls by the call's name. `svc` is the replica's EncoderService."""
+
+    svc: EncoderService
+
+    async def ServerLive(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802 - the protocol's names
+        return await _answer(self.svc, "ServerLive", grpc_context, lambda call: _live())
+
+    async def ServerReady(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+        return await _answer(self.svc, "ServerReady", grpc_context, lambda call: _ready(self.svc))
+
+    async def ModelReady(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+        return await _answer(self.svc, "ModelReady", grpc_context, lambda call: _model_ready(self.svc, request, call))
+
+    async def ServerMetadata(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+        return await _answer(self.svc, "ServerMetadata", grpc_context, lambda call: _server_metadata())
+
+    async def ModelMetadata(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+        return await _answer(self.svc, "ModelMetadata", grpc_context, lambda call: _model_metadata(self.svc, request, call))
+
+    async def ModelInfer(self, request: Any, grpc_context: Any = None) -> Any:  # noqa: N802
+        return await _answer(self.svc, "ModelInfer", grpc_context, lambda call: _infer(self.svc, request, call),
+                             inference=True)
+
+
+class GrpcCall:
+    """One call in progress: what the access log, the metrics and the deadline need (HTTP keeps the
+    same in its ASGI scope, and log_access reads it from this dict)."""
+
+    def __init__(self, method: str, context: Any) -> None:
+        self.arrived = time.perf_counter()
+        self.context = context
+        # the client's `request_id` metadata, or the one Serve made: what it sends back in the trailing metadata
+        sent_back = dict(context.trailing_metadata()) if context is not None else {}
+        self.scope: dict[str, Any] = {
+            "method": "gRPC", "route_template": method_path(method), "arrived": self.arrived,
+            "request_id": sent_back.get("request_id") or uuid.uuid4().hex,
+        }
+        remaining = getattr(context, "encoder_time_remaining", None)  # service/grpc/serve_hooks.py keeps it
+        self.client_deadline = None if remaining is None else self.arrived + remaining
+
+    def metadata(self, key: str) -> str | None:
+        if self.context is None:
+            return None
+        for k, v in self.context.invocation_metadata():
+            if k == key:
+                return v
+        return None
+
+    def deadline(self, svc: EncoderService) -> float:
+        """Seconds this call has left: the client's gRPC deadline, or the service's limit when that is
+        shorter, counted from arrival."""
+        now = time.perf_counter()
+        left = svc.settings.request_timeout_s - (now - self.arrived)
+        if self.client_deadline is not None:
+            left = min(left, self.client_deadline - now)
+        return max(left, 0.001)
+
+    def past_deadline(self, svc: EncoderService) -> bool:
+        """Whether the call's deadline has passed (within the margin HTTP allows Serve's clock)."""
+        return self.deadline(svc) <= HEADER_DEADLINE_MARGIN_S
+
+
+async def _answer(svc: EncoderService, method: str, context: Any, work: Callable[[GrpcCall], Awaitable[Any]],
+                  inference: bool = False) -> Any:
+    """Run one call's work; count it, log it, and turn an error into its status code."""
+    call = GrpcCall(method, context)
+    id_token = current_request_id.set(call.scope["request_id"])
+    metrics = service_metrics()
+    status, code, reply = 500, grpc.StatusCode.INTERNAL, None
+    MetricsMiddleware.in_flight += 1
+    if inference:
+        InFlightMiddleware.pending += 1
+        InFlightMiddleware.admitted += 1
+    try:
+        if inference:
+            _authenticate(call)
+        reply = await work(call)
+        status, code = 200, grpc.StatusCode.OK
+        return reply
+    except ServiceError as exc:
+        status, code = status_of(exc), GRPC_CODES.get(exc.type, grpc.StatusCode.INTERNAL)
+        call.scope["failure_reason"] = exc.type
+        _refuse(context, code, exc)
+        return getattr(messages(), METHODS[method][1])()  # Serve sends the code, not this empty message
+    except asyncio.CancelledError:
+        # gRPC cancels the call of a client that cancelled it or whose deadline passed
+        timed_out = call.past_deadline(svc)
+        status, code = (503, grpc.StatusCode.DEADLINE_EXCEEDED) if timed_out else (CLIENT_GONE, grpc.StatusCode.CANCELLED)
+        call.scope["failure_reason"] = "timeout" if timed_out else "cancelled"
+        raise
+    finally:
+        current_request_id.reset(id_token)
+        MetricsMiddleware.in_flight -= 1
+        if inference:
+            InFlightMiddleware.pending -= 1
+        _record(metrics, call, status, code, reply)
+
+
+def _refuse(context: Any, code: grpc.StatusCode, exc: ServiceError) -> None:
+    if context is None:
+        raise exc
+    context.set_code(code)
+    context.set_details(f"{exc.message} (request id {current_request_id.get()})")
+    if exc.retry_after_s is not None:
+        context.set_trailing_metadata([(RETRY_AFTER_KEY, str(exc.retry_after_s))])
+
+
+def _authenticate(call: GrpcCall) -> None:
+    """The bearer token in the `authorization` metadata, compared in constant time, when auth is on."""
+    token = BearerAuthMiddleware.token
+    if token is None:
+        return
+    scheme, _, provided = (call.metadata("authorization") or "").partition(" ")
+    if not (scheme.lower() == "bearer" and hmac.compare_digest(provided.strip().encode(), token)):
+        raise Unauthorized("missing or invalid bearer token in the `authorization` metadata")
+
+
+def _record(metrics: Any, call: GrpcCall, status: int, code: grpc.StatusCode, reply: Any) -> None:
+    scope, route = call.scope, call.scope["route_template"]
+    model, task = scope.get("model", ""), scope.get("task", "")
+    tags = {"route": route, "model": model, "task": task, "protocol": "grpc"}
+    metrics.in_flight.set(MetricsMiddleware.in_flight)
+    metrics.requests.inc(tags={**tags, "status_class": status_class(status)})
+    metrics.duration.observe(time.perf_counter() - call.arrived, tags={**tags, "stage": "total"})
+    if code != grpc.StatusCode.OK:
+        metrics.failures.inc(tags={**tags, "reason": scope.get("failure_reason", "backend")})
+    for kind, n in (scope.get("response_kinds") or {}).items():
+        metrics.response_bytes.inc(n, tags={"route": route, "kind": kind, "model": model, "protocol": "grpc"})
+    other = (reply.ByteSize() if reply is not None else 0) - sum((scope.get("response_kinds") or {}).values())
+    if other > 0:
+        metrics.response_bytes.inc(other, tags={"route": route, "kind": "other", "model": model, "protocol": "grpc"})
+    scope["grpc_status"] = code.name
+    log_access(scope, status, call.arrived, time.perf_counter())
+
+
+# ---- the calls ----
+
+
+async def _live() -> Any:
+    return messages().ServerLiveResponse(live=True)
+
+
+async def _ready(svc: EncoderService) -> Any:
+    try:
+        svc.check_ready()
+    except ServiceError:
+        return messages().ServerReadyResponse(ready=False)
+    return messages().ServerReadyResponse(ready=True)
+
+
+def _engine(svc: EncoderService, name: str, call: GrpcCall):
+    """The model a call names (NOT_FOUND naming the served ones); an empty name is the default model."""
+    engine = svc.engines.get(name or None, False)
+    call.scope["model"], call.scope["task"] = engine.name, engine.model.task
+    return engine
+
+
+async def _model_ready(svc: EncoderService, request: Any, call: GrpcCall) -> Any:
+    _engine(svc, request.name, call)
+    return await _ready(svc)
+
+
+async def _server_metadata() -> Any:
+    return messages().ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=V2_EXTENSIONS)
+
+
+async def _model_metadata(svc: EncoderService, request: Any, call: GrpcCall) -> Any:
+    described = v2_model_metadata(_engine(svc, request.name, call))
+    m = messages()
+    tensors = m.ModelMetadataResponse.TensorMetadata
+    return m.ModelMetadataResponse(
+        name=described["name"], versions=described["versions"], platform=described["platform"],
+        inputs=[tensors(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in described["inputs"]],
+        outputs=[tensors(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in described["outputs"]],
+    )
+
+
+async def _infer(svc: EncoderService, request: Any, call: GrpcCall) -> Any:
+    engine = _engine(svc, request.model_name, call)
+    req, binary = v2_request(request)
+    outputs = select_outputs(req, engine.model.task)
+    route = call.scope["route_template"]
+
+    async def run(job: EncodeJob) -> EncodeResult:
+        count(call.scope, [job])
+        return await svc.infer(engine, job, call.deadline(svc))
+
+    ran = await v2_run(svc, engine, req, binary, outputs, V2Call(route, run))
+    tensors = ran.tensors() if ran.estimate <= _OFF_LOOP_BYTES else await asyncio.to_thread(ran.tensors)
+    return _response(v2_head(engine, req), tensors, call)
+
+
+_OFF_LOOP_BYTES = 1 << 20
+
+
+def v2_request(request: Any) -> tuple[V2InferRequest, bytes]:
+    """A ModelInferRequest as the v2 request HTTP reads: raw input contents become the binary tail
+    (each input `binary_data_size` bytes of it), `bytes_contents` the input's data."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidRequest(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs: one each, in order")
+    inputs = []
+    for i, tensor in enumerate(request.inputs):
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
+                                 "parameters": parameters(tensor.parameters)}
+        if raw:
+            if tensor.HasField("contents"):
+                raise InvalidRequest(f"input {tensor.name!r} has contents while raw_input_contents is given: one or the other")
+            entry["parameters"]["binary_data_size"] = len(raw[i])
+        else:
+            entry["data"] = list(tensor.contents.bytes_contents)
+        inputs.append(entry)
+    body = {"id": request.id or None, "parameters": parameters(request.parameters), "inputs": inputs,
+            "outputs": [{"name": o.name, "parameters": parameters(o.parameters)} for o in request.outputs] or None}
+    try:
+        return V2InferRequest.model_validate(body), b"".join(raw)
+    except ValidationError as exc:
+        raise InvalidRequest(describe(list(exc.errors()))) from None
+
+
+def parameters(given: Any) -> dict[str, Any]:
+    """A protobuf map of InferParameter as plain values (bool, int, str)."""
+    return {key: getattr(value, value.WhichOneof("parameter_choice")) for key, value in given.items()
+            if value.WhichOneof("parameter_choice") is not None}
+
+
+def _response(head: dict[str, str], tensors: dict[str, np.ndarray], call: GrpcCall) -> Any:
+    """Every output as raw little-endian bytes (raw_output_contents, as Triton answers)."""
+    m = messages()
+    reply = m.ModelInferResponse(**head)
+    kinds: dict[str, int] = {}
+    for name, array in tensors.items():
+        reply.outputs.add(name=name, datatype=V2_DATATYPES[array.dtype], shape=list(array.shape))
+        data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False)).tobytes()
+        reply.raw_output_contents.append(data)
+        kind = V2_KINDS.get(name, "other")
+        kinds[kind] = kinds.get(kind, 0) + len(data)
+    call.scope["response_kinds"] = kinds
+    return reply
+
