@@ -83,3 +83,28 @@ def test_unauthorized_is_counted_with_its_reason(secured, metrics_url):
     record("access control", "requests without, with a wrong, and with a malformed bearer token",
            "401 JSON before the body is read; the model never touched; health and metadata open",
            note="token from a mounted file or ENCODER_API_TOKEN; constant-time compare")
+
+
+def test_grpc_infer_needs_the_token_in_its_metadata_and_metadata_calls_stay_open(ray_serve, secured):
+    """Over gRPC as over HTTP: ModelInfer without the bearer token (in the `authorization` metadata)
+    is UNAUTHENTICATED before anything reaches the model; health and metadata calls stay open."""
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+    from tritonclient.utils import InferenceServerException
+
+    app = {"application": "secured"}
+    client = triton_grpc.InferenceServerClient(ray_serve.grpc_target)
+    text = triton_grpc.InferInput("text", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"x"], dtype=object))
+    try:
+        before = encoder_requests()
+        for metadata in ({}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}):
+            with pytest.raises(InferenceServerException) as refused:
+                client.infer("all-MiniLM-L6-v2", [text], headers={**app, **metadata})
+            assert refused.value.status() == "StatusCode.UNAUTHENTICATED", refused.value
+        assert encoder_requests() == before, "a refused call reached the model"
+        assert client.is_server_ready(headers=app) and client.get_model_metadata("all-MiniLM-L6-v2", headers=app).name
+        ok = client.infer("all-MiniLM-L6-v2", [text], headers={**app, "authorization": f"Bearer {TOKEN}"})
+        assert ok.as_numpy("sentence_embedding").shape == (1, 384)
+    finally:
+        client.close()

@@ -76,6 +76,15 @@ def test_tritonclient_example_gets_normalised_embeddings(service_url, tensors):
     assert tokens[0] == 9, out  # [CLS] the cat sat on the mat . [SEP]
 
 
+def test_tritonclient_grpc_example_gets_the_same_embeddings_over_grpc(ray_serve, service_url):
+    out = run_example("triton_grpc.py", "--target", ray_serve.grpc_target, "--application", "encoder")
+    assert "server ready True model ready True" in out, out
+    assert "('sentence_embedding', 'FP32', [-1, 384])" in out, out
+    assert "sentence_embedding shape [2, 384] norms [1.0, 1.0]" in out, out
+    assert "tokens per text [9, " in out and "id example-1" in out, out
+    assert "unknown model -> StatusCode.NOT_FOUND" in out, out
+
+
 def test_attention_example_prints_words_and_contributions_that_sum_to_the_score(service_url):
     out = run_example("attention_similarity.py", "--url", service_url)
     assert "units ['[CLS]', 'Photosynthesis', 'is', 'unbelievable', '.', '[SEP]']" in out, out

@@ -209,3 +209,23 @@ def test_classifier_reads_the_binary_flags_as_the_embedding_model_does(ranker):
     assert_error_names(r, 422, "parameters.binary_data_output")
     r = ranker.post(RANKER, json={**request, "outputs": [{"name": "logits", "parameters": {"binary_data": "false"}}]})
     assert_error_names(r, 422, "outputs.0.parameters.binary_data")
+
+
+def test_classifier_over_grpc_gives_what_http_gives(ray_serve, ranker):
+    """text and text_pair over KServe v2 gRPC (tritonclient.grpc): the same logits and scores."""
+    import tritonclient.grpc as triton_grpc
+
+    expected, _ = read_outputs(ranker.post(RANKER, json={"inputs": [json_input("text", QUERIES), json_input("text_pair", DOCUMENTS)]}))
+    client = triton_grpc.InferenceServerClient(ray_serve.grpc_target)
+    try:
+        inputs = []
+        for name, texts in (("text", QUERIES), ("text_pair", DOCUMENTS)):
+            tensor = triton_grpc.InferInput(name, [len(texts)], "BYTES")
+            tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+            inputs.append(tensor)
+        result = client.infer("ranker", inputs, headers={"application": "v2params"})
+        for name in ("logits", "scores"):
+            np.testing.assert_allclose(result.as_numpy(name), expected[name], atol=1e-5, err_msg=name)
+        assert client.get_model_metadata("ranker", headers={"application": "v2params"}).outputs[1].name == "scores"
+    finally:
+        client.close()
