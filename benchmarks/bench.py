@@ -170,6 +170,21 @@ def bench_onnxruntime(texts: list[str], batch: int, bundle_dir: Path, threads: i
     return out, samples
 
 
+def protocol_phase(ingress: str, common: dict, settings: dict, batch: int) -> dict:
+    """KServe v2 over gRPC and over HTTP on one service: client batches of `batch` at 4 clients and
+    single texts at 32, each protocol in turn on the same replica."""
+    scenarios = []
+    for per_request, concurrency, kind in ((batch, 4, f"client batches of {batch}"), (1, 32, "single texts")):
+        scenarios += [
+            {"label": f"{kind} (grpc.aio, KServe v2 ModelInfer over gRPC)", "per_request": per_request,
+             "concurrency": concurrency, "loadgen": "grpc.aio", "protocol": "grpc"},
+            {"label": f"{kind} (httpx, KServe v2 over HTTP, binary outputs)", "per_request": per_request,
+             "concurrency": concurrency, "loadgen": "httpx", "protocol": "v2"},
+        ]
+    return {"label": f"KServe v2, default config, {ingress}", "ingress": ingress, **common, "settings": settings,
+            "scenarios": scenarios}
+
+
 def service_phase(spec: dict) -> list[dict]:
     """Run one service configuration in its own process (see service_phase.py); its rows."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -206,7 +221,7 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
         return [r for r in rows if r.get("precision") == precision and r.get("per_request") == per_request
                 and r.get("concurrency") == concurrency and r.get("short", False) == short
                 and r.get("mixed", False) == mixed and r.get("batching", True) and bool(r.get("peer")) == peer
-                and not r.get("bound")]
+                and not r.get("bound") and not r.get("protocol")]
 
     def best(found: list[dict]) -> dict | None:
         return max(found, key=lambda r: r["texts_s"]) if found else None
@@ -282,6 +297,7 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
                                 + f" ({found[-1][1]['ingress']})",
                     "met": None, "column": "reported"})
     out += bf16_targets(rows, ort, peer_name, peer_missing, best, verdict)
+    out += protocol_targets(rows)
     out += rerank_targets(rows)
     found = [r for r in rows if r.get("mixed") and r.get("batching", True)]
     if found:
@@ -292,6 +308,29 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
                                 f"texts of 1-200 words, concurrency {r['concurrency']})",
                     "met": r["padding_waste"] <= 0.10,
                     "column": "yes" if r["padding_waste"] <= 0.10 else f"no ({(r['padding_waste'] - 0.10) * 100:+.1f} points)"})
+    return out
+
+
+def protocol_targets(rows: list[dict]) -> list[dict]:
+    """KServe v2 over gRPC against the same over HTTP, same run, same replica settings: client batches
+    at least as fast (the target); single texts reported."""
+    def rate(protocol: str, per_request: int, concurrency: int) -> dict | None:
+        return next((r for r in rows if r.get("protocol") == protocol and r["per_request"] == per_request
+                     and r["concurrency"] == concurrency), None)
+
+    out = []
+    for kind, per_request, concurrency, goal in (("client batches of 32 at 4 clients", 32, 4, 1.0),
+                                                  ("single texts at 32 clients", 1, 32, None)):
+        grpc_row, http_row = rate("grpc", per_request, concurrency), rate("v2", per_request, concurrency)
+        if grpc_row is None or http_row is None:
+            continue
+        ratio = grpc_row["texts_s"] / http_row["texts_s"]
+        met = None if goal is None else ratio >= goal
+        out.append({"measure": f"KServe v2 over gRPC vs over HTTP, {kind}, default config",
+                    "target": ">= 1.0x v2 over HTTP (binary outputs) in the same run" if goal else "reported",
+                    "measured": f"gRPC {grpc_row['texts_s']:.0f} texts/s (p50 {grpc_row['p50']:.1f} ms) = {ratio:.2f}x "
+                                f"HTTP v2 {http_row['texts_s']:.0f} texts/s (p50 {http_row['p50']:.1f} ms); {grpc_row['ingress']}",
+                    "met": met, "column": "reported" if goal is None else ("yes" if met else f"no ({ratio:.0%})")})
     return out
 
 
@@ -529,6 +568,8 @@ def main() -> int:
                    help="also measure the same app and engine under plain uvicorn without Ray (the bound of Ray Serve's "
                    "share), and the engine alone with client batches, no HTTP and no Ray (the bound of any server)")
     p.add_argument("--rerank-only", action="store_true", help="only the rerank rows (and the in-process references)")
+    p.add_argument("--protocols", action=argparse.BooleanOptionalAction, default=True,
+                   help="the KServe v2 rows: the same requests over gRPC (grpc.aio) and over HTTP (httpx), default config")
     p.add_argument("--variants", default="",
                    help=f"Ray Serve per-request options to measure against the default, fp32 on the last ingress, "
                    f"comma-separated: {', '.join(VARIANTS)}")
@@ -620,6 +661,8 @@ def main() -> int:
         best = ingresses[-1]
         rows += phase({"label": f"echo (no model), {best}", "ingress": best, **common, "settings": settings, "echo": True,
                        "scenarios": [scenario("single texts", 1, 32)]})
+        if args.protocols:
+            rows += phase(protocol_phase(best, common, settings, args.batch))
         if args.bounds:  # the engine alone (no HTTP, no Ray), and the same app under plain uvicorn (no Ray)
             rows += engine_alone(args.bundle, ["auto", "fp32"], seconds=args.wrk_duration)
             references.sample(after="the engine alone")

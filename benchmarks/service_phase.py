@@ -31,6 +31,7 @@ INGRESS_ENV = {**SERVICE_INGRESS_ENV, "direct": {"RAY_SERVE_THROUGHPUT_OPTIMIZED
 
 # the service's routes the load can go to: (path, the request's texts field)
 ROUTES = {"native": ("/v1/encode", "inputs"), "openai": ("/v1/embeddings", "input")}
+V2_PATH = "/v2/models/all-MiniLM-L6-v2/infer"  # the protocol rows: KServe v2 over HTTP, beside gRPC
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -60,6 +61,55 @@ async def load(url: str, payloads: list[dict], concurrency: int, path: str = "/v
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return time.perf_counter() - started, latencies, failures
+
+
+def v2_body(texts: list[str]) -> dict:
+    """KServe v2 over HTTP as tritonclient sends it by default: binary outputs (here: the pooled embedding)."""
+    return {"inputs": [{"name": "text", "shape": [len(texts)], "datatype": "BYTES", "data": texts}],
+            "outputs": [{"name": "sentence_embedding"}], "parameters": {"binary_data_output": True}}
+
+
+async def load_grpc(target: str, batches: list[list[str]], concurrency: int,
+                    model: str = "all-MiniLM-L6-v2") -> tuple[float, list[float], int]:
+    """KServe v2 ModelInfer over gRPC (grpc.aio, one HTTP/2 channel per client, raw input contents as
+    tritonclient sends them) with `concurrency` clients: wall time, latencies, failures (non-OK calls)."""
+    import struct
+
+    import grpc
+
+    from service.grpc.protocol import messages, method_path
+
+    m = messages()
+
+    def request(texts: list[str]):
+        r = m.ModelInferRequest(model_name=model)
+        r.inputs.add(name="text", datatype="BYTES", shape=[len(texts)])
+        r.outputs.add(name="sentence_embedding")
+        r.raw_input_contents.append(b"".join(struct.pack("<I", len(b)) + b for b in (t.encode() for t in texts)))
+        return r.SerializeToString()
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for texts in batches:
+        queue.put_nowait(request(texts))
+    latencies: list[float] = []
+    failures = 0
+
+    async def worker() -> None:
+        nonlocal failures
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = channel.unary_unary(method_path("ModelInfer"))  # bytes in, bytes out
+            while not queue.empty():
+                body = queue.get_nowait()
+                started = time.perf_counter()
+                try:
+                    await call(body, timeout=120)
+                except grpc.aio.AioRpcError:
+                    failures += 1
+                latencies.append(time.perf_counter() - started)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - started, latencies, failures
 
 
 COMPONENTS = (  # process title fragment -> component, first match wins
@@ -192,15 +242,18 @@ def ray_service(spec: dict, settings):
 
     from service.app import build_app
 
-    port, metrics_port = free_port(), free_port()
+    from service.grpc.protocol import SERVICER_FUNCTION
+
+    port, metrics_port, grpc_port = free_port(), free_port(), free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR",
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]},
                     logging_config={"enable_access_log": False, "log_level": "WARNING"})
         app = echo_app() if spec.get("echo") else build_app(settings)
         serve.run(app, name="bench", route_prefix="/", logging_config={"enable_access_log": False, "log_level": "WARNING"})
-        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", f"127.0.0.1:{grpc_port}"
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -225,7 +278,7 @@ def plain_service(spec: dict, settings):
             if time.monotonic() > deadline:
                 raise RuntimeError("the plain uvicorn server did not answer /info within 180 s")
             time.sleep(0.5)
-        yield url, None
+        yield url, None, None
     finally:
         server.terminate()
         try:
@@ -240,7 +293,7 @@ def run(spec: dict) -> list[dict]:
 
     rows = []
     settings = ServiceSettings.model_validate(spec["settings"])
-    with (plain_service if spec.get("no_ray") else ray_service)(spec, settings) as (url, metrics_url):
+    with (plain_service if spec.get("no_ray") else ray_service)(spec, settings) as (url, metrics_url, grpc_target):
         texts = spec["texts"]
         info = {} if spec.get("echo") else httpx.get(f"{url}/info", timeout=30).json()
         fmt = {"encoding_format": spec["encoding_format"]} if spec.get("encoding_format") else {}
@@ -255,6 +308,7 @@ def run(spec: dict) -> list[dict]:
             else:
                 pool = spec["mixed_texts"] if scenario.get("mixed") else texts
             per_request, concurrency = scenario["per_request"], scenario["concurrency"]
+            protocol = scenario.get("protocol")  # None: the spec's route; "v2" or "grpc": KServe v2 over HTTP or gRPC
             use_wrk = scenario.get("loadgen") == "wrk"
             if use_wrk:  # one text per request, the body as a string: {"input": "..."}
                 if per_request != 1:
@@ -272,9 +326,19 @@ def run(spec: dict) -> list[dict]:
                 measured = run_wrk(url, path, bodies, concurrency, wrk["duration_s"], threads=wrk.get("threads"))
                 n_texts, failures, texts_s = max(measured["requests"], 1), measured["failures"], measured["texts_s"]
                 p50, p95, p99 = measured["p50"], measured["p95"], measured["p99"]
+            elif protocol == "grpc":
+                batches = [pool[i : i + per_request] for i in range(0, len(pool), per_request)]
+                asyncio.run(load_grpc(grpc_target, batches[:16], concurrency))  # warm the channels' first calls
+                wall, latencies, failures = asyncio.run(load_grpc(grpc_target, batches, concurrency))
+                n_texts, texts_s = len(pool), len(pool) / wall
+            elif protocol == "v2":
+                v2 = [v2_body(pool[i : i + per_request]) for i in range(0, len(pool), per_request)]
+                wall, latencies, failures = asyncio.run(load(url, v2, concurrency, path=V2_PATH))
+                n_texts, texts_s = len(pool), len(pool) / wall
             else:
                 wall, latencies, failures = asyncio.run(load(url, payloads, concurrency, path=path))
                 n_texts, texts_s = len(pool), len(pool) / wall
+            if not use_wrk:
                 p50, p95, p99 = (percentile(latencies, q) * 1000 for q in (50, 95, 99))
             cpu_after = cpu_seconds()
             if use_wrk:  # wrk is a child process: its CPU is the load generator's too
@@ -294,8 +358,9 @@ def run(spec: dict) -> list[dict]:
                 "concurrency": concurrency,
                 "short": bool(scenario.get("short")),
                 "mixed": bool(scenario.get("mixed")),
-                "loadgen": "wrk" if use_wrk else "httpx",
-                "route": path,
+                "loadgen": "wrk" if use_wrk else ("grpc.aio" if protocol == "grpc" else "httpx"),
+                "route": {"grpc": "ModelInfer (gRPC)", "v2": V2_PATH}.get(protocol, path),
+                "protocol": protocol,
                 "texts_s": texts_s,
                 "p50": p50,
                 "p95": p95,
