@@ -318,6 +318,8 @@ def run(spec: dict) -> list[dict]:
                     run_wrk(url, path, bodies, concurrency, wrk["warmup_s"], threads=wrk.get("threads"))
             else:
                 payloads = [{field: pool[i : i + per_request], **fmt} for i in range(0, len(pool), per_request)]
+            if protocol == "grpc":  # the channels' first calls, before anything is counted
+                asyncio.run(load_grpc(grpc_target, [pool[:per_request]] * 16, concurrency))
             if scenario.get("mixed"):
                 before = settled_counters(metrics_url)
             counters_before = encoder_counters(url, spec)
@@ -328,7 +330,6 @@ def run(spec: dict) -> list[dict]:
                 p50, p95, p99 = measured["p50"], measured["p95"], measured["p99"]
             elif protocol == "grpc":
                 batches = [pool[i : i + per_request] for i in range(0, len(pool), per_request)]
-                asyncio.run(load_grpc(grpc_target, batches[:16], concurrency))  # warm the channels' first calls
                 wall, latencies, failures = asyncio.run(load_grpc(grpc_target, batches, concurrency))
                 n_texts, texts_s = len(pool), len(pool) / wall
             elif protocol == "v2":
