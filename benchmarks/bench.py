@@ -185,6 +185,18 @@ def protocol_phase(ingress: str, common: dict, settings: dict, batch: int) -> di
             "scenarios": scenarios}
 
 
+def tracing_phase(ingress: str, common: dict, settings: dict, batch: int, traced: bool) -> dict:
+    """The default config with OpenTelemetry tracing off, or on at full sampling: single texts at 32
+    clients (where a span costs the most per text) and client batches."""
+    loadgen = "httpx"
+    return {"label": f"default config, tracing {'on (100% sampled)' if traced else 'off'}, {ingress}", "ingress": ingress,
+            **common, "settings": settings, "tracing": traced,
+            "scenarios": [{"label": f"single texts ({loadgen}, tracing {'on' if traced else 'off'})", "per_request": 1,
+                           "concurrency": 32, "loadgen": loadgen, "tracing_row": True},
+                          {"label": f"client batches of {batch} ({loadgen}, tracing {'on' if traced else 'off'})",
+                           "per_request": batch, "concurrency": 4, "loadgen": loadgen, "tracing_row": True}]}
+
+
 def service_phase(spec: dict) -> list[dict]:
     """Run one service configuration in its own process (see service_phase.py); its rows."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -221,7 +233,7 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
         return [r for r in rows if r.get("precision") == precision and r.get("per_request") == per_request
                 and r.get("concurrency") == concurrency and r.get("short", False) == short
                 and r.get("mixed", False) == mixed and r.get("batching", True) and bool(r.get("peer")) == peer
-                and not r.get("bound") and not r.get("protocol")]
+                and not r.get("bound") and not r.get("protocol") and not r.get("tracing_row")]
 
     def best(found: list[dict]) -> dict | None:
         return max(found, key=lambda r: r["texts_s"]) if found else None
@@ -298,6 +310,7 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
                     "met": None, "column": "reported"})
     out += bf16_targets(rows, ort, peer_name, peer_missing, best, verdict)
     out += protocol_targets(rows)
+    out += tracing_targets(rows)
     out += rerank_targets(rows)
     found = [r for r in rows if r.get("mixed") and r.get("batching", True)]
     if found:
@@ -330,6 +343,25 @@ def protocol_targets(rows: list[dict]) -> list[dict]:
                     "target": ">= 1.0x v2 over HTTP (binary outputs) in the same run" if goal else "reported",
                     "measured": f"gRPC {grpc_row['texts_s']:.0f} texts/s (p50 {grpc_row['p50']:.1f} ms) = {ratio:.2f}x "
                                 f"HTTP v2 {http_row['texts_s']:.0f} texts/s (p50 {http_row['p50']:.1f} ms); {grpc_row['ingress']}",
+                    "met": met, "column": "reported" if goal is None else ("yes" if met else f"no ({ratio:.0%})")})
+    return out
+
+
+def tracing_targets(rows: list[dict]) -> list[dict]:
+    """Tracing on at full sampling against off, same scenarios one phase after the other."""
+    out = []
+    for kind, per_request, concurrency, goal in (("single texts at 32 clients", 1, 32, 0.95),
+                                                  ("client batches of 32 at 4 clients", 32, 4, None)):
+        found = {r["tracing"]: r for r in rows if r.get("tracing_row") and r["per_request"] == per_request
+                 and r["concurrency"] == concurrency}
+        if set(found) != {False, True}:
+            continue
+        ratio = found[True]["texts_s"] / found[False]["texts_s"]
+        met = None if goal is None else ratio >= goal
+        out.append({"measure": f"OpenTelemetry tracing on (100% sampled, OTLP to a receiver on loopback) vs off, {kind}",
+                    "target": f">= {goal}x tracing off (at most 5% of throughput)" if goal else "reported",
+                    "measured": f"{found[True]['texts_s']:.0f} texts/s on = {ratio:.2f}x {found[False]['texts_s']:.0f} off "
+                                f"(p50 {found[True]['p50']:.1f} vs {found[False]['p50']:.1f} ms)",
                     "met": met, "column": "reported" if goal is None else ("yes" if met else f"no ({ratio:.0%})")})
     return out
 
@@ -568,6 +600,9 @@ def main() -> int:
                    help="also measure the same app and engine under plain uvicorn without Ray (the bound of Ray Serve's "
                    "share), and the engine alone with client batches, no HTTP and no Ray (the bound of any server)")
     p.add_argument("--rerank-only", action="store_true", help="only the rerank rows (and the in-process references)")
+    p.add_argument("--tracing", action=argparse.BooleanOptionalAction, default=True,
+                   help="the tracing rows: single texts and client batches with OpenTelemetry tracing off, then on at "
+                   "100%% sampling (every span exported with OTLP to a receiver on loopback)")
     p.add_argument("--protocols", action=argparse.BooleanOptionalAction, default=True,
                    help="the KServe v2 rows: the same requests over gRPC (grpc.aio) and over HTTP (httpx), default config")
     p.add_argument("--variants", default="",
@@ -663,6 +698,9 @@ def main() -> int:
                        "scenarios": [scenario("single texts", 1, 32)]})
         if args.protocols:
             rows += phase(protocol_phase(best, common, settings, args.batch))
+        if args.tracing:  # the same two rows with tracing off and on at full sampling, one phase after the other
+            for traced in (False, True):
+                rows += phase(tracing_phase(best, common, settings, args.batch, traced))
         if args.bounds:  # the engine alone (no HTTP, no Ray), and the same app under plain uvicorn (no Ray)
             rows += engine_alone(args.bundle, ["auto", "fp32"], seconds=args.wrk_duration)
             references.sample(after="the engine alone")

@@ -289,9 +289,24 @@ def plain_service(spec: dict, settings):
 
 
 def run(spec: dict) -> list[dict]:
+    rows: list[dict] = []
+    receiver = None
+    if spec.get("tracing"):  # every request's spans to an OTLP receiver in this process, as to a collector
+        from benchmarks.otlp_receiver import Receiver
+
+        receiver = Receiver().start()
+        spec = {**spec, "settings": {**spec["settings"], "tracing": {"endpoint": receiver.endpoint, "sample_ratio": 1.0}}}
+    try:
+        return _measure(spec, rows)
+    finally:
+        if receiver is not None:
+            print(f"  {spec['label']}: {receiver.count()} spans received", flush=True)
+            receiver.stop()
+
+
+def _measure(spec: dict, rows: list[dict]) -> list[dict]:
     from service.config import ServiceSettings
 
-    rows = []
     settings = ServiceSettings.model_validate(spec["settings"])
     with (plain_service if spec.get("no_ray") else ray_service)(spec, settings) as (url, metrics_url, grpc_target):
         texts = spec["texts"]
@@ -362,6 +377,8 @@ def run(spec: dict) -> list[dict]:
                 "loadgen": "wrk" if use_wrk else ("grpc.aio" if protocol == "grpc" else "httpx"),
                 "route": {"grpc": "ModelInfer (gRPC)", "v2": V2_PATH}.get(protocol, path),
                 "protocol": protocol,
+                "tracing": bool(spec.get("tracing")),
+                "tracing_row": bool(scenario.get("tracing_row")),
                 "texts_s": texts_s,
                 "p50": p50,
                 "p95": p95,

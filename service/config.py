@@ -116,6 +116,24 @@ class AutoscalingSettings(BaseModel):
         return self
 
 
+class TracingSettings(BaseModel):
+    """OpenTelemetry traces exported with OTLP (service/tracing.py). The standard OTEL_* variables turn
+    tracing on too, and fill in what is left out here."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str | None = Field(
+        None, description="the OTLP receiver (a collector): http://HOST:4317 for grpc, http://HOST:4318/v1/traces "
+        "for http/protobuf; left out: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT")
+    protocol: Literal["grpc", "http/protobuf"] | None = Field(
+        None, description="OTLP over gRPC or HTTP; left out: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / "
+        "OTEL_EXPORTER_OTLP_PROTOCOL, else grpc")
+    sample_ratio: float | None = Field(
+        None, ge=0, le=1, description="share of traces sampled where the client's traceparent does not decide; "
+        "left out: OTEL_TRACES_SAMPLER(_ARG), else 1.0 (every request)")
+    service_name: str = Field("mha-encoder", description="service.name of the spans (OTEL_SERVICE_NAME wins)")
+
+
 class BundleRef(BaseModel):
     """One served model: its bundle directory and, optionally, the name clients use for it."""
 
@@ -242,6 +260,9 @@ class ServiceSettings(BaseModel):
         "tokens^2, summed over its texts; 4 bytes each): it grows with n^2, so it is checked before inference",
     )
 
+    tracing: TracingSettings | None = Field(
+        None, description="OpenTelemetry traces of every request (OTLP); off unless set here or by the OTEL_* "
+        "variables (docs/operations.md, 'Traces')")
     access_log: bool = Field(
         True, description="one JSON line per request on the replica's stderr (logger service.access): time, id "
         "(X-Request-Id), method, route, model, status, texts and tokens inferred, milliseconds")

@@ -20,6 +20,7 @@ import time
 
 from ray import serve
 
+from service import tracing
 from service.config import BatchingSettings, ServiceSettings
 from service.engine.engine import EngineTable, load_engine, resize_runtimes
 from service.engine.service import EncoderService
@@ -50,6 +51,7 @@ class Encoder(KServeGrpc):
         bind_replica_grpc_to_node_address()  # before Serve starts that server, after this returns
         bind_grpc_ingress_to_node_address()  # the same for its gRPC ingress server, when gRPC is on
         serve_hooks.install(settings.retry_after_s)
+        tracing.configure(settings.tracing)  # OpenTelemetry traces, when the settings or OTEL_* ask
         # the GPU share this replica asked Ray for (fixed in app.compose) and the device Ray gave it
         self.gpu = ray_gpu_assignment(settings.num_gpus or 0.0)
         self.engines = EngineTable([load_engine(ref, settings, self.gpu) for ref in settings.bundles])

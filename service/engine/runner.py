@@ -20,11 +20,12 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from bundle.manifest import BundleManifest, ModelInfo
+from service import tracing
 from service.config import BatchingSettings, ServiceSettings
 from service.metrics import protocol_of, service_metrics
 from service.runtimes import PackedGraph, Runtime
@@ -47,6 +48,7 @@ class EncodeJob:
     # leading tokens of every text that pooling leaves out: a prompt's, on a model whose Pooling has
     # include_prompt false (sentence-transformers' prompt_length); 0: pooling reads every token
     pool_skip: int = 0
+    trace: Any = None  # the request's OpenTelemetry context while tracing is on (service/tracing.py)
 
     @property
     def n_tokens(self) -> int:
@@ -344,7 +346,14 @@ class BatchRunner:
                     self._run_packed_rows(batch, texts)
                 else:
                     self._run_padded(batch, needs, texts)
-            self._count(batch, time.perf_counter() - started)
+            ended = time.perf_counter()
+            self._count(batch, ended - started)
+            if tracing.enabled():
+                tracing.record_batch(jobs, started, ended, {
+                    "encoder.model": self.model_name, "encoder.batch.requests": len(jobs),
+                    "encoder.batch.texts": batch.n_texts, "encoder.batch.tokens": batch.tally.real,
+                    "encoder.batch.padded_tokens": batch.tally.padded, "encoder.graphs": ",".join(sorted(batch.tally.runs)),
+                })
             return batch.results
         finally:
             with self._counters_lock:

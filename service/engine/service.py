@@ -16,6 +16,7 @@ from service.engine.engine import Engine, EngineTable
 from service.engine.errors import BackendError, ClientGone, InvalidRequest, NotReady, ServiceError, Timeout, TooLarge
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.tokenization import TokenizedText
+from service import tracing
 from service.metrics import protocol_of, service_metrics
 
 logger = logging.getLogger("ray.serve")
@@ -86,10 +87,11 @@ class EncoderService:
         """One tokenizer call: on the event loop when the request is small (a thread hop costs more),
         else in a worker thread; its time goes to the tokenization stage of the duration metric."""
         started = time.perf_counter()
-        result = encode(*args) if inline else await asyncio.to_thread(encode, *args)
+        with tracing.span("tokenize", **{"encoder.texts": len(args[0])}):
+            result = encode(*args) if inline else await asyncio.to_thread(encode, *args)
         service_metrics().duration.observe(time.perf_counter() - started,
-                                           tags={"route": route, "stage": "tokenization", "model": engine.name, "protocol": protocol_of(route),
-                                                 "task": engine.model.task})
+                                           tags={"route": route, "stage": "tokenization", "model": engine.name,
+                                                 "task": engine.model.task, "protocol": protocol_of(route)})
         return result
 
     async def tokenize(self, engine: Engine, texts: list[str], truncate: bool, route: str,
@@ -231,6 +233,7 @@ class EncoderService:
         """
         self.check_cost(job)  # it could never join a batch
         job.enqueued = time.perf_counter()
+        job.trace = tracing.current()  # the request's trace, for its queue and inference spans
         alone = not self.batching.enabled  # fixed now: the knob may change while this job waits
         if alone:  # every request alone: for comparison
             result = asyncio.ensure_future(engine.batcher.run([job]))

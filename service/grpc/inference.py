@@ -36,7 +36,8 @@ from pydantic import ValidationError
 from service.engine.errors import InvalidRequest, ServiceError, Unauthorized
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.service import EncoderService
-from service.grpc.protocol import METHODS, messages, method_path
+from service import tracing
+from service.grpc.protocol import METHODS, SERVICE, messages, method_path
 from service.http.app import SERVER_NAME, SERVER_VERSION, describe
 from service.http.context import count
 from service.http.errors import status_of
@@ -131,8 +132,11 @@ class GrpcCall:
 
 async def _answer(svc: EncoderService, method: str, context: Any, work: Callable[[GrpcCall], Awaitable[Any]],
                   inference: bool = False) -> Any:
-    """Run one call's work; count it, log it, and turn an error into its status code."""
+    """Run one call's work; count it, trace it, log it, and turn an error into its status code."""
     call = GrpcCall(method, context)
+    traced = tracing.request_span(call.scope["route_template"], _trace_carrier(call), {
+        "rpc.system": "grpc", "rpc.service": SERVICE, "rpc.method": method,
+        "encoder.request_id": call.scope["request_id"]}) if tracing.enabled() else None
     id_token = current_request_id.set(call.scope["request_id"])
     metrics = service_metrics()
     status, code, reply = 500, grpc.StatusCode.INTERNAL, None
@@ -163,6 +167,16 @@ async def _answer(svc: EncoderService, method: str, context: Any, work: Callable
         if inference:
             InFlightMiddleware.pending -= 1
         _record(metrics, call, status, code, reply)
+        if traced is not None:
+            scope = call.scope
+            traced.finish(scope["route_template"], status, {
+                "rpc.grpc.status_code": code.value[0], "encoder.model": scope.get("model"),
+                "encoder.texts": scope.get("texts", 0), "encoder.tokens": scope.get("tokens", 0)})
+
+
+def _trace_carrier(call: GrpcCall) -> dict[str, str]:
+    """The client's W3C trace context, from the call's metadata."""
+    return {key: value for key in (tracing.TRACEPARENT, tracing.TRACESTATE) if (value := call.metadata(key))}
 
 
 def _refuse(context: Any, code: grpc.StatusCode, exc: ServiceError) -> None:
@@ -255,8 +269,12 @@ async def _infer(svc: EncoderService, request: Any, call: GrpcCall) -> Any:
         return await svc.infer(engine, job, call.deadline(svc))
 
     ran = await v2_run(svc, engine, req, binary, outputs, V2Call(route, run))
-    tensors = ran.tensors() if ran.estimate <= _OFF_LOOP_BYTES else await asyncio.to_thread(ran.tensors)
-    return _response(v2_head(engine, req), tensors, call)
+
+    def build() -> Any:
+        with tracing.span("serialize"):
+            return _response(v2_head(engine, req), ran.tensors(), call)
+
+    return build() if ran.estimate <= _OFF_LOOP_BYTES else await asyncio.to_thread(build)
 
 
 _OFF_LOOP_BYTES = 1 << 20

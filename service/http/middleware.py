@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any
 
+from service import tracing
 from service.config import ServiceSettings
 from service.http.errors import error_response
 from service.http.request_ids import REQUEST_ID_HEADER, current_request_id, enable_access_log, log_access, request_id_of
@@ -92,6 +93,10 @@ class MetricsMiddleware:
         scope["request_id"] = request_id
         id_token = current_request_id.set(request_id)
         echo = not MetricsMiddleware.behind_serve
+        traced = tracing.request_span(f"{scope.get('method', '')} {app_path(scope)}",
+                                      tracing.carrier_of_headers(dict(scope.get("headers") or [])), {
+            "http.request.method": scope.get("method", ""), "url.path": app_path(scope),
+            "encoder.request_id": request_id}) if tracing.enabled() else None
         status = 500  # what an exception that escapes the app without a response amounts to
         responded = False
         sent = 0
@@ -145,6 +150,11 @@ class MetricsMiddleware:
             if other > 0:
                 metrics.response_bytes.inc(other, tags={"route": route, "kind": "other", "model": model})
             log_access(scope, status, started, time.perf_counter())
+            if traced is not None:
+                traced.finish(f"{scope.get('method', '')} {route}", status, {
+                    "http.route": route, "http.response.status_code": status, "encoder.model": model or None,
+                    "encoder.task": task or None, "encoder.texts": scope.get("texts", 0),
+                    "encoder.tokens": scope.get("tokens", 0)})
 
 
 class BearerAuthMiddleware:

@@ -12,6 +12,8 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
+from service import tracing
+
 JSON_FLOAT_BYTES = 16  # a float32 in JSON, with its separator, at most
 # Responses estimated above this are built and serialised in a worker thread, not on the event loop
 # that every other request of the replica waits on.
@@ -35,7 +37,8 @@ class JSONResponse(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+        with tracing.span("serialize"):
+            return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def encode_array(array: np.ndarray, fmt: str, dtype: str) -> Any:

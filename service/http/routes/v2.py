@@ -23,6 +23,7 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from service import tracing
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequest
 from service.engine.runner import EncodeJob, EncodeResult
@@ -308,7 +309,8 @@ async def v2_infer(name: str, request: Request, version: str = "1", svc: Encoder
     ran = await v2_run(svc, engine, req, binary, outputs, V2Call(V2_ROUTE, lambda job: infer(svc, engine, job, request)))
 
     def build() -> Response:
-        return _v2_response(v2_head(engine, req), ran.tensors(), outputs, request)
+        with tracing.span("serialize"):
+            return _v2_response(v2_head(engine, req), ran.tensors(), outputs, request)
 
     # a large response is built in a worker thread, not on the event loop other requests wait on
     return build() if ran.estimate <= OFF_LOOP_BYTES else await asyncio.to_thread(build)

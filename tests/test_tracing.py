@@ -1,0 +1,172 @@
+"""OpenTelemetry traces, exported with OTLP to a real receiver the test starts (the collector's own
+gRPC service, from opentelemetry-proto): the span tree of one request, continued from the client's
+W3C traceparent over HTTP and over gRPC, and the batch span that requests sharing a batch link to."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import httpx
+import pytest
+
+from benchmarks.otlp_receiver import Receiver
+from tests.conftest import deploy, wait_until
+
+TRACED, HELD = "traced", "traced-held"
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    found = Receiver().start()
+    yield found, found.endpoint
+    found.stop()
+
+
+@pytest.fixture(scope="module")
+def traced(ray_serve, default_bundle, receiver):
+    from ray import serve
+
+    deploy({"tracing": {"endpoint": receiver[1], "protocol": "grpc"}, "num_cpus": 0.25}, TRACED, f"/{TRACED}",
+           default_bundle)
+    yield f"{ray_serve.url}/{TRACED}"
+    serve.delete(TRACED)
+
+
+def traceparent() -> tuple[str, str, str]:
+    trace_id, parent = os.urandom(16).hex(), os.urandom(8).hex()
+    return trace_id, parent, f"00-{trace_id}-{parent}-01"
+
+
+def request_tree(found: Receiver, trace_id: str, parent: str, name: str) -> tuple:
+    """The request's server span (child of the client's span) and its children by name, once exported."""
+    def complete():
+        spans = found.of_trace(trace_id)
+        server = next((s for s in spans if s.parent_span_id.hex() == parent), None)
+        if server is None:
+            return None
+        children = {s.name: s for s in spans if s.parent_span_id == server.span_id}
+        return (server, children) if {"tokenize", "queue", "inference", "serialize"} <= set(children) else None
+
+    return wait_until(complete, f"the spans of {name} at the receiver", timeout=45, interval=0.5)
+
+
+def attributes(span) -> dict:
+    out = {}
+    for kv in span.attributes:
+        value = kv.value
+        out[kv.key] = getattr(value, value.WhichOneof("value"))
+    return out
+
+
+def test_one_request_is_one_trace_continued_from_the_clients_traceparent(traced, receiver):
+    found, _ = receiver
+    trace_id, parent, header = traceparent()
+    r = httpx.post(f"{traced}/v1/embeddings", json={"input": ["a traced text", "and a second one"]},
+                   headers={"traceparent": header}, timeout=60)
+    assert r.status_code == 200
+    server, children = request_tree(found, trace_id, parent, "POST /v1/embeddings")
+    assert server.name == "POST /v1/embeddings" and server.kind == server.SPAN_KIND_SERVER
+    attrs = attributes(server)
+    assert attrs["http.route"] == "/v1/embeddings" and attrs["http.response.status_code"] == 200
+    assert attrs["encoder.model"] == "all-MiniLM-L6-v2" and attrs["encoder.texts"] == 2 and attrs["encoder.tokens"] > 4
+    assert attrs["encoder.request_id"] == r.headers["x-request-id"]
+    for name in ("tokenize", "queue", "inference", "serialize"):  # inside the request's time
+        child = children[name]
+        assert server.start_time_unix_nano <= child.start_time_unix_nano <= child.end_time_unix_nano <= server.end_time_unix_nano, name
+    assert children["queue"].end_time_unix_nano <= children["inference"].start_time_unix_nano + 1000
+    (link,) = children["inference"].links
+    batch = wait_until(lambda: found.by_id(link.span_id), "the batch span", timeout=30)
+    assert batch.name == "batch" and batch.trace_id != server.trace_id  # the batch's own trace
+    assert server.span_id in {k.span_id for k in batch.links}
+    battrs = attributes(batch)
+    assert battrs["encoder.batch.requests"] >= 1 and battrs["encoder.batch.texts"] >= 2
+    assert battrs["encoder.graphs"].startswith(("encodings", "packed"))
+
+
+def test_a_grpc_call_continues_the_trace_from_its_metadata(ray_serve, traced, receiver):
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+
+    found, _ = receiver
+    trace_id, parent, header = traceparent()
+    client = triton_grpc.InferenceServerClient(ray_serve.grpc_target)
+    try:
+        text = triton_grpc.InferInput("text", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"traced over grpc"], dtype=object))
+        client.infer("all-MiniLM-L6-v2", [text], headers={"application": TRACED, "traceparent": header})
+    finally:
+        client.close()
+    server, children = request_tree(found, trace_id, parent, "ModelInfer")
+    assert server.name == "/inference.GRPCInferenceService/ModelInfer"
+    attrs = attributes(server)
+    assert attrs["rpc.system"] == "grpc" and attrs["rpc.grpc.status_code"] == 0 and attrs["encoder.texts"] == 1
+
+
+def test_requests_that_shared_a_batch_link_to_its_one_span(ray_serve, default_bundle, receiver):
+    """The first batch is held; three traced requests queue behind it and run as one batch: one batch
+    span links to the three request spans, and each request's inference span links to it."""
+    from ray import serve
+
+    from tests.holding import deploy_holding
+
+    found, endpoint = receiver
+    handle = deploy_holding(HELD, f"/{HELD}", default_bundle, replicas=1, num_cpus=0.25, warmup=False,
+                            tracing={"endpoint": endpoint}, batching={"max_concurrent_batches": 1})
+    url = f"{ray_serve.url}/{HELD}"
+    wait_until(lambda: httpx.get(f"{url}/v2/health/live", timeout=10).status_code == 200, "the held app", timeout=60)
+    traces = [traceparent() for _ in range(3)]
+    answers: list[int] = []
+
+    def send(body: dict, headers: dict) -> None:
+        answers.append(httpx.post(f"{url}/v1/embeddings", json=body, headers=headers, timeout=120).status_code)
+
+    try:
+        first = threading.Thread(target=send, args=({"input": "held"}, {}))
+        first.start()
+        wait_until(lambda: handle.held.remote().result(timeout_s=10) == 1, "the first batch to be held", timeout=60)
+        queued = [threading.Thread(target=send, args=({"input": f"queued {i}"}, {"traceparent": t[2]}))
+                  for i, t in enumerate(traces)]
+        for t in queued:
+            t.start()
+        wait_until(lambda: handle.info.remote().result(timeout_s=10)["load"]["requests_queued"] == 3,
+                   "three requests in the batch queue", timeout=30)
+        handle.release.remote().result(timeout_s=30)
+        for t in [first, *queued]:
+            t.join(timeout=120)
+        assert answers == [200] * 4, answers
+        trees = [request_tree(found, trace_id, parent, f"request {i}") for i, (trace_id, parent, _) in enumerate(traces)]
+        batch_ids = {children["inference"].links[0].span_id for _, children in trees}
+        assert len(batch_ids) == 1, "the three requests ran in one batch"
+        batch = wait_until(lambda: found.by_id(next(iter(batch_ids))), "the shared batch span", timeout=30)
+        assert {k.span_id for k in batch.links} == {server.span_id for server, _ in trees}
+        assert attributes(batch)["encoder.batch.requests"] == 3
+    finally:
+        serve.delete(HELD)
+
+
+@pytest.mark.parametrize(("env", "settings", "on"), [
+    ({}, None, False),  # off by default
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, None, True),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces"}, None, True),
+    ({"OTEL_TRACES_EXPORTER": "otlp"}, None, True),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_TRACES_EXPORTER": "none"}, None, False),
+    ({}, {"endpoint": "http://127.0.0.1:4317"}, True),
+    ({"OTEL_SDK_DISABLED": "true"}, {"endpoint": "http://127.0.0.1:4317"}, False),
+])
+def test_tracing_is_off_unless_the_settings_or_the_otel_variables_ask(monkeypatch, env, settings, on):
+    from service import tracing
+    from service.config import TracingSettings
+
+    for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER",
+                "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    parsed = TracingSettings.model_validate(settings) if settings is not None else None
+    try:
+        assert tracing.configure(parsed) is on and tracing.enabled() is on
+        assert (tracing.request_span("POST /x", {}, {}) is None) is not on  # no span at all when off
+    finally:
+        tracing.shutdown()
+    assert not tracing.enabled()
