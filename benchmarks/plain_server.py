@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     from service.http.app import app
     from service.http.context import serve_with
     from service.http.middleware import configure
-    from service.http.routes import attention, explorer, heads, native, openai, ops, v2  # noqa: F401 - they add the routes
+    from service.http.routes import attention, cohere, explorer, heads, native, openai, ops, tei, v2  # noqa: F401 - they add the routes
 
     settings = ServiceSettings.model_validate(json.loads(argv[0]))
     svc = EncoderService(settings, EngineTable([load_engine(ref, settings) for ref in settings.bundles]))

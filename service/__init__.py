@@ -12,7 +12,7 @@ a request passes through, in order:
                              the JSON error body (http/errors.py)
   http/middleware.py         outermost first: metrics (metrics.py), bearer auth, in-flight count,
                              body limit
-  http/routes/<protocol>.py  native, openai, v2, attention, heads, explorer or ops; the body is
+  http/routes/<protocol>.py  native, openai, v2, tei, cohere, attention, heads, explorer or ops; the body is
                              validated against http/schemas.py
   http/context.py            the route gets the replica's EncoderService and the named model;
                              the deadline header; a client that left is noticed

@@ -141,6 +141,9 @@ class BundleRef(BaseModel):
 
     path: Path = Field(description="model bundle directory")
     name: str | None = Field(None, min_length=1, description="served name; default: the bundle's model name")
+    aliases: list[str] = Field([], description="other model names requests may use for it: the names a client "
+                               "written for another server sends (Cohere's `embed-v4.0`, say), so that only its URL "
+                               "changes")
 
     @model_validator(mode="before")
     @classmethod

@@ -29,7 +29,7 @@ from service.http.context import serve_with
 from service.http.middleware import BearerAuthMiddleware, MetricsMiddleware, configure
 # the route modules add their routes to the app when imported: every one, before serve.ingress
 # snapshots the app below
-from service.http.routes import attention, explorer, heads, native, openai, v2  # noqa: F401
+from service.http.routes import attention, cohere, explorer, heads, native, openai, tei, v2  # noqa: F401
 from service.http.routes.ops import replica_info
 from service.grpc import serve_hooks
 from service.grpc.inference import KServeGrpc

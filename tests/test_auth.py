@@ -108,3 +108,34 @@ def test_grpc_infer_needs_the_token_in_its_metadata_and_metadata_calls_stay_open
         assert ok.as_numpy("sentence_embedding").shape == (1, 384)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(("path", "body", "shape"), [
+    ("/embed", {"inputs": "x"}, {"error", "error_type"}),
+    ("/", {"inputs": "x"}, {"error", "error_type"}),
+    ("/tokenize", {"inputs": "x"}, {"error", "error_type"}),
+    ("/v2/embed", {"model": "all-MiniLM-L6-v2", "texts": ["x"], "input_type": "search_query"}, {"id", "message"}),
+])
+def test_tei_and_cohere_routes_need_the_token_and_answer_in_their_clients_shape(secured, path, body, shape):
+    before = encoder_requests()
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{secured}{path}", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and set(r.json()) == shape, r.text
+    assert encoder_requests() == before, "a refused request reached the model"
+    ok = httpx.post(f"{secured}{path}", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert ok.status_code == 200, ok.text
+
+
+def test_the_real_tei_and_cohere_clients_pass_the_token_as_they_always_do(secured):
+    import cohere
+    from huggingface_hub import InferenceClient
+    from huggingface_hub.errors import HfHubHTTPError
+
+    assert InferenceClient(model=f"{secured}/", token=TOKEN).feature_extraction("hello").shape == (1, 384)
+    with pytest.raises(HfHubHTTPError, match="missing or invalid bearer token"):
+        InferenceClient(model=f"{secured}/", token="nope").feature_extraction("hello")
+    co = cohere.ClientV2(base_url=secured, api_key=TOKEN)
+    assert len(co.embed(texts=["hello"], model="all-MiniLM-L6-v2", input_type="search_query").embeddings.float_[0]) == 384
+    with pytest.raises(cohere.UnauthorizedError):
+        cohere.ClientV2(base_url=secured, api_key="nope", max_retries=0).embed(
+            texts=["hello"], model="all-MiniLM-L6-v2", input_type="search_query")

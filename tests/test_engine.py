@@ -20,7 +20,9 @@ TEXTS = [f"sentence number {i} about {'cats' if i % 2 else 'the weather'} and mo
 
 @pytest.fixture(scope="module")
 def svc(default_bundle) -> EncoderService:
-    settings = ServiceSettings.model_validate({"bundle": str(default_bundle), "intra_op_threads": 1,
+    # fp32: these tests hold where each text's outputs go to 1e-5; auto picks bf16 on a CPU with bf16
+    # units, whose packed and padded graphs differ by 1e-3 (its closeness is gated at export)
+    settings = ServiceSettings.model_validate({"bundle": str(default_bundle), "intra_op_threads": 1, "precision": "fp32",
                                                "batching": {"max_concurrent_batches": 1}})
     engines = EngineTable([load_engine(BundleRef(path=default_bundle), settings)])
     return EncoderService(settings, engines)

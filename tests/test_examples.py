@@ -125,3 +125,24 @@ def test_async_load_example_retries_what_is_shed_and_gets_every_answer(secured_w
     ok, retried, overloaded, _ = map(int, found.groups())
     assert ok == 40, out
     assert retried > 0 and overloaded > 0, f"12 clients on room for 3 were never shed: {out}"
+
+
+def test_tei_and_cohere_client_examples_embed_and_rerank_with_the_token(secured_with_ranker):
+    """The drop-in clients' scripts (huggingface_hub, cohere, LlamaIndex, Haystack), each against the
+    app that requires a token, with the default model and a cross-encoder."""
+    from sentence_transformers import CrossEncoder
+
+    url, checkpoint = secured_with_ranker
+    texts = ["A man is eating food.", "A man is eating a piece of bread."]
+    expected = CrossEncoder(str(checkpoint), device="cpu").predict([("what is the man eating?", t) for t in texts])
+    hub = run_example("tei_huggingface_hub.py", "--url", url, "--reranker", "ranker", token=TOKEN)
+    assert "feature_extraction shape [2, 384] norms [1.0, 1.0]" in hub and "normalize=False norms [1.0" not in hub, hub
+    assert 0.5 < float(re.search(r"cosine (\S+)", hub).group(1)) < 1.0, hub
+    scores = {int(i): float(s) for i, s in re.findall(r"rerank index (\d) score (\S+)", hub)}
+    np.testing.assert_allclose([scores[0], scores[1]], expected, atol=1e-3)
+    co = run_example("cohere_client.py", "--url", url, "--reranker", "ranker", token=TOKEN)
+    assert "float dimension 384 ubinary bytes 48" in co and re.search(r"rerank index \d relevance_score", co), co
+    llama = run_example("llama_index_tei.py", "--url", url, "--reranker", token=TOKEN)
+    assert "embeddings 2 dimension 384" in llama and llama.count("rerank score") == 3, llama
+    haystack = run_example("haystack_tei.py", "--url", url, token=TOKEN)
+    assert re.search(r"retrieved \S+ 'A man is eating a piece of bread.'", haystack.splitlines()[0]), haystack

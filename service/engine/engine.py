@@ -34,6 +34,7 @@ class Engine:
     runtime: Runtime
     runner: BatchRunner
     batcher: Batcher[EncodeJob, EncodeResult]  # the model's batch queue
+    aliases: tuple[str, ...] = ()  # other names requests may use for it (BundleRef.aliases)
 
     @property
     def model(self) -> ModelInfo:
@@ -86,6 +87,7 @@ def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | 
         runtime=runtime,
         runner=runner,
         batcher=Batcher(compute, lambda: runner.batching, lambda job: job.cost(runner.batching)),
+        aliases=tuple(ref.aliases),
     )
     return engine
 
@@ -109,6 +111,13 @@ class EngineTable:
         if len(self.by_name) != len(models):
             names = [m.name for m in models]
             raise ValueError(f"two bundles are served under one name ({', '.join(names)}); name them: NAME=PATH")
+        self.by_alias: dict[str, Engine] = {}
+        for m in models:
+            for alias in m.aliases:
+                if alias in self.by_name or alias in self.by_alias:
+                    raise ValueError(f"model alias {alias!r} is a served name or another model's alias: an alias "
+                                     "names one model")
+                self.by_alias[alias] = m
         self.default = models[0]
 
     def __iter__(self):
@@ -128,9 +137,10 @@ class EngineTable:
             if required and len(self.by_name) > 1:
                 raise InvalidRequest(f"model: required when several models are served ({self.described()})")
             return self.default
-        found = self.by_name.get(name)
+        found = self.by_name.get(name) or self.by_alias.get(name)
         if found is None:
-            raise NotFound(f"model {name!r} is not served here; served: {self.described()}")
+            raise NotFound(f"model {name!r} is not served here; served: {self.described()} (a bundle's `aliases` "
+                           "setting lets clients that send another model name, such as Cohere's, reach it)")
         return found
 
     def described(self) -> str:

@@ -26,6 +26,13 @@ class BadRequest(ServiceError):
     type = "bad_request"
 
 
+class EmptyInput(ServiceError):
+    """Nothing to compute (an empty list of texts or documents) on the routes of protocols that answer
+    it with its own status: TEI's 400 `Empty`. Our own routes refuse it in their schemas (422)."""
+
+    type = "empty"
+
+
 class TooLarge(ServiceError):
     type = "too_large"
 

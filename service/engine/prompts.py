@@ -69,3 +69,34 @@ def describe(model: ModelInfo) -> dict:
     return {"prompts": dict(model.prompts), "default_prompt_name": model.default_prompt_name,
             "include_prompt": model.include_prompt,
             "dimensions": (model.matryoshka_dimensions or "any") if model.matryoshka else None}
+
+
+# Cohere's input types, each onto the model's prompts: a prompt of its own name first, else the name
+# sentence-transformers models usually give that side (query, document); classification and clustering
+# embed a text for itself, as a query side does (E5's and BGE's advice for symmetric tasks)
+COHERE_INPUT_TYPES = {
+    "search_query": ("search_query", "query"),
+    "search_document": ("search_document", "document", "passage"),
+    "classification": ("classification", "query"),
+    "clustering": ("clustering", "query"),
+}
+
+
+def cohere_prompt_name(model: ModelInfo, model_name: str, input_type: str) -> str | None:
+    """The prompt a Cohere `input_type` asks for: None where the model has no prompts (it embeds every
+    text alike), or where the type is search_document and the model prompts only its queries (then its
+    default applies, as for any request); a 400 where the model has prompts and none fits a query-side
+    type (a query embedded without its prompt would not match its documents)."""
+    if input_type == "image":
+        raise BadRequest(f"input_type 'image': model {model_name!r} embeds text only")
+    if not model.prompts:
+        return None
+    by_lower = {name.lower(): name for name in model.prompts}
+    for candidate in COHERE_INPUT_TYPES[input_type]:
+        if candidate in by_lower:
+            return by_lower[candidate]
+    if input_type == "search_document":
+        return None
+    raise BadRequest(f"input_type {input_type!r}: model {model_name!r} has the prompts "
+                     f"{', '.join(repr(p) for p in model.prompts)} and none for it (looked for "
+                     f"{' or '.join(repr(c) for c in COHERE_INPUT_TYPES[input_type])})")

@@ -95,19 +95,21 @@ class EncoderService:
         return result
 
     async def tokenize(self, engine: Engine, texts: list[str], truncate: bool, route: str,
-                       limit_tokens: bool = True) -> list[TokenizedText]:
-        """The whole request in one batch call of the tokenizer; off the event loop when it is large."""
+                       limit_tokens: bool = True, from_start: bool = False) -> list[TokenizedText]:
+        """The whole request in one batch call of the tokenizer; off the event loop when it is large.
+        `from_start`: truncation cuts a text's first tokens instead of its last."""
         inline = sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS
-        tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode, texts, truncate)
+        tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode, texts, truncate, from_start)
         if limit_tokens:
             self.check_tokens(sum(t.n_tokens for t in tokenized), "split it into smaller requests")
         return tokenized
 
     async def tokenize_pairs(self, engine: Engine, pairs: list[tuple[str, str]], truncate: bool,
-                             route: str) -> list[TokenizedText]:
+                             route: str, from_start: bool = False) -> list[TokenizedText]:
         """Text pairs as the model's tokenizer joins them; the token budget counts every pair."""
         inline = sum(len(a) + len(b) for a, b in pairs) <= INLINE_TOKENIZE_CHARS
-        tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode_pairs, pairs, truncate)
+        tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode_pairs, pairs, truncate,
+                                           from_start)
         self.check_tokens(sum(t.n_tokens for t in tokenized), "send fewer documents")
         return tokenized
 

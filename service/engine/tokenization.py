@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from service.engine.errors import TooLarge
+from service.engine.errors import InvalidRequest, TooLarge
 
 
 @dataclass(frozen=True)
@@ -39,29 +39,62 @@ class TextTokenizer:
         self._truncating.enable_truncation(max_tokens)
         self._whole = Tokenizer.from_str(self._truncating.to_str())
         self._whole.no_truncation()
+        # the same limit cutting a text's start instead of its end (TEI's truncation_direction left,
+        # Cohere's truncate START); the special tokens are added after the cut, so [CLS] stays
+        self._truncating_left = Tokenizer.from_str(self._truncating.to_str())
+        self._truncating_left.enable_truncation(max_tokens, direction="left")
         self._windowing: OrderedDict[tuple[int, int], Tokenizer] = OrderedDict()  # by (tokens, overlap), a few
         self._windowing_lock = threading.Lock()
         self.special_tokens = self._whole.num_special_tokens_to_add(False)  # per single text ([CLS] ... [SEP])
 
-    def encode(self, texts: list[str], truncate: bool) -> list[TokenizedText]:
-        """Tokenize texts; with truncate=False, a text over max_tokens is a 413 naming it."""
-        return self._encode(texts, truncate, "input", "send truncate=true to cut it")
+    def encode(self, texts: list[str], truncate: bool, from_start: bool = False) -> list[TokenizedText]:
+        """Tokenize texts; with truncate=False, a text over max_tokens is a 413 naming it. `from_start`:
+        a text past the limit loses its first tokens instead of its last."""
+        return self._encode(texts, truncate, "input", "send truncate=true to cut it", from_start)
 
-    def encode_pairs(self, pairs: list[tuple[str, str]], truncate: bool) -> list[TokenizedText]:
+    def encode_pairs(self, pairs: list[tuple[str, str]], truncate: bool, from_start: bool = False) -> list[TokenizedText]:
         """Text pairs (query, document) as the checkpoint's tokenizer joins them: its separators and
         token types; with truncate, the longer side is cut first (`longest_first`, as transformers
         does), else a pair over max_tokens is a 413 naming it."""
-        return self._encode(pairs, truncate, "pair", "send truncate=true to cut the longer side")
+        return self._encode(pairs, truncate, "pair", "send truncate=true to cut the longer side", from_start)
 
-    def _encode(self, items: list, truncate: bool, what: str, advice: str) -> list[TokenizedText]:
+    def _encode(self, items: list, truncate: bool, what: str, advice: str, from_start: bool = False) -> list[TokenizedText]:
         """One batch call of the truncating tokenizer, or of the whole one with each item checked
         against max_tokens (a 413 naming the first over it)."""
-        encodings = (self._truncating if truncate else self._whole).encode_batch(items)
+        truncating = self._truncating_left if from_start else self._truncating
+        encodings = (truncating if truncate else self._whole).encode_batch(items)
         if not truncate:
             for i, e in enumerate(encodings):
                 if len(e.ids) > self.max_tokens:
                     raise TooLarge(f"{what} {i} has {len(e.ids)} tokens; the model's limit is {self.max_tokens} ({advice})")
         return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=bool(e.overflowing)) for e in encodings]
+
+    def encode_plain(self, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
+        """The whole texts' tokens, with or without the model's special tokens (TEI's /tokenize)."""
+        return self._whole.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """Token ids back to text; an id past the vocabulary is a 422 naming it."""
+        size = self._whole.get_vocab_size(with_added_tokens=True)
+        for i, row in enumerate(ids):
+            bad = next((t for t in row if not 0 <= t < size), None)
+            if bad is not None:
+                raise InvalidRequest(f"ids {i}: token id {bad} is not in the model's vocabulary (0..{size - 1})")
+        return self._whole.decode_batch(ids, skip_special_tokens=skip_special_tokens)
+
+    def cut_to_tokens(self, texts: list[str], tokens: int, from_start: bool) -> list[tuple[str, bool]]:
+        """Each text cut to its first (or, `from_start`, last) `tokens` tokens, special tokens not
+        counted, at the characters those tokens cover; and whether it was cut (Cohere's max_tokens and
+        max_tokens_per_doc). Only texts the model would truncate anyway pay for a second pass."""
+        out = []
+        for text, e in zip(texts, self._whole.encode_batch(texts, add_special_tokens=False), strict=True):
+            if len(e.offsets) <= tokens:
+                out.append((text, False))
+            elif from_start:
+                out.append((text[e.offsets[len(e.offsets) - tokens][0]:], True))
+            else:
+                out.append((text[: e.offsets[tokens - 1][1]] if tokens else "", True))
+        return out
 
     def chunk_counts(self, texts: list[str], tokens: int, overlap: int, stop_above: int) -> list[tuple[int, int]]:
         """(windows, tokens) per text that encode_chunks would make, from a stride-free tokenization

@@ -64,7 +64,7 @@ def _failed(request: Request, reason: str) -> None:
 @app.exception_handler(ServiceError)
 async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
     _failed(request, exc.type)
-    return service_error_response(exc)
+    return service_error_response(exc, request.scope)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tuple"}
@@ -101,27 +101,28 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     _failed(request, "validation")
     errors = list(exc.errors())
     if any(e.get("type") == "json_invalid" for e in errors):
-        return error_response(422, "validation", f"request body is not valid JSON ({errors[0].get('ctx', {}).get('error', 'decode error')})")
+        return error_response(422, "validation", f"request body is not valid JSON ({errors[0].get('ctx', {}).get('error', 'decode error')})",
+                              scope=request.scope)
     content_type = request.headers.get("content-type", "")
     if "json" not in content_type and any(tuple(e.get("loc", ())) == ("body",) for e in errors):
         return error_response(
-            422, "validation", f"request body must be a JSON object sent with Content-Type: application/json (got {content_type or 'none'!r})"
-        )
-    return error_response(422, "validation", describe(errors))
+            422, "validation", f"request body must be a JSON object sent with Content-Type: application/json (got {content_type or 'none'!r})",
+            scope=request.scope)
+    return error_response(422, "validation", describe(errors), scope=request.scope)
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http")
     _failed(request, "not_found" if exc.status_code == 404 else "validation")
-    return error_response(exc.status_code, type_, str(exc.detail), getattr(exc, "headers", None))
+    return error_response(exc.status_code, type_, str(exc.detail), getattr(exc, "headers", None), request.scope)
 
 
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, RecursionError):  # absurdly nested JSON
         _failed(request, "validation")
-        return error_response(422, "validation", "request body is nested too deeply")
+        return error_response(422, "validation", "request body is nested too deeply", scope=request.scope)
     _failed(request, "backend")
     logger.exception("unexpected error")
-    return error_response(500, "backend", f"internal error ({type(exc).__name__})")
+    return error_response(500, "backend", f"internal error ({type(exc).__name__})", scope=request.scope)

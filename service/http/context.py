@@ -87,6 +87,16 @@ def prompted(svc: EncoderService, engine: Engine, texts: list[str], prompt_name:
     return prompt.apply(texts), prompt.pool_skip
 
 
+def normalization(asked: bool | None, engine: Engine) -> bool:
+    """Whether a request's embeddings are L2-normalised: as asked, else as the model was trained."""
+    normalize = engine.model.normalize if asked is None else asked
+    if engine.model.normalize and not normalize and engine.model.dense_layers:
+        # the raw embedding is re-pooled from the token encodings, which would skip the Dense projection
+        raise InvalidRequest("normalize: false is not available for this model: it normalises after a Dense "
+                             "projection inside its graph, so only the normalised embedding exists")
+    return normalize
+
+
 def deadline(request: Request, svc: EncoderService) -> float:
     """Seconds this request has left: the service's limit, or the client's when it is shorter,
     counted from its arrival (MetricsMiddleware notes it), so the time spent reading, parsing and

@@ -22,6 +22,7 @@ from typing import Any
 
 from starlette.middleware import Middleware
 
+from service.http.errors import app_path, error_body
 from service.http.middleware import TIMEOUT_HEADER, asked_deadline_s
 from service.http.request_ids import REQUEST_ID_HEADER
 
@@ -77,11 +78,12 @@ class RayAnswersAsJson:
                 status, message = 503, deadline_message(scope)
                 kept = [(k, v) for k, v in kept if k.lower() != b"retry-after"]
                 kept.append((b"retry-after", str(RayAnswersAsJson.retry_after_s).encode()))
-            error = {"type": type_, "message": message}
             request_id = dict(scope.get("headers") or []).get(REQUEST_ID_HEADER.encode())
-            if request_id:  # Serve's RequestIdMiddleware, outside this one, has put the client's id or its own
-                error["request_id"] = request_id.decode("ascii", "replace")
-            payload = json.dumps({"error": error}).encode()
+            # Serve's RequestIdMiddleware, outside this one, has put the client's id or its own; TEI's and
+            # Cohere's routes get their clients' body (in an application mounted at the root)
+            status, error = error_body(status, type_, message, request_id.decode("ascii", "replace") if request_id else None,
+                                       app_path(scope))
+            payload = json.dumps(error).encode()
             await send({"type": "http.response.start", "status": status,
                         "headers": kept + [(b"content-type", b"application/json"),
                                            (b"content-length", str(len(payload)).encode())]})

@@ -16,7 +16,7 @@ from typing import Any
 
 from service import tracing
 from service.config import ServiceSettings
-from service.http.errors import error_response
+from service.http.errors import ERROR_STYLES, app_path, error_response
 from service.http.request_ids import REQUEST_ID_HEADER, current_request_id, enable_access_log, log_access, request_id_of
 from service.metrics import service_metrics, status_class
 
@@ -62,14 +62,8 @@ def serve_config_now():
 
 def is_inference(method: str, path: str) -> bool:
     """The routes that run the model (and so need a token, and count as in flight)."""
-    return method == "POST" and (path.startswith("/v1/") or (path.startswith("/v2/models/") and path.endswith("/infer")))
-
-
-def app_path(scope: dict) -> str:
-    """The request path inside the application (without a route prefix it is mounted under)."""
-    path = scope.get("path", "")
-    root = scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
+    return method == "POST" and (path.startswith("/v1/") or (path.startswith("/v2/models/") and path.endswith("/infer"))
+                                 or path in ERROR_STYLES)  # TEI's and Cohere's routes: each runs or tokenizes
 
 
 class MetricsMiddleware:
@@ -180,7 +174,7 @@ class BearerAuthMiddleware:
             return await self.app(scope, receive, send)
         scope["failure_reason"] = "unauthorized"
         response = error_response(
-            401, "unauthorized", "missing or invalid bearer token", {"WWW-Authenticate": 'Bearer realm="encoder"'}
+            401, "unauthorized", "missing or invalid bearer token", {"WWW-Authenticate": 'Bearer realm="encoder"'}, scope
         )
         await response(scope, receive, send)
 
@@ -254,7 +248,8 @@ class BodyLimitMiddleware:
 
     @staticmethod
     async def _refuse(scope: dict, receive: Any, send: Any, limit: int) -> None:
-        response = error_response(413, "too_large", f"request body is larger than the limit of {limit} bytes")
+        response = error_response(413, "too_large", f"request body is larger than the limit of {limit} bytes",
+                                  scope=scope)
         await response(scope, receive, send)
 
 

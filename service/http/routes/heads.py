@@ -96,27 +96,46 @@ async def run_classifier(svc: EncoderService, engine: Engine, tokenized: list[To
     return logits, Explaining(occluded, variant_logits, attentions)
 
 
+def reranker(svc: EncoderService, name: str | None, request: Request) -> Engine:
+    """The cross-encoder a rerank request names (or the first served classifier): one label, else a 422
+    that points to /v1/classify."""
+    engine = model_for(svc, name, request, task="classification")
+    labels = engine.model.labels or []
+    if len(labels) != 1:
+        raise InvalidRequest(f"model {engine.name!r} has {len(labels)} labels ({', '.join(labels)}); reranking needs "
+                             "a one-label model (a cross-encoder): use /v1/classify for this one")
+    return engine
+
+
+def relevance(engine: Engine, raw_scores: bool) -> Callable[[np.ndarray, int], np.ndarray]:
+    """Per row of logits, the relevance of its pair as CrossEncoder.predict gives it: the one logit through
+    the activation saved with the model (the manifest's score_activation), or the logit itself."""
+    activation = SCORE_ACTIVATIONS["identity" if raw_scores else engine.model.score_activation]
+    return lambda logits, _=0: activation(logits[:, 0])
+
+
+async def rerank_pairs(svc: EncoderService, engine: Engine, query: str, documents: list[str], truncate: bool,
+                       route: str, request: Request, explain: bool = False,
+                       from_start: bool = False) -> tuple[np.ndarray, list[TokenizedText], Explaining | None]:
+    """Every (query, document) pair through the cross-encoder: their logits, tokens and, with explain,
+    what explaining them needs. Every route that reranks (ours, TEI's, Cohere's) goes through here."""
+    svc.texts([query])
+    pairs = [(query, d) for d in svc.texts(documents)]
+    tokenized = await svc.tokenize_pairs(engine, pairs, truncate, route, from_start)
+    logits, explaining = await run_classifier(svc, engine, tokenized, pairs, explain, route, request)
+    return logits, tokenized, explaining
+
+
 @app.post("/v1/rerank", response_model=RerankResponse, responses=ERROR_RESPONSES)
 async def rerank(body: RerankRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Documents ranked by a cross-encoder's score for the query, as sentence-transformers'
     CrossEncoder.predict gives it: its one logit through the activation saved with the model (the
     manifest's score_activation: a sigmoid unless the model says otherwise); raw_scores: the logit."""
-    engine = model_for(svc, body.model, request, task="classification")
-    labels = engine.model.labels or []
-    if len(labels) != 1:
-        raise InvalidRequest(f"model {engine.name!r} has {len(labels)} labels ({', '.join(labels)}); /v1/rerank needs "
-                             "a one-label model (a cross-encoder): use /v1/classify for this one")
-    documents = svc.texts(body.documents)
-    svc.texts([body.query])
-    pairs = [(body.query, d) for d in documents]
-    tokenized = await svc.tokenize_pairs(engine, pairs, body.truncate, "/v1/rerank")
-
-    activation = SCORE_ACTIVATIONS["identity" if body.raw_scores else engine.model.score_activation]
-
-    def score(logits: np.ndarray, _: int = 0) -> np.ndarray:  # per row: the relevance of its pair
-        return activation(logits[:, 0])
-
-    logits, explaining = await run_classifier(svc, engine, tokenized, pairs, body.explain, "/v1/rerank", request)
+    engine = reranker(svc, body.model, request)
+    documents = body.documents
+    logits, tokenized, explaining = await rerank_pairs(svc, engine, body.query, documents, body.truncate,
+                                                       "/v1/rerank", request, body.explain)
+    score = relevance(engine, body.raw_scores)
     scores = score(logits)
     explained = explaining.words(scores, score) if explaining else None
     order = sorted(range(len(documents)), key=lambda i: -scores[i])[: body.top_n]

@@ -15,7 +15,7 @@ from service.engine.runner import EncodeJob, mean_of_chunks
 from service.engine.service import EncoderService
 from service.engine.tokenization import TokenizedText, char_span, token_list
 from service.http.app import ERROR_RESPONSES, app
-from service.http.context import infer, model_for, prompted, service
+from service.http.context import infer, model_for, normalization, prompted, service
 from service.http.responses import JSONResponse, KindCounter, respond, value_bytes
 from service.http.schemas import EncodeRequest, EncodeResponse, TokenizeRequest, TokenizeResponse
 
@@ -57,7 +57,7 @@ async def encode(body: EncodeRequest, request: Request, svc: EncoderService = De
         svc.check_attention_size(engine, tokenized)
     estimate = encode_size(body, tokenized, attention, engine.model.hidden_size, engine.model.sentence_dim)
     svc.check_response_size(estimate)
-    normalize = normalization(body, engine)
+    normalize = normalization(body.normalize, engine)
     job = EncodeJob(
         route="/v1/encode",
         ids=[t.ids for t in tokenized],
@@ -114,16 +114,6 @@ async def tokenize(body: TokenizeRequest, request: Request, svc: EncoderService 
     return JSONResponse({"model": engine.name, "data": data})
 
 
-def normalization(body: EncodeRequest, engine: Engine) -> bool:
-    """Whether the request's embeddings are L2-normalised: as asked, else as the model was trained."""
-    normalize = engine.model.normalize if body.normalize is None else body.normalize
-    if engine.model.normalize and not normalize and engine.model.dense_layers:
-        # the raw embedding is re-pooled from the token encodings, which would skip the Dense projection
-        raise InvalidRequest("normalize: false is not available for this model: it normalises after a Dense "
-                             "projection inside its graph, so only the normalised embedding exists")
-    return normalize
-
-
 async def encode_chunked(body: EncodeRequest, engine: Engine, texts: list[str], request: Request,
                          svc: EncoderService) -> JSONResponse:
     """/v1/encode with chunking: every chunk's embedding and character span, and the text's embedding,
@@ -136,7 +126,7 @@ async def encode_chunked(body: EncodeRequest, engine: Engine, texts: list[str], 
     flat = [c for text in chunks for c in text]
     estimate = int((len(flat) + len(texts)) * engine.model.sentence_dim * value_bytes(body.encoding_format, "float32"))
     svc.check_response_size(estimate + 100 * (len(flat) + len(texts)))
-    job = EncodeJob(route="/v1/encode", ids=[c.ids for c in flat], normalize=normalization(body, engine))
+    job = EncodeJob(route="/v1/encode", ids=[c.ids for c in flat], normalize=normalization(body.normalize, engine))
     result = await infer(svc, engine, job, request)
     means = mean_of_chunks(result.embeddings, [len(c) for c in chunks])
     kinds = KindCounter()

@@ -57,7 +57,7 @@ async def models_list(svc: EncoderService = Depends(service)) -> JSONResponse:
     """The served models, in OpenAI's list format (`client.models.list()` works unchanged)."""
     return JSONResponse({"object": "list", "data": [
         {"id": m.name, "object": "model", "created": _unix_time(m.manifest.created_at), "owned_by": SERVER_NAME,
-         "task": m.model.task, **describe(m.model)}
+         "task": m.model.task, "aliases": list(m.aliases), **describe(m.model)}
         for m in svc.engines
     ]})
 
@@ -67,7 +67,7 @@ async def model_retrieve(name: str, svc: EncoderService = Depends(service)) -> J
     """One served model (OpenAI's `client.models.retrieve`)."""
     m = svc.engines.get(name)
     return JSONResponse({"id": m.name, "object": "model", "created": _unix_time(m.manifest.created_at),
-                         "owned_by": SERVER_NAME, "task": m.model.task, **describe(m.model)})
+                         "owned_by": SERVER_NAME, "task": m.model.task, "aliases": list(m.aliases), **describe(m.model)})
 
 
 def _unix_time(iso: str) -> int:

@@ -1,0 +1,258 @@
+"""text-embeddings-inference's API, so that clients written for TEI change only their URL:
+huggingface_hub's InferenceClient (and LangChain's, Haystack's and LlamaIndex's TEI classes over it or
+beside it) post here. POST /embed, /embed_all, /rerank, /predict, /tokenize, /decode, and POST / (TEI's
+root: /embed or /predict by the default model's task; also the `{"inputs", "parameters"}` body of the
+Hugging Face Inference API, which huggingface_hub's text_classification sends).
+
+Thin routes over the same engine calls as ours (tokenize, the batch queue, the heads), with the same
+limits, auth and metrics (the route label is the path). Errors in TEI's body, `{"error", "error_type"}`,
+with its statuses (service/http/errors.py TEI_ERRORS). Where TEI's routes share a path with ours
+(`/info`, `/health`), ours answer.
+
+No `from __future__ import annotations` (see http/routes/native.py).
+"""
+
+from typing import Any
+
+import numpy as np
+from fastapi import Body, Depends, Request
+from pydantic import BaseModel, ValidationError
+
+from service.engine.engine import Engine
+from service.engine.errors import EmptyInput, InvalidRequest, TooLarge
+from service.engine.prompts import check_dimensions
+from service.engine.runner import EncodeJob, l2_normalize
+from service.engine.service import EncoderService, as_list
+from service.http.app import app, describe
+from service.http.context import infer, model_for, normalization, prompted, service
+from service.http.responses import JSONResponse, KindCounter
+from service.http.routes.heads import SCORE_ACTIVATIONS, read_logits, relevance, rerank_pairs, reranker
+from service.http.schemas import (TEIDecodeRequest, TEIEmbedAllRequest, TEIEmbedRequest, TEIError, TEILabelScore,
+                                  TEIPredictRequest, TEIRerankRequest, TEIRerankResult, TEIToken, TEITokenizeRequest,
+                                  InferenceAPIClassifyRequest)
+
+TEI_ERROR_RESPONSES = {code: {"model": TEIError} for code in (400, 401, 413, 422, 424, 429, 503)}
+
+
+def truncation(truncate: bool | None, direction: str) -> tuple[bool, bool]:
+    """(truncate, from the start): TEI cuts by default (its auto-truncate), at the end unless told left."""
+    return truncate is None or truncate, direction.lower() == "left"
+
+
+def texts_of(svc: EncoderService, inputs: str | list[str], field: str = "inputs") -> list[str]:
+    """The request's texts within the limits; an empty list is TEI's 400 `Empty`."""
+    texts = as_list(inputs)
+    if not texts:
+        raise EmptyInput(f"`{field}` cannot be empty")
+    return svc.texts(texts)
+
+
+async def embeddings(body: TEIEmbedRequest, request: Request, svc: EncoderService, route: str) -> JSONResponse:
+    """The pooled embedding of every input, `[[floats]]` (a single text too), normalised by default
+    (TEI's `normalize: true`); `dimensions` cuts before normalising, as TEI does."""
+    engine = model_for(svc, body.model, request)
+    texts = texts_of(svc, body.inputs)
+    check_dimensions(engine.model, engine.name, body.dimensions)
+    texts, skip = prompted(svc, engine, texts, body.prompt_name, None)
+    truncate, from_start = truncation(body.truncate, body.truncation_direction)
+    tokenized = await svc.tokenize(engine, texts, truncate, route, from_start=from_start)
+    normalize = normalization(body.normalize, engine)
+    result = await infer(svc, engine, EncodeJob(route=route, ids=[t.ids for t in tokenized], normalize=normalize,
+                                                pool_skip=skip), request)
+    vectors = result.embeddings
+    if body.dimensions is not None:
+        vectors = vectors[:, : body.dimensions]
+        vectors = l2_normalize(vectors) if body.normalize else vectors
+    kinds = KindCounter()
+    content = kinds.array("embedding", np.ascontiguousarray(vectors, dtype=np.float32), "float", "float32")
+    kinds.report(request)
+    return JSONResponse(content)
+
+
+@app.post("/embed", response_model=list[list[float]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+async def embed(body: TEIEmbedRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """TEI's /embed: the pooled embedding of every input."""
+    return await embeddings(body, request, svc, "/embed")
+
+
+@app.post("/embed_all", response_model=list[list[list[float]]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+async def embed_all(body: TEIEmbedAllRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """TEI's /embed_all: every token's encoding (the last hidden state), per input."""
+    engine = model_for(svc, body.model, request)
+    texts, _ = prompted(svc, engine, texts_of(svc, body.inputs), body.prompt_name, None, pooled_only=False)
+    truncate, from_start = truncation(body.truncate, body.truncation_direction)
+    tokenized = await svc.tokenize(engine, texts, truncate, "/embed_all", from_start=from_start)
+    svc.check_response_size(sum(t.n_tokens for t in tokenized) * engine.model.hidden_size * 12)
+    job = EncodeJob(route="/embed_all", ids=[t.ids for t in tokenized], normalize=engine.model.normalize,
+                    want_embedding=False, want_hidden=True)
+    result = await infer(svc, engine, job, request)
+    kinds = KindCounter()
+    content = [kinds.array("token_embeddings", h, "float", "float32") for h in result.hidden]
+    kinds.report(request)
+    return JSONResponse(content)
+
+
+@app.post("/rerank", response_model=list[TEIRerankResult], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+async def rerank(body: TEIRerankRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """TEI's /rerank: every text's score for the query, best first: CrossEncoder.predict's (the logit
+    through the model's saved activation, a sigmoid unless it saved another), or the logit (raw_scores)."""
+    engine = reranker(svc, body.model, request)
+    if not body.texts:
+        raise EmptyInput("`texts` cannot be empty")
+    truncate, from_start = truncation(body.truncate, body.truncation_direction)
+    logits, _, _ = await rerank_pairs(svc, engine, body.query, body.texts, truncate, "/rerank", request,
+                                      from_start=from_start)
+    scores = relevance(engine, body.raw_scores)(logits)
+    order = sorted(range(len(body.texts)), key=lambda i: -scores[i])
+    return JSONResponse([{"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
+                         for i in order])
+
+
+def predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[tuple[str, ...]], bool]:
+    """TEI's /predict inputs as (text,) or (text, text_pair) tuples, and whether it was one input: a
+    string, or a list of one or two strings (TEI reads ["a", "b"] as one pair, not two texts); a batch is
+    a list of such lists."""
+    if isinstance(inputs, str):
+        return [(inputs,)], True
+    if not inputs:
+        raise EmptyInput("`inputs` cannot be empty")
+    if isinstance(inputs[0], str):
+        if len(inputs) > 2:
+            raise InvalidRequest(f"inputs: a list of strings is one input, [text] or [text, text_pair], not {len(inputs)} "
+                                 "strings; send a batch as [[text], [text, text_pair], ...]")
+        return [tuple(inputs)], True
+    for i, item in enumerate(inputs):
+        if len(item) not in (1, 2):
+            raise InvalidRequest(f"inputs.{i}: an input is [text] or [text, text_pair], not {len(item)} strings")
+    return [tuple(item) for item in inputs], False
+
+
+def label_scores(engine: Engine, logits: np.ndarray, raw_scores: bool) -> np.ndarray:
+    """Each input's score per label: a cross-encoder's (one label) as CrossEncoder.predict gives it, a
+    classifier's as its problem_type reads the logits (softmax, sigmoid per label, the value); or the logits."""
+    if raw_scores:
+        return logits.astype(np.float64)
+    if logits.shape[1] == 1:
+        return relevance(engine, False)(logits)[:, None]
+    return read_logits(logits, engine.model.problem_type)
+
+
+async def classify(inputs: list[tuple[str, ...]], truncate: bool, from_start: bool, request: Request,
+                   svc: EncoderService, route: str, model: str | None = None) -> tuple[Engine, np.ndarray]:
+    """The logits of texts and text pairs (one job: a pair's second text gets its token type)."""
+    engine = model_for(svc, model, request, task="classification")
+    if len(inputs) > svc.settings.max_inputs:
+        raise TooLarge(f"{len(inputs)} inputs; at most {svc.settings.max_inputs} per request")
+    for item in inputs:
+        svc.texts(list(item))
+    singles = [i for i, item in enumerate(inputs) if len(item) == 1]
+    pairs = [i for i, item in enumerate(inputs) if len(item) == 2]
+    tokenized: list = [None] * len(inputs)
+    if singles:
+        for i, t in zip(singles, await svc.tokenize(engine, [inputs[i][0] for i in singles], truncate, route,
+                                                    from_start=from_start), strict=True):
+            tokenized[i] = t
+    if pairs:
+        for i, t in zip(pairs, await svc.tokenize_pairs(engine, [inputs[i] for i in pairs], truncate, route,
+                                                        from_start), strict=True):
+            tokenized[i] = t
+    svc.check_tokens(sum(t.n_tokens for t in tokenized), "send fewer inputs")
+    job = EncodeJob(route=route, ids=[t.ids for t in tokenized], normalize=False,
+                    type_ids=[t.type_ids for t in tokenized] if pairs else None)
+    return engine, (await infer(svc, engine, job, request)).embeddings
+
+
+def ranked(labels: list[str], row: np.ndarray, top_k: int | None = None) -> list[dict]:
+    return [{"label": labels[k], "score": float(row[k])} for k in np.argsort(-row, kind="stable")[:top_k]]
+
+
+@app.post("/predict", response_model=list[TEILabelScore] | list[list[TEILabelScore]], responses=TEI_ERROR_RESPONSES,
+          tags=["TEI"])
+async def predict(body: TEIPredictRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """TEI's /predict: every label with its score, best first; one input answers one list, a batch a list
+    of them."""
+    inputs, single = predict_inputs(body.inputs)
+    truncate, from_start = truncation(body.truncate, body.truncation_direction)
+    route = request.scope.get("route_template", "/predict")
+    engine, logits = await classify(inputs, truncate, from_start, request, svc, route, body.model)
+    scores = label_scores(engine, logits, body.raw_scores)
+    answers = [ranked(engine.model.labels, row) for row in scores]
+    return JSONResponse(answers[0] if single else answers)
+
+
+@app.post("/tokenize", response_model=list[list[TEIToken]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+async def tokenize(body: TEITokenizeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """TEI's /tokenize: each input's tokens (the whole text, never truncated), with character offsets."""
+    engine = model_for(svc, body.model, request, task=None)
+    texts = texts_of(svc, body.inputs)
+    if body.prompt_name is not None:
+        texts, _ = prompted(svc, engine, texts, body.prompt_name, None)
+    encodings = engine.tokenizer.encode_plain(texts, body.add_special_tokens)
+    out = []
+    for text, e in zip(texts, encodings, strict=True):
+        out.append([{"id": i, "text": token if special else text[a:b], "special": bool(special),
+                     "start": None if special else a, "stop": None if special else b}
+                    for i, token, (a, b), special in zip(e.ids, e.tokens, e.offsets, e.special_tokens_mask, strict=True)])
+    return JSONResponse(out)
+
+
+@app.post("/decode", response_model=list[str], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+async def decode(body: TEIDecodeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """TEI's /decode: token ids back to text, one string per list of ids."""
+    engine = model_for(svc, body.model, request, task=None)
+    if not body.ids:
+        raise EmptyInput("`ids` cannot be empty")
+    rows = [body.ids] if isinstance(body.ids[0], int) else body.ids
+    svc.check_tokens(sum(len(r) for r in rows), "send fewer ids")
+    return JSONResponse(engine.tokenizer.decode(rows, body.skip_special_tokens))
+
+
+# ---- POST /: TEI's root, and the Hugging Face Inference API's body ----
+
+
+def parsed(model: type[BaseModel], body: dict) -> Any:
+    """A body validated as `model` would be by FastAPI, its errors as our one-line 422."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest(describe(list(exc.errors()))) from None
+
+
+def inference_api_scores(engine: Engine, logits: np.ndarray, function: str | None) -> np.ndarray:
+    """The Inference API's `function_to_apply` over the logits; left out, as /predict reads them."""
+    if function == "softmax":
+        return read_logits(logits, "single_label_classification")
+    if function == "sigmoid":
+        return SCORE_ACTIVATIONS["sigmoid"](logits)
+    if function == "none":
+        return logits.astype(np.float64)
+    return label_scores(engine, logits, False)
+
+
+@app.post("/", responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+async def root(request: Request, body: dict[str, Any] = Body(examples=[{"inputs": "The cat sat on the mat."}]),
+               svc: EncoderService = Depends(service)) -> JSONResponse:
+    """TEI's root route: /embed for an embedding model, /predict for a classifier (the task of the model
+    the body names, else of the default model). A `parameters` object is read as the Hugging Face
+    Inference API's: its fields join the body's (huggingface_hub's feature_extraction sends them flat,
+    its text_classification inside `parameters`), and a classifier then answers as that API does, a
+    list of labels per input (`top_k`, `function_to_apply`: softmax, sigmoid or none)."""
+    parameters = body.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise InvalidRequest("parameters: must be an object")
+    merged = {**{k: v for k, v in body.items() if k != "parameters"}, **(parameters or {})}
+    name = merged.get("model")
+    if name is not None and not isinstance(name, str):
+        raise InvalidRequest("model: must be a string")
+    if svc.engines.get(name).model.task != "classification":
+        return await embeddings(parsed(TEIEmbedRequest, merged), request, svc, "/")
+    if parameters is None:
+        return await predict(parsed(TEIPredictRequest, merged), request, svc)
+    asked = parsed(InferenceAPIClassifyRequest, merged)
+    texts = as_list(asked.inputs)
+    if not texts:
+        raise EmptyInput("`inputs` cannot be empty")
+    engine, logits = await classify([(t,) for t in texts], asked.truncate is None or asked.truncate, False, request,
+                                    svc, "/", name)
+    scores = inference_api_scores(engine, logits, asked.function_to_apply)
+    return JSONResponse([ranked(engine.model.labels, row, asked.top_k) for row in scores])
