@@ -132,8 +132,9 @@ def test_a_raised_concurrency_starts_the_queued_batch_through_reconfigure_alone(
     from service.deployment import Encoder
 
     monkeypatch.setattr(runner_module, "available_cpus", lambda: 4)  # the replica's CPUs, as the process sees them
-    settings = ServiceSettings.model_validate({"bundle": str(default_bundle), "num_cpus": 4,
-                                               "batching": {"max_concurrent_batches": 1}})
+    # onnxruntime fp32, whose sessions' threads this test reads (auto picks OpenVINO bf16 on CPUs with bf16 units)
+    settings = ServiceSettings.model_validate({"bundle": str(default_bundle), "num_cpus": 4, "runtime": "onnxruntime",
+                                               "precision": "fp32", "batching": {"max_concurrent_batches": 1}})
     engines = EngineTable([load_engine(BundleRef(path=default_bundle), settings)])
     replica = SimpleNamespace(svc=EncoderService(settings, engines), engines=engines)  # what reconfigure uses
     engine = engines.default

@@ -115,7 +115,10 @@ def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(
         text = triton_grpc.InferInput("text", [1], "BYTES")
         text.set_data_from_numpy(np.array([b"started by python -m service"], dtype=object))
         embedded = grpc_client.infer("all-MiniLM-L6-v2", [text]).as_numpy("sentence_embedding")
-        np.testing.assert_allclose(embedded[0], r.json()["data"][0]["embedding"], atol=1e-5)
+        # the same vector; at a lossy precision (bf16, which auto picks on CPUs with bf16 units) within its
+        # rounding, as the packed graph (/v1/encode's pooled output) and the padded one (v2's outputs) differ there
+        np.testing.assert_allclose(embedded[0], r.json()["data"][0]["embedding"],
+                                   atol=1e-5 if info["precision"] == "fp32" else 2e-3)
         grpc_client.close()
         # the summary is printed before health answers; wait for its last line all the same
         wait_until(lambda: any(line.startswith("stop it with Ctrl-C") for line in lines), "the start-up summary")

@@ -85,7 +85,8 @@ class TextTokenizer:
     def cut_to_tokens(self, texts: list[str], tokens: int, from_start: bool) -> list[tuple[str, bool]]:
         """Each text cut to its first (or, `from_start`, last) `tokens` tokens, special tokens not
         counted, at the characters those tokens cover; and whether it was cut (Cohere's max_tokens and
-        max_tokens_per_doc). Only texts the model would truncate anyway pay for a second pass."""
+        max_tokens_per_doc). A tokenization more per text: callers skip it where `tokens` is past the
+        model's own limit, which tokenizing enforces anyway."""
         out = []
         for text, e in zip(texts, self._whole.encode_batch(texts, add_special_tokens=False), strict=True):
             if len(e.offsets) <= tokens:
