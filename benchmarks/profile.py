@@ -1,6 +1,6 @@
 """make profile: where the service's CPU time goes, per process, under single-text load.
 
-    python -m benchmarks.profile [--ingress proxy|haproxy] [--precision fp32|int8] [--seconds 15]
+    python -m benchmarks.profile [--ingress proxy|haproxy] [--precision fp32|int8] [--seconds 15] [--tracing]
 
 Starts the service on loopback (its own Ray), drives single-text requests at concurrency 32, and
 records each Serve process (the replica, and Ray's proxy actor) with py-spy: a flame graph per process
@@ -102,6 +102,8 @@ def main() -> int:
     p.add_argument("--precision", choices=["fp32", "int8"], default="fp32")
     p.add_argument("--seconds", type=int, default=15)
     p.add_argument("--out", type=Path, default=Path("results/profile"))
+    p.add_argument("--tracing", action="store_true",
+                   help="OpenTelemetry tracing on, every request sampled, spans sent to an OTLP receiver on loopback")
     args = p.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(py_spy).exists():
@@ -123,8 +125,14 @@ def main() -> int:
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+        receiver = None
+        if args.tracing:
+            from benchmarks.otlp_receiver import Receiver
+
+            receiver = Receiver().start()
         settings = ServiceSettings.model_validate({"bundle": str(args.bundle.resolve()), "precision": args.precision,
-                                                   "replicas": 1})
+                                                   "replicas": 1,
+                                                   **({"tracing": {"endpoint": receiver.endpoint}} if receiver else {})})
         serve.run(build_app(settings), name="bench", route_prefix="/", logging_config={"enable_access_log": False})
         url = f"http://127.0.0.1:{port}"
         texts = sentences(4096)
@@ -152,6 +160,9 @@ def main() -> int:
         except asyncio.CancelledError:
             pass
         handled = replica_requests(url) - handled_before
+        if receiver is not None:
+            print(f"the receiver got {receiver.count()} spans", flush=True)
+            receiver.stop()
     finally:
         serve.shutdown()
         ray.shutdown()
