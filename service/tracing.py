@@ -211,6 +211,7 @@ def record_batch(jobs: list[Any], started: float, ended: float, attributes: dict
     batch.end(end_time=end_ns)
     batch_context = batch.get_span_context()
     for job, request in zip(traced, requests, strict=True):
-        request.add_link(batch_context, {"encoder.texts": len(job.ids), "encoder.tokens": job.n_tokens})
+        if request.is_recording():  # a request whose client left may have ended (499) before its batch did
+            request.add_link(batch_context, {"encoder.texts": len(job.ids), "encoder.tokens": job.n_tokens})
         queued = _tracer.start_span("queue", context=job.trace, start_time=_epoch_ns(job.enqueued, now_perf, now_ns))
         queued.end(end_time=start_ns)
