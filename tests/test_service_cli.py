@@ -26,6 +26,15 @@ def still_running(pids: set[int]) -> set[int]:
     return {p for p in pids if processes.alive(p)}
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """A failed test leaves nothing either: the service, Ray's processes and its HAProxy (which outlives a
+    killed Ray and keeps its port)."""
+    if proc.poll() is None:
+        spawned = processes.descendants(proc.pid)
+        proc.kill()
+        processes.stop({p for p in spawned if processes.alive(p)})
+
+
 def service_env() -> dict[str, str]:
     """The environment of a service the test starts: Ray Serve's own ports of its own, never those
     of the test session's cluster (HAProxy would send its traffic to the other cluster's replicas)."""
@@ -124,8 +133,7 @@ def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(
         wait_until(lambda: any(line.startswith("stop it with Ctrl-C") for line in lines), "the start-up summary")
         spawned |= stop_with_sigterm(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_tree(proc)
     output = "".join(lines)
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     # what a user needs, in plain lines: where it listens, the metrics, model, precision, provider, how to stop
@@ -260,8 +268,7 @@ def test_sigterm_during_load_drains_in_flight_requests(default_bundle):
         code = proc.wait(timeout=60)
         exit_s = time.monotonic() - signalled
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_tree(proc)
     assert statuses == [200] * 6, f"{statuses}\n{''.join(lines)[-3000:]}"
     assert code == 0 and exit_s < 20 + 30, (code, exit_s)  # graceful_shutdown_timeout_s is 20
     assert_no_orphans(spawned)
@@ -297,8 +304,7 @@ def test_ray_listens_on_loopback_only_under_python_m_service(default_bundle):
         sockets = sockets_once_serving(proc, port)
         spawned = stop_with_sigterm(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_tree(proc)
     names = {name for name, _, _ in sockets}
     assert any("gcs_server" in n for n in names) and any("raylet" in n for n in names), names
     assert any(n.startswith("ray::ServeReplica") for n in names), names  # the replica's ports are among them
@@ -331,8 +337,7 @@ def test_python_m_service_with_ray_serves_proxy_actor(default_bundle):
         sockets = sockets_once_serving(proc, port)
         spawned = stop_with_sigterm(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_tree(proc)
     on_port = [s for s in sockets if s[2] == port]
     assert on_port and all(name.startswith("ray::ProxyActor") and processes.is_loopback(address) for name, address, _ in on_port), on_port
     assert not any(name == "haproxy" for name, _, _ in sockets), sockets
@@ -367,8 +372,7 @@ def test_a_haproxy_left_behind_by_a_dead_cluster_is_stopped_before_the_next_star
         assert httpx.post(f"{url}/v1/embeddings", json={"input": "the port is ours again"}, timeout=30).status_code == 200
         spawned = stop_with_sigterm(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_tree(proc)
         processes.stop(stale)
     assert not any(processes.alive(p) for p in stale)
     assert f"stopped a HAProxy left behind by an earlier run on port {port}" in "".join(lines)
