@@ -123,9 +123,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    receiver = None
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-        receiver = None
         if args.tracing:
             from benchmarks.otlp_receiver import Receiver
 
@@ -162,8 +162,9 @@ def main() -> int:
         handled = replica_requests(url) - handled_before
         if receiver is not None:
             print(f"the receiver got {receiver.count()} spans", flush=True)
-            receiver.stop()
     finally:
+        if receiver is not None:
+            receiver.stop()
         serve.shutdown()
         ray.shutdown()
     for name in recorders:

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from bundle.manifest import ModelInfo
 from service.engine.errors import BadRequest, InvalidRequest
+from service.engine.runner import l2_normalize
 
 INPUT_TYPES = ("query", "document")  # Cohere's search_query/search_document, named as prompts usually are
 
@@ -62,6 +65,13 @@ def check_dimensions(model: ModelInfo, model_name: str, dimensions: int | None) 
         raise BadRequest(f"model {model_name!r} supports dimensions {', '.join(map(str, allowed))}, not {dimensions}")
     if dimensions > model.sentence_dim:
         raise BadRequest(f"dimensions {dimensions} exceeds model {model_name!r}'s {model.sentence_dim}")
+
+
+def shortened(vectors: np.ndarray, dimensions: int, normalize: bool = True) -> np.ndarray:
+    """The first `dimensions` of each embedding (after check_dimensions), L2-normalised again unless
+    `normalize` is false, as float32 in C order: OpenAI's `dimensions`, TEI's, Cohere's `output_dimension`."""
+    cut = vectors[:, :dimensions]
+    return np.ascontiguousarray(l2_normalize(cut) if normalize else cut, dtype=np.float32)
 
 
 def describe(model: ModelInfo) -> dict:

@@ -18,14 +18,14 @@ from fastapi import Depends, Request
 
 from service.engine.engine import Engine
 from service.engine.errors import BadRequest, EmptyInput
-from service.engine.prompts import check_dimensions, cohere_prompt_name
-from service.engine.runner import EncodeJob, l2_normalize
+from service.engine.prompts import check_dimensions, cohere_prompt_name, shortened
+from service.engine.runner import EncodeJob
 from service.engine.service import EncoderService
 from service.http.app import ERROR_RESPONSES, app
 from service.http.context import infer, model_for, prompted, service
 from service.http.request_ids import current_request_id
 from service.http.responses import JSONResponse, KindCounter
-from service.http.routes.heads import relevance, rerank_pairs, reranker
+from service.http.routes.heads import best_first, relevance, rerank_pairs, reranker
 from service.http.schemas import CohereEmbedRequest, CohereEmbedResponse, CohereRerankRequest, CohereRerankResponse
 
 API_VERSION = {"version": "2"}
@@ -95,8 +95,8 @@ async def embed(body: CohereEmbedRequest, request: Request, svc: EncoderService 
     tokenized = await svc.tokenize(engine, texts, not refuse, "/v2/embed", from_start=from_start)
     job = EncodeJob(route="/v2/embed", ids=[t.ids for t in tokenized], normalize=engine.model.normalize, pool_skip=skip)
     vectors = (await infer(svc, engine, job, request)).embeddings
-    if body.output_dimension is not None:  # cut, then re-normalised, as /v1/embeddings' dimensions
-        vectors = l2_normalize(vectors[:, : body.output_dimension])
+    if body.output_dimension is not None:
+        vectors = shortened(vectors, body.output_dimension)
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     kinds = KindCounter()
     embeddings = by_type(vectors, body.embedding_types, kinds)
@@ -119,7 +119,7 @@ async def rerank(body: CohereRerankRequest, request: Request, svc: EncoderServic
                     "max_tokens_per_doc")
     logits, tokenized, _ = await rerank_pairs(svc, engine, body.query, documents, True, "/v2/rerank", request)
     scores = relevance(engine, False)(logits)
-    order = sorted(range(len(documents)), key=lambda i: -scores[i])[: body.top_n]
+    order = best_first(scores, body.top_n)
     tokens = sum(t.n_tokens for t in tokenized)
     return JSONResponse({"id": response_id(), "results": [{"index": i, "relevance_score": float(scores[i])} for i in order],
                          "meta": {"api_version": API_VERSION,

@@ -96,6 +96,16 @@ async def run_classifier(svc: EncoderService, engine: Engine, tokenized: list[To
     return logits, Explaining(occluded, variant_logits, attentions)
 
 
+def best_first(scores: np.ndarray, top_n: int | None = None) -> list[int]:
+    """Indexes by score, highest first (ties in input order), the first top_n (all when None)."""
+    return sorted(range(len(scores)), key=lambda i: -scores[i])[:top_n]
+
+
+def ranked(labels: list[str], row: np.ndarray, top_k: int | None = None) -> list[dict]:
+    """Every label (or the top_k) with its score, best first (ties in label order)."""
+    return [{"label": labels[k], "score": float(row[k])} for k in np.argsort(-row, kind="stable")[:top_k]]
+
+
 def reranker(svc: EncoderService, name: str | None, request: Request) -> Engine:
     """The cross-encoder a rerank request names (or the first served classifier): one label, else a 422
     that points to /v1/classify."""
@@ -138,7 +148,7 @@ async def rerank(body: RerankRequest, request: Request, svc: EncoderService = De
     score = relevance(engine, body.raw_scores)
     scores = score(logits)
     explained = explaining.words(scores, score) if explaining else None
-    order = sorted(range(len(documents)), key=lambda i: -scores[i])[: body.top_n]
+    order = best_first(scores, body.top_n)
     results = [{"index": i, "relevance_score": float(scores[i]),
                 **({"document": {"text": documents[i]}} if body.return_documents else {}),
                 **({"explanation": {"words": explained[i]}} if explained else {})} for i in order]
@@ -160,7 +170,7 @@ async def classify(body: ClassifyRequest, request: Request, svc: EncoderService 
         explained = explaining.words(scores[np.arange(len(top)), top],
                                      lambda rows, i: read_logits(rows, engine.model.problem_type)[:, top[i]])
     labels = engine.model.labels
-    data = [{"index": i, "labels": [{"label": labels[k], "score": float(row[k])} for k in np.argsort(-row, kind="stable")],
+    data = [{"index": i, "labels": ranked(labels, row),
              **({"explanation": {"label": labels[top[i]], "words": explained[i]}} if explained else {})}
             for i, row in enumerate(scores)]
     tokens = sum(t.n_tokens for t in tokenized)

@@ -5,13 +5,12 @@ No `from __future__ import annotations` (see http/routes/native.py).
 
 from datetime import datetime
 
-import numpy as np
 from fastapi import Depends, Request
 
-from service.engine.runner import EncodeJob, l2_normalize, mean_of_chunks
+from service.engine.runner import EncodeJob, mean_of_chunks
 from service.engine.service import EncoderService
 from service.http.app import ERROR_RESPONSES, SERVER_NAME, app
-from service.engine.prompts import check_dimensions, describe
+from service.engine.prompts import check_dimensions, describe, shortened
 from service.http.context import infer, model_for, prompted, service
 from service.http.responses import JSONResponse, KindCounter, encode_array
 from service.http.schemas import OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
@@ -35,7 +34,7 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: Encode
     result = await infer(svc, engine, job, request)
     vectors = result.embeddings if body.chunking is None else mean_of_chunks(result.embeddings, [len(c) for c in chunks])
     if body.dimensions is not None:  # shortened as OpenAI does: cut, then re-normalise
-        vectors = np.ascontiguousarray(l2_normalize(vectors[:, : body.dimensions]).astype(np.float32))
+        vectors = shortened(vectors, body.dimensions)
     kinds = KindCounter()
     data = [
         {

@@ -20,13 +20,14 @@ from pydantic import BaseModel, ValidationError
 
 from service.engine.engine import Engine
 from service.engine.errors import EmptyInput, InvalidRequest, TooLarge
-from service.engine.prompts import check_dimensions
-from service.engine.runner import EncodeJob, l2_normalize
+from service.engine.prompts import check_dimensions, shortened
+from service.engine.runner import EncodeJob
 from service.engine.service import EncoderService, as_list
 from service.http.app import app, describe
 from service.http.context import infer, model_for, normalization, prompted, service
 from service.http.responses import JSONResponse, KindCounter
-from service.http.routes.heads import SCORE_ACTIVATIONS, read_logits, relevance, rerank_pairs, reranker
+from service.http.routes.heads import (SCORE_ACTIVATIONS, best_first, ranked, read_logits, relevance, rerank_pairs,
+                                      reranker)
 from service.http.schemas import (TEIDecodeRequest, TEIEmbedAllRequest, TEIEmbedRequest, TEIError, TEILabelScore,
                                   TEIPredictRequest, TEIRerankRequest, TEIRerankResult, TEIToken, TEITokenizeRequest,
                                   InferenceAPIClassifyRequest)
@@ -39,11 +40,11 @@ def truncation(truncate: bool | None, direction: str) -> tuple[bool, bool]:
     return truncate is None or truncate, direction.lower() == "left"
 
 
-def texts_of(svc: EncoderService, inputs: str | list[str], field: str = "inputs") -> list[str]:
+def texts_of(svc: EncoderService, inputs: str | list[str]) -> list[str]:
     """The request's texts within the limits; an empty list is TEI's 400 `Empty`."""
     texts = as_list(inputs)
     if not texts:
-        raise EmptyInput(f"`{field}` cannot be empty")
+        raise EmptyInput("`inputs` cannot be empty")
     return svc.texts(texts)
 
 
@@ -60,9 +61,8 @@ async def embeddings(body: TEIEmbedRequest, request: Request, svc: EncoderServic
     result = await infer(svc, engine, EncodeJob(route=route, ids=[t.ids for t in tokenized], normalize=normalize,
                                                 pool_skip=skip), request)
     vectors = result.embeddings
-    if body.dimensions is not None:
-        vectors = vectors[:, : body.dimensions]
-        vectors = l2_normalize(vectors) if body.normalize else vectors
+    if body.dimensions is not None:  # cut before normalising, as TEI does
+        vectors = shortened(vectors, body.dimensions, body.normalize)
     kinds = KindCounter()
     content = kinds.array("embedding", np.ascontiguousarray(vectors, dtype=np.float32), "float", "float32")
     kinds.report(request)
@@ -103,9 +103,8 @@ async def rerank(body: TEIRerankRequest, request: Request, svc: EncoderService =
     logits, _, _ = await rerank_pairs(svc, engine, body.query, body.texts, truncate, "/rerank", request,
                                       from_start=from_start)
     scores = relevance(engine, body.raw_scores)(logits)
-    order = sorted(range(len(body.texts)), key=lambda i: -scores[i])
     return JSONResponse([{"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
-                         for i in order])
+                         for i in best_first(scores)])
 
 
 def predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[tuple[str, ...]], bool]:
@@ -160,10 +159,6 @@ async def classify(inputs: list[tuple[str, ...]], truncate: bool, from_start: bo
     job = EncodeJob(route=route, ids=[t.ids for t in tokenized], normalize=False,
                     type_ids=[t.type_ids for t in tokenized] if pairs else None)
     return engine, (await infer(svc, engine, job, request)).embeddings
-
-
-def ranked(labels: list[str], row: np.ndarray, top_k: int | None = None) -> list[dict]:
-    return [{"label": labels[k], "score": float(row[k])} for k in np.argsort(-row, kind="stable")[:top_k]]
 
 
 @app.post("/predict", response_model=list[TEILabelScore] | list[list[TEILabelScore]], responses=TEI_ERROR_RESPONSES,
