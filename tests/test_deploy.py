@@ -260,12 +260,14 @@ def test_rayservice_manifests_are_rendered_from_the_current_serve_config():
 
 
 GPU_ARGS = {"provider": "cuda", "num_gpus": 0.25}  # all that a GPU cluster's Serve config changes
+CPU_CLUSTER_ARGS = {"max_replicas_per_node": 1}  # and a CPU cluster's
 
 
 @pytest.mark.parametrize("name", RAYSERVICES)
 def test_serve_config_v2_is_the_serve_config_file(name):
     """The file, with two replicas at least in a cluster (so a lost pod leaves one serving) and, on
-    GPUs, replicas on CUDA asking Ray for a GPU share; nothing else differs."""
+    GPUs, replicas on CUDA asking Ray for a GPU share, on CPUs one replica a worker pod; nothing else
+    differs."""
     embedded = yaml.safe_load(load(name)["spec"]["serveConfigV2"])
     expected = serve_config()
     for app in expected["applications"]:
@@ -273,17 +275,22 @@ def test_serve_config_v2_is_the_serve_config_file(name):
             deployment["autoscaling_config"]["min_replicas"] = 2
     if "gpu" in name:
         assert embedded == yaml.safe_load((ROOT / "deploy/serve_config.gpu.yaml").read_text())
-        for app in expected["applications"]:
-            app["args"].update(GPU_ARGS)
+    for app in expected["applications"]:
+        app["args"].update(GPU_ARGS if "gpu" in name else CPU_CLUSTER_ARGS)
     assert embedded == expected
     assert serve_config()["applications"][0]["deployments"][0]["autoscaling_config"]["min_replicas"] == 1  # make run
 
 
 def test_cpu_cluster_spreads_its_minimum_replicas_over_two_worker_pods():
+    """One replica a worker pod, for good: Serve never moves a running replica, so without the cap a
+    replica lost with its pod comes back beside the other one, and the next pod lost takes both."""
     manifest = load("rayservice-cpu.yaml")
     group = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
-    scaling = settings_of(yaml.safe_load(manifest["spec"]["serveConfigV2"])).autoscaling
-    assert group["replicas"] == group["minReplicas"] == scaling.min_replicas == 2
+    settings = settings_of(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
+    assert group["replicas"] == group["minReplicas"] == settings.autoscaling.min_replicas == 2
+    assert settings.max_replicas_per_node == 1
+    # room to scale out: a pod for every replica the autoscaler may ask for
+    assert group["maxReplicas"] >= settings.autoscaling.max_replicas
 
 
 # --- the containers `make containers` runs: KubeRay's pods, rendered from the manifests ------------------

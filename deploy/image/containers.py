@@ -217,18 +217,22 @@ class Traffic:
 
     url: str
     clients: int = 4
-    records: list[tuple[float, float, int | str]] = field(default_factory=list)  # (start, end, status)
+    # (start, end, status, what the client saw of a failure)
+    records: list[tuple[float, float, int | str, str]] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
         with httpx.Client(timeout=30) as client:
             while not self.stop.is_set():
-                t = time.monotonic()
+                t, detail = time.monotonic(), ""
                 try:
-                    status: int | str = client.post(f"{self.url}/v1/embeddings", json={"input": TEXTS[:2]}).status_code
+                    r = client.post(f"{self.url}/v1/embeddings", json={"input": TEXTS[:2]})
+                    status: int | str = r.status_code
+                    if status != 200:
+                        detail = r.text[:160]
                 except httpx.HTTPError as exc:
-                    status = type(exc).__name__
-                self.records.append((t, time.monotonic(), status))
+                    status, detail = type(exc).__name__, str(exc)[:160]
+                self.records.append((t, time.monotonic(), status, detail))
                 if status != 200:
                     time.sleep(0.05)  # a failing cluster is not hammered
 
@@ -347,7 +351,9 @@ def cluster(image: str, cleanup: ExitStack, duration_s: float) -> dict:
                      and out["embeddings"]["min_cosine"] > 0.999
                      and all(v == 1 for v in up.values()) and len(up) == len(nodes) + 1
                      and all(series.get(n, 0) > 0 for n in targets)
-                     and all(st["replicas_back_s"] is not None and st["rejoined_s"] is not None for st in loss["steps"])
+                     and all(st["replica_back_s"] is not None and st["rejoined_s"] is not None
+                             and st["replicas_while_down"] == [st["survivor"]] and st["survivor_ready"] == "200"
+                             for st in loss["steps"])
                      and loss["failed"] == 0)
     return out
 
@@ -365,34 +371,39 @@ def ingress_retries(prom, job: str) -> dict[str, float]:
 
 
 def pod_loss(head: Node, workers: list[Node], dashboard: str, duration_s: float) -> dict:
-    """4 closed-loop clients through the head for the whole scenario. One worker is killed (it holds
-    one of the two replicas) and started again; Serve does not move running replicas, so both now sit
-    on the other worker, and the restarted pod stays live but not ready (no replica, so no proxy, and
-    the Service sends it nothing). Then that other worker is killed too: both replicas are lost at
-    once and come back on the restarted pod, which now serves; the second is started again."""
+    """4 closed-loop clients through the head for the whole scenario. The manifest allows one replica a
+    worker pod (max_replicas_per_node: 1), so each worker holds one of the two. One worker is killed:
+    the other's replica serves alone while the lost one waits for a pod (Serve cannot place it beside
+    the survivor). The killed pod is started again, as Kubernetes restarts it, and gets its replica
+    back. Then the other worker is killed and started again the same way: every loss leaves one
+    replica serving, and the requests that were on the lost one are sent again by the head's HAProxy."""
     traffic = Traffic(head.url)
     threads = traffic.start()
     marks: list[tuple[str, float]] = []
     steps: list[dict] = []
+    worker_ips = lambda: {w.ip for w in workers}  # noqa: E731 (a restarted container's address may change)
 
     def lose_and_restart(victim: Node, survivor: Node) -> None:
-        step: dict = {"killed": victim.pod.name, "replicas_before": on_nodes(dashboard, workers)}
+        step: dict = {"killed": victim.pod.name, "survivor": survivor.pod.name,
+                      "replicas_before": on_nodes(dashboard, workers)}
         marks.append((f"{victim.pod.name} killed", time.monotonic()))
         t_kill = marks[-1][1]
         podman("kill", "--signal", "KILL", victim.pod.name)
         say(f"pod loss: podman kill {victim.pod.name} (replicas on {step['replicas_before']}) "
             f"under {traffic.clients} closed-loop clients")
         try:
-            wait_for(lambda: len(r := running_replicas(dashboard)) >= 2 and all(x.get("node_ip") != victim.ip for x in r),
-                     "2 replicas running again", 240, 0.5)
-            wait_for(lambda: ready(survivor.url), f"{survivor.pod.name}'s proxy", 120, 0.5)
-            step["replicas_back_s"] = round(time.monotonic() - t_kill, 1)
-            step["replicas_after"] = on_nodes(dashboard, workers)
-            say(f"pod loss: 2 replicas running again after {step['replicas_back_s']} s, on {step['replicas_after']}")
+            wait_for(lambda: (r := running_replicas(dashboard)) and all(x.get("node_ip") != victim.ip for x in r),
+                     "Serve to see the lost replica", 120, 0.5)
+            step["loss_seen_s"] = round(time.monotonic() - t_kill, 1)
         except RuntimeError as exc:
-            step["replicas_back_s"] = None
+            step["loss_seen_s"] = None
             say(f"pod loss: {exc}")
         time.sleep(duration_s)
+        step["replicas_while_down"] = on_nodes(dashboard, workers)
+        step["survivor_ready"] = ready_or_status(survivor.url)
+        say(f"pod loss: Serve saw the loss after {step['loss_seen_s']} s; while {victim.pod.name} is down, "
+            f"replicas run on {step['replicas_while_down']} (the lost one waits for a pod); "
+            f"{survivor.pod.name}'s readiness {step['survivor_ready']}")
         marks.append((f"{victim.pod.name} started again", time.monotonic()))
         t_restart = marks[-1][1]
         podman("start", victim.pod.name)  # as Kubernetes restarts the pod's container: same command and limits
@@ -402,11 +413,17 @@ def pod_loss(head: Node, workers: list[Node], dashboard: str, duration_s: float)
             victim.ip = container_ip(victim.pod.name)
             step["restarted_liveness"] = wait_for(lambda: healthcheck(victim.pod.name)["exit_code"] == 0,
                                                   f"{victim.pod.name}'s liveness probe", 120, 1)
-            step["restarted_ready"] = ready_or_status(victim.url)
+            wait_for(lambda: {x.get("node_ip") for x in running_replicas(dashboard)} == worker_ips(),
+                     f"a replica on {victim.pod.name} again", 240, 0.5)
+            wait_for(lambda: ready(victim.url), f"{victim.pod.name}'s proxy", 120, 0.5)
+            step["replica_back_s"] = round(time.monotonic() - t_restart, 1)
+            step["replicas_after"] = on_nodes(dashboard, workers)
             say(f"pod loss: {victim.pod.name} started again: a Ray node again after {step['rejoined_s']} s, "
-                f"liveness passes, readiness {step['restarted_ready']}")
+                f"liveness passes, its replica running and its proxy ready {step['replica_back_s']} s after "
+                f"its start; replicas on {step['replicas_after']}")
         except RuntimeError as exc:
-            step["rejoined_s"] = None
+            step.setdefault("rejoined_s", None)
+            step["replica_back_s"] = None
             say(f"pod loss: {exc}")
         steps.append(step)
         time.sleep(duration_s)
@@ -429,11 +446,15 @@ def pod_loss(head: Node, workers: list[Node], dashboard: str, duration_s: float)
             kinds[str(r[2])] = kinds.get(str(r[2]), 0) + 1
         windows.append({"from": label, "seconds": round(b - a, 1), "requests": len(inside), "failed": len(failed),
                         "failures": kinds, "ok_per_s": round((len(inside) - len(failed)) / max(b - a, 1e-9), 1),
+                        # each failure: seconds after the window began, status, what the client saw
+                        "failed_requests": [(round(r[0] - a, 2), r[2], r[3]) for r in failed[:10]],
                         # the last failed request after this window began: how long clients saw errors
                         "errors_for_s": round(max(r[1] for r in failed) - a, 1) if failed else 0.0})
     for w in windows:
         say(f"pod loss: from {w['from']}: {w['seconds']} s, {w['requests']} requests, {w['failed']} failed "
             f"{w['failures'] or ''} (errors for {w['errors_for_s']} s), {w['ok_per_s']} ok/s")
+        for at, status, detail in w["failed_requests"]:
+            say(f"pod loss:   sent {at} s in: {status}: {detail}")
     return {"clients": traffic.clients, "steps": steps, "windows": windows,
             "requests": len(records), "failed": sum(w["failed"] for w in windows)}
 
@@ -525,27 +546,27 @@ def record(summary: dict, log: Path) -> None:
             verdict = "" if cluster.get("passed") else (
                 f"; THIS RUN'S CHECK FAILED ({p['failed']} failed over the scenario, 0 allowed)")
             w = p["windows"]  # before, 1st kill, 1st restart, 2nd kill, 2nd restart
-            reliability.record(
-                "worker pod lost (make containers)",
-                f"podman kill of a worker container holding 1 of 2 replicas, in a cluster of containers started "
-                f"as KubeRay starts rayservice-cpu.yaml's pods, under {p['clients']} closed-loop clients; then "
-                f"podman start",
-                {"requests": w[1]["requests"], **{f"failed: {k}": v for k, v in w[1]["failures"].items()}},
-                w[1]["errors_for_s"],
-                f"2 replicas running again {first['replicas_back_s']} s after the kill (both on the other "
-                f"worker); the restarted pod was a Ray node again after {first['rejoined_s']} s, live, and not "
-                f"ready (no replica, so no proxy: Serve does not move running replicas); ok requests/s "
-                f"{w[0]['ok_per_s']} before, {w[1]['ok_per_s']} after the kill; requests whose replica vanished "
-                f"were sent again by the head's HAProxy (over both kills, its counters: "
-                f"{p.get('ingress_retries', {})}, a lower bound: a reload restarts them){verdict}", at=summary["date"])
-            reliability.record(
-                "second worker pod lost, both replicas on it (make containers)",
-                "after the first pod's restart, podman kill of the worker that then held both replicas",
-                {"requests": w[3]["requests"], **{f"failed: {k}": v for k, v in w[3]["failures"].items()}},
-                w[3]["errors_for_s"],
-                f"both replicas came back on the restarted pod, which then served, {second['replicas_back_s']} s "
-                f"after the kill; {w[4]['failed']} of {w[4]['requests']} requests failed after the second restart"
-                f"{verdict}", at=summary["date"])
+            for n, (step, lost, back) in enumerate(((first, w[1], w[2]), (second, w[3], w[4]))):
+                reliability.record(
+                    "worker pod lost (make containers)" if n == 0 else
+                    "second worker pod lost, after the first came back (make containers)",
+                    (f"podman kill of a worker container holding 1 of 2 replicas (one a pod: max_replicas_per_node "
+                     f"1), in a cluster of containers started as KubeRay starts rayservice-cpu.yaml's pods, under "
+                     f"{p['clients']} closed-loop clients; then podman start" if n == 0 else
+                     "after the first pod's restart and its replica's return, podman kill of the other worker "
+                     "(the first one's replica now serving alone); then podman start"),
+                    {"requests": lost["requests"], "failed": lost["failed"],
+                     **{f"failed: {k}": v for k, v in lost["failures"].items()}},
+                    lost["errors_for_s"],
+                    f"the other worker's replica served alone while the pod was down (Serve saw the loss after "
+                    f"{step['loss_seen_s']} s; replicas on {step['replicas_while_down']}; the lost one waited for a "
+                    f"pod, Serve cannot place it beside the other); ok requests/s {w[0]['ok_per_s']} before, "
+                    f"{lost['ok_per_s']} while down; the pod, started again, was a Ray node after "
+                    f"{step['rejoined_s']} s and had its replica running and its proxy ready "
+                    f"{step['replica_back_s']} s after its start; {back['failed']} of {back['requests']} requests "
+                    f"failed after that start; requests whose replica vanished were sent again by the head's "
+                    f"HAProxy (over both kills, its counters: {p.get('ingress_retries', {})}, a lower bound: a "
+                    f"reload restarts them){verdict}", at=summary["date"])
     finally:
         reliability.LOG = default_log
 
