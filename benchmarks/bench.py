@@ -185,16 +185,17 @@ def protocol_phase(ingress: str, common: dict, settings: dict, batch: int) -> di
             "scenarios": scenarios}
 
 
-def tracing_phase(ingress: str, common: dict, settings: dict, batch: int, traced: bool) -> dict:
+def tracing_phase(ingress: str, common: dict, settings: dict, batch: int, traced: bool, loadgen: str) -> dict:
     """The default config with OpenTelemetry tracing off, or on at full sampling: single texts at 32
-    clients (where a span costs the most per text) and client batches."""
-    loadgen = "httpx"
+    clients (where a span costs the most per text) and client batches, with the load generators of
+    the other rows of each kind (wrk for single texts unless --loadgen says otherwise)."""
+    on = "on" if traced else "off"
     return {"label": f"default config, tracing {'on (100% sampled)' if traced else 'off'}, {ingress}", "ingress": ingress,
             **common, "settings": settings, "tracing": traced,
-            "scenarios": [{"label": f"single texts ({loadgen}, tracing {'on' if traced else 'off'})", "per_request": 1,
+            "scenarios": [{"label": f"single texts ({loadgen}, tracing {on})", "per_request": 1,
                            "concurrency": 32, "loadgen": loadgen, "tracing_row": True},
-                          {"label": f"client batches of {batch} ({loadgen}, tracing {'on' if traced else 'off'})",
-                           "per_request": batch, "concurrency": 4, "loadgen": loadgen, "tracing_row": True}]}
+                          {"label": f"client batches of {batch} (httpx, tracing {on})",
+                           "per_request": batch, "concurrency": 4, "loadgen": "httpx", "tracing_row": True}]}
 
 
 def service_phase(spec: dict) -> list[dict]:
@@ -612,6 +613,10 @@ def main() -> int:
                    help="also measure the same app and engine under plain uvicorn without Ray (the bound of Ray Serve's "
                    "share), and the engine alone with client batches, no HTTP and no Ray (the bound of any server)")
     p.add_argument("--rerank-only", action="store_true", help="only the rerank rows (and the in-process references)")
+    p.add_argument("--tracing-only", action="store_true",
+                   help="only the tracing rows (and the in-process references); prints them, writes no page")
+    p.add_argument("--tracing-rounds", type=int, default=TRACING_ROUNDS,
+                   help="tracing off then on, this many times (phases alternate: the machine's drift is shared)")
     p.add_argument("--tracing", action=argparse.BooleanOptionalAction, default=True,
                    help="the tracing rows: single texts and client batches with OpenTelemetry tracing off, then on at "
                    "100%% sampling (every span exported with OTLP to a receiver on loopback)")
@@ -621,6 +626,10 @@ def main() -> int:
                    help=f"Ray Serve per-request options to measure against the default, fp32 on the last ingress, "
                    f"comma-separated: {', '.join(VARIANTS)}")
     args = p.parse_args()
+    if args.tracing_only:  # a partial run: its rows beside the last full run's, never over its page
+        args.no_readme = True
+        if args.json == Path("results/bench.json"):
+            args.json = Path("results/bench-tracing.json")
     if args.render is not None:
         return render_again(args.render, args.readme)
     peers = parse_peers(args.peers)
@@ -693,10 +702,13 @@ def main() -> int:
     common = {"texts": texts, "mixed_texts": mixed, "short_text": SHORT_TEXT, "encoding_format": args.encoding_format,
               "route": args.route, "wrk": wrk}
     ingresses = [i for i in args.ingress.replace(" ", "").split(",") if i]
-    if args.rerank or args.rerank_only:
+    if (args.rerank or args.rerank_only) and not args.tracing_only:
         rows += rerank_rows(args, ingresses[-1], settings)
         references.sample(after="the cross-encoder phase")
-    if not args.rerank_only:
+    if args.tracing_only:
+        for traced in (False, True) * args.tracing_rounds:
+            rows += phase(tracing_phase(ingresses[-1], common, settings, args.batch, traced, args.loadgen))
+    elif not args.rerank_only:
         # the default configuration (runtime and precision auto: OpenVINO bf16 where the CPU has bf16 units
         # and it measures faster), on the last ingress; its embeddings of the texts against sentence-transformers'
         rows += phase({"label": f"default config, {ingresses[-1]}", "ingress": ingresses[-1], **common,
@@ -713,8 +725,8 @@ def main() -> int:
         if args.protocols:
             rows += phase(protocol_phase(best, common, settings, args.batch))
         if args.tracing:  # the same rows with tracing off and on at full sampling, phases alternating (noise)
-            for traced in (False, True) * TRACING_ROUNDS:
-                rows += phase(tracing_phase(best, common, settings, args.batch, traced))
+            for traced in (False, True) * args.tracing_rounds:
+                rows += phase(tracing_phase(best, common, settings, args.batch, traced, args.loadgen))
         if args.bounds:  # the engine alone (no HTTP, no Ray), and the same app under plain uvicorn (no Ray)
             rows += engine_alone(args.bundle, ["auto", "fp32"], seconds=args.wrk_duration)
             references.sample(after="the engine alone")

@@ -120,6 +120,7 @@ COMPONENTS = (  # process title fragment -> component, first match wins
     ("ProxyActor", "proxy"),
     ("haproxy", "proxy"),
     ("benchmarks.plain_server", "uvicorn server"),  # the no-Ray bound (benchmarks/plain_server.py)
+    ("benchmarks.otlp_receiver", "trace receiver"),  # the tracing rows' collector (benchmarks/otlp_receiver.py)
 )
 
 
@@ -291,10 +292,10 @@ def plain_service(spec: dict, settings):
 def run(spec: dict) -> list[dict]:
     rows: list[dict] = []
     receiver = None
-    if spec.get("tracing"):  # every request's spans to an OTLP receiver in this process, as to a collector
-        from benchmarks.otlp_receiver import Receiver
+    if spec.get("tracing"):  # every request's spans to an OTLP receiver on loopback, in a process of its own
+        from benchmarks.otlp_receiver import ReceiverProcess
 
-        receiver = Receiver().start()
+        receiver = ReceiverProcess().start()
         spec = {**spec, "settings": {**spec["settings"], "tracing": {"endpoint": receiver.endpoint, "sample_ratio": 1.0}}}
     try:
         return _measure(spec, rows)

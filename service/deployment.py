@@ -14,6 +14,7 @@ The request path, in order, is in service/__init__.py.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -83,6 +84,11 @@ class Encoder(KServeGrpc):
                 metrics.batch_queue.set(m.batcher.queued, tags={"model": m.name})
 
         refresh_periodically(refresh)
+        # What start-up made (Ray, FastAPI, the runtimes' Python objects) lives as long as the replica:
+        # out of the cyclic collector's sight, so that its full collections under load walk only what
+        # requests make (measured: a span-heavy request path cost 56 us against 32 with a heap of 2M
+        # objects frozen; docs/performance.md).
+        gc.freeze()
         for m in self.engines:
             logger.info(
                 "replica ready: model %s, %s %s (%s), provider %s, graphs %s and %s, %d intra-op threads, %s, bundle %s "

@@ -168,7 +168,63 @@ def test_tracing_is_off_unless_the_settings_or_the_otel_variables_ask(monkeypatc
     parsed = TracingSettings.model_validate(settings) if settings is not None else None
     try:
         assert tracing.configure(parsed) is on and tracing.enabled() is on
-        assert (tracing.request_span("POST /x", {}, {}) is None) is not on  # no span at all when off
+        traced = tracing.request_span("POST /x", {}, {})
+        assert (traced is None) is not on  # no span at all when off
+        if traced is not None:
+            traced.finish("POST /x", 200, {})
     finally:
         tracing.shutdown()
     assert not tracing.enabled()
+
+
+def test_the_sampler_decides_and_a_failed_stage_is_an_error_span(receiver):
+    """In this process, against the receiver: at ratio 0 a new trace records nothing, a client's sampled
+    traceparent is followed (parent-based) and an unsampled one is not; a stage that raised is an error
+    span, a 5xx an error request span, and both reach the collector with their times in order."""
+    from service import tracing
+    from service.config import TracingSettings
+
+    found, endpoint = receiver
+    trace_id, parent, header = traceparent()
+    try:
+        assert tracing.configure(TracingSettings(endpoint=endpoint, protocol="grpc", sample_ratio=0.0))
+        assert tracing.request_span("POST /x", {}, {}) is None
+        assert tracing.request_span("POST /x", {"traceparent": header[:-2] + "00"}, {}) is None
+        traced = tracing.request_span("POST /x", {"traceparent": header}, {"encoder.request_id": "r-1"})
+        assert traced is not None and tracing.current() is traced
+        with pytest.raises(ValueError), tracing.span("tokenize", **{"encoder.texts": 1}):
+            raise ValueError("not a text")
+        traced.finish("POST /x", 500, {"http.response.status_code": 500, "encoder.model": None})
+        assert tracing.current() is None
+        tracing.flush()
+    finally:
+        tracing.shutdown()
+    spans = wait_until(lambda: len(s := found.of_trace(trace_id)) == 2 and s, "the two spans", timeout=30)
+    server = next(s for s in spans if s.parent_span_id.hex() == parent)
+    child = next(s for s in spans if s.parent_span_id == server.span_id)
+    assert server.name == "POST /x" and server.status.code == server.status.STATUS_CODE_ERROR
+    assert attributes(server) == {"encoder.request_id": "r-1", "http.response.status_code": 500}
+    assert child.name == "tokenize" and child.status.code == child.status.STATUS_CODE_ERROR
+    assert "ValueError: not a text" in child.status.message and attributes(child) == {"encoder.texts": 1}
+    assert server.start_time_unix_nano <= child.start_time_unix_nano <= child.end_time_unix_nano <= server.end_time_unix_nano
+
+
+def test_spans_that_cannot_be_recorded_never_fail_the_request(receiver, caplog):
+    """finish() runs in every traced request's last step: an error there is logged, never raised."""
+    from service import tracing
+    from service.config import TracingSettings
+
+    _, endpoint = receiver
+    try:
+        tracing.configure(TracingSettings(endpoint=endpoint, protocol="grpc"))
+
+        def broken(span):
+            raise RuntimeError("exporter queue gone")
+
+        tracing._on.processor.on_end = broken
+        traced = tracing.request_span("POST /x", {}, {})
+        traced.finish("POST /x", 200, {})  # does not raise
+        assert tracing.current() is None
+        assert "the spans of a request (POST /x) were not recorded" in caplog.text
+    finally:
+        tracing.shutdown()
