@@ -287,7 +287,8 @@ def record_batch(jobs: list[Any], started: float, ended: float, attributes: dict
         return
     from opentelemetry.trace import Link
 
-    traced: list[tuple[Any, RequestSpan]] = [(job, r) for job in jobs if isinstance(r := getattr(job, "trace", None), RequestSpan)]
+    traced: list[tuple[Any, RequestSpan]] = [
+        (job, r) for job in jobs if isinstance(r := getattr(job, "trace", None), RequestSpan)]
     if not traced:
         return
     now_perf, now_ns = time.perf_counter(), time.time_ns()
