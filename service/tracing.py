@@ -24,9 +24,9 @@ whole replica CPU is about 4 ms a text). So the request path only reads clocks: 
 `time_ns()` readings on a `RequestSpan`, which becomes the SDK's finished spans (`ReadableSpan`) in one
 go when the request ends, handed to the SDK's batch processor and OTLP exporter. The SDK's sampler and
 id generator decide and name them, as its tracer would; what is skipped is its live-span machinery
-(locks, attribute validation, context attach/detach per span), a third of tracing's cost per request.
-The exporter's encoding hashes each span's resource (a json.dumps per span), so the resource here
-hashes once (`_Resource`).
+(locks, attribute validation, context attach/detach per span): measured in-process, 118 -> 36 us of
+the request path per request. The exporter's encoding hashes each span's resource (a json.dumps per
+span), so the resource here hashes once (`_Resource`): 86 -> 60 us per request (docs/performance.md).
 
 The tracer provider is this module's own, not OpenTelemetry's global one: Ray sets up that one for
 its own tracing, and the two must not mix.

@@ -551,8 +551,9 @@ def record(summary: dict, log: Path) -> None:
                     "worker pod lost (make containers)" if n == 0 else
                     "second worker pod lost, after the first came back (make containers)",
                     (f"podman kill of a worker container holding 1 of 2 replicas (one replica a pod: "
-                     f"max_replicas_per_node 1), in a cluster of containers started as KubeRay starts rayservice-cpu.yaml's pods, under "
-                     f"{p['clients']} closed-loop clients; then podman start" if n == 0 else
+                     f"max_replicas_per_node 1), in a cluster of containers started as KubeRay starts "
+                     f"rayservice-cpu.yaml's pods, under {p['clients']} closed-loop clients; then podman start"
+                     if n == 0 else
                      "after the first pod's restart and its replica's return, podman kill of the other worker "
                      "(the first one's replica now serving alone); then podman start"),
                     {"requests": lost["requests"], "failed": lost["failed"],
