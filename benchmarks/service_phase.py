@@ -121,6 +121,7 @@ COMPONENTS = (  # process title fragment -> component, first match wins
     ("haproxy", "proxy"),
     ("benchmarks.plain_server", "uvicorn server"),  # the no-Ray bound (benchmarks/plain_server.py)
     ("benchmarks.otlp_receiver", "trace receiver"),  # the tracing rows' collector (benchmarks/otlp_receiver.py)
+    ("service.span_export", "span exporter"),  # a tracing replica's exporter process (service/span_export.py)
 )
 
 

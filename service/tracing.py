@@ -20,13 +20,16 @@ trace viewer goes from a slow request to the batch it waited for and back to the
 it. (No span per request for the batch's run: the link says it.)
 
 At full sampling every microsecond counts (the target: at most 5 % of single-text throughput, whose
-whole replica CPU is about 4 ms a text). So the request path only reads clocks: a request's spans are
-`time_ns()` readings on a `RequestSpan`, which becomes the SDK's finished spans (`ReadableSpan`) in one
-go when the request ends, handed to the SDK's batch processor and OTLP exporter. The SDK's sampler and
-id generator decide and name them, as its tracer would; what is skipped is its live-span machinery
-(locks, attribute validation, context attach/detach per span): measured in-process, 118 -> 36 us of
-the request path per request. The exporter's encoding hashes each span's resource (a json.dumps per
-span), so the resource here hashes once (`_Resource`): 86 -> 60 us per request (docs/performance.md).
+whole replica CPU is about 4 ms a text). So the replica only reads clocks and draws ids: a request's
+spans are `time_ns()` readings on a `RequestSpan`, which become plain records (tuples) when the
+request ends, queued for a writer thread that hands them, marshalled in batches every 0.1 s, to the
+replica's span exporter process (service/span_export.py). That process makes them the SDK's finished
+spans and exports them with its batch processor and OTLP exporter. The SDK's sampler and id
+generator, here, decide and name every span, as its tracer would. What the replica no longer does:
+the SDK's live-span machinery (locks, attribute checks, context attach and detach per span) and the
+OTLP protobuf encoding (about 15 us a span, holding the interpreter lock the event loop needs).
+Measured: docs/performance.md. If the exporter process is gone, spans are dropped (and said so once);
+requests never wait for it, and at most MAX_QUEUED records wait for it.
 
 The tracer provider is this module's own, not OpenTelemetry's global one: Ray sets up that one for
 its own tracing, and the two must not mix.
@@ -34,14 +37,22 @@ its own tracing, and the two must not mix.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
+import json
 import logging
+import marshal
 import os
+import select
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from service import span_export
 
 if TYPE_CHECKING:
     from service.config import TracingSettings
@@ -49,18 +60,110 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve")
 
 TRACEPARENT, TRACESTATE = "traceparent", "tracestate"
-SCOPE_NAME = "mha-encoder-serving"
+MAX_QUEUED = 65536  # span records waiting for the exporter process; past it, new ones are dropped
+WRITE_EVERY_S = 0.1
+CHUNK = 4096  # records a frame
 
 
-@dataclass(frozen=True)
+class _Exporter:
+    """The replica's end of its span exporter process: a queue, and a thread that writes it to the
+    process's stdin in marshalled frames."""
+
+    def __init__(self, settings: TracingSettings) -> None:
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # wherever the replica runs
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        self.child = subprocess.Popen([sys.executable, "-m", "service.span_export", settings.model_dump_json()],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.queue: collections.deque[tuple] = collections.deque()
+        self.pipe = threading.Lock()  # one writer at a time: the thread, or flush()
+        self.dropped = 0
+        self.broken = False
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="span-exporter-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, record: tuple) -> None:
+        if len(self.queue) < MAX_QUEUED and not self.broken:
+            self.queue.append(record)
+        else:
+            self.dropped += 1
+
+    def _run(self) -> None:
+        while not self.stopping.wait(WRITE_EVERY_S):
+            self.write()
+
+    def write(self) -> None:
+        """Everything queued, to the process (dropped, and said once, if it is gone)."""
+        with self.pipe:
+            while self.queue and not self.broken:
+                records = [self.queue.popleft() for _ in range(min(CHUNK, len(self.queue)))]
+                try:
+                    body = marshal.dumps(records)
+                except ValueError:  # an attribute of a type marshal does not take: that record only
+                    body = marshal.dumps([r for r in records if _marshallable(r)])
+                self._send(span_export.frame(span_export.SPANS, body))
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.child.stdin.write(data)
+            self.child.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError) as exc:
+            self.broken = True
+            self.queue.clear()
+            logger.error("tracing: the span exporter process is gone (exit %s, %s); spans are dropped from now on",
+                         self.child.poll(), exc)
+
+    def flush(self, timeout_ms: int) -> None:
+        self.write()
+        with self.pipe:
+            if self.broken:
+                return
+            self._send(span_export.frame(span_export.FLUSH, str(timeout_ms).encode()))
+            ready, _, _ = select.select([self.child.stdout], [], [], timeout_ms / 1000 + 1)
+            if ready:
+                self.child.stdout.readline()
+
+    def close(self) -> None:
+        """Export what is queued, then let the process export what it holds and exit."""
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        self.write()
+        with contextlib.suppress(OSError):
+            self.child.stdin.close()
+        try:
+            self.child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+            self.child.wait()
+        if self.dropped:
+            logger.warning("tracing: %d span(s) dropped (the exporter process was gone or behind)", self.dropped)
+
+
+def _marshallable(record: tuple) -> bool:
+    try:
+        marshal.dumps(record)
+        return True
+    except ValueError:
+        logger.warning("tracing: span %r dropped: an attribute marshal does not take", record[0])
+        return False
+
+
 class _Tracing:
-    """What a replica traces with while tracing is on: the SDK's provider (its sampler, id generator and
-    resource) and the batch processor its spans go to."""
+    """What a replica traces with while tracing is on: the SDK's sampler and id generator (from a
+    provider of its own, which reads OTEL_TRACES_SAMPLER as the SDK does), the W3C propagator, and
+    the exporter process."""
 
-    provider: Any
-    processor: Any
-    scope: Any  # InstrumentationScope
-    propagator: Any  # W3C trace context
+    def __init__(self, settings: TracingSettings) -> None:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        ratio = settings.sample_ratio
+        provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(ratio)) if ratio is not None else None)
+        self.sampler = provider.sampler
+        self.ids = provider.id_generator
+        self.propagator = TraceContextTextMapPropagator()
+        self.exporter = _Exporter(settings)
 
 
 _on: _Tracing | None = None  # set while tracing is on in this process
@@ -81,62 +184,20 @@ def wanted(settings: TracingSettings | None) -> bool:
 
 
 def configure(settings: TracingSettings | None) -> bool:
-    """Turn tracing on in this process when wanted; returns whether it is on."""
+    """Turn tracing on in this process when wanted (its exporter process started); returns whether it is on."""
     global _on
+    shutdown()
     if not wanted(settings):
-        _on = None
         return False
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
     from service.config import TracingSettings
 
-    class _Resource(Resource):
-        """The resource, hashed once: the OTLP encoder hashes it for every span (a json.dumps each)."""
-
-        def __init__(self, base: Resource) -> None:
-            super().__init__(base.attributes, base.schema_url)
-            self._hash = super().__hash__()
-
-        def __hash__(self) -> int:
-            return self._hash
-
     settings = settings or TracingSettings()
-    name = os.environ.get("OTEL_SERVICE_NAME") or settings.service_name
-    sampler = ParentBased(TraceIdRatioBased(settings.sample_ratio)) if settings.sample_ratio is not None else None
-    provider = TracerProvider(resource=_Resource(Resource.create({"service.name": name})), sampler=sampler)
-    # Every second (the SDK's default is 5 s), in exports of up to 2,048 spans (its default 512: a busy
-    # replica makes 2,000 spans a second, and each export costs a gRPC call and a wake-up of its thread)
-    processor = BatchSpanProcessor(
-        _exporter(settings), schedule_delay_millis=int(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "1000")),
-        max_export_batch_size=int(os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2048")),
-        max_queue_size=int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "8192")))
-    provider.add_span_processor(processor)  # so that the provider's flush and shutdown reach it
-    _on = _Tracing(provider, processor, InstrumentationScope(SCOPE_NAME), TraceContextTextMapPropagator())
-    logger.info("tracing on: OTLP %s to %s, service.name %s", _protocol(settings),
-                settings.endpoint or "the OTEL_EXPORTER_OTLP_* endpoint", name)
+    _on = _Tracing(settings)
+    logger.info("tracing on: OTLP %s to %s, service.name %s, spans exported by process %d",
+                span_export.protocol(json.loads(settings.model_dump_json())),
+                settings.endpoint or "the OTEL_EXPORTER_OTLP_* endpoint",
+                os.environ.get("OTEL_SERVICE_NAME") or settings.service_name, _on.exporter.child.pid)
     return True
-
-
-def _protocol(settings: TracingSettings) -> str:
-    return (settings.protocol or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
-
-
-def _exporter(settings: TracingSettings):
-    if _protocol(settings) == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        endpoint = settings.endpoint
-        insecure = endpoint.startswith("http://") if endpoint else None
-        return OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-
-    return HttpExporter(endpoint=settings.endpoint)
 
 
 def enabled() -> bool:
@@ -144,79 +205,62 @@ def enabled() -> bool:
 
 
 def shutdown() -> None:
-    """Tracing off in this process (what was buffered is exported first)."""
+    """Tracing off in this process (what was recorded is exported first)."""
     global _on
     on, _on = _on, None
     if on is not None:
-        on.provider.shutdown()
+        on.exporter.close()
 
 
 def flush(timeout_ms: int = 5000) -> None:
-    """Export what is buffered now (a replica that stops, a test that waits for its spans)."""
+    """Export what is recorded now (a test that waits for its spans)."""
     if _on is not None:
-        _on.provider.force_flush(timeout_ms)
+        _on.exporter.flush(timeout_ms)
 
 
 # ---- the request's own span ----
-
-
-def _sampled_context(on: _Tracing, trace_id: int, trace_state: Any = None) -> Any:
-    from opentelemetry.trace import SpanContext, TraceFlags
-
-    return SpanContext(trace_id, on.provider.id_generator.generate_span_id(), is_remote=False,
-                       trace_flags=TraceFlags(TraceFlags.SAMPLED), trace_state=trace_state)
-
-
-def _finished(on: _Tracing, name: str, context: Any, parent: Any, start_ns: int, end_ns: int,
-              attributes: dict[str, Any] | None, kind: Any = None, links: tuple = (), status: Any = None) -> Any:
-    """One finished span, as the SDK's tracer would have made it."""
-    from opentelemetry.sdk.trace import ReadableSpan
-    from opentelemetry.trace import SpanKind, Status
-
-    return ReadableSpan(name, context=context, parent=parent, resource=on.provider.resource,
-                        attributes=attributes or {}, links=links, kind=kind or SpanKind.INTERNAL,
-                        status=status or Status(), start_time=start_ns, end_time=end_ns,
-                        instrumentation_scope=on.scope)
 
 
 class RequestSpan:
     """The SERVER span of one request (HTTP or gRPC), current while the request is handled, and its
     children (tokenize, queue, serialize) and links, recorded as clock readings until it finishes."""
 
-    __slots__ = ("on", "context", "parent", "start_ns", "attributes", "children", "links", "ended", "_token")
+    __slots__ = ("on", "trace_id", "span_id", "parent_span_id", "parent_is_remote", "trace_state", "start_ns",
+                 "attributes", "children", "links", "ended", "_token")
 
-    def __init__(self, on: _Tracing, context: Any, parent: Any, attributes: dict[str, Any]) -> None:
-        self.on, self.context, self.parent, self.attributes = on, context, parent, attributes
+    def __init__(self, on: _Tracing, trace_id: int, parent_span_id: int, trace_state: str,
+                 attributes: dict[str, Any]) -> None:
+        self.on, self.trace_id, self.trace_state, self.attributes = on, trace_id, trace_state, attributes
+        self.span_id = on.ids.generate_span_id()
+        self.parent_span_id, self.parent_is_remote = parent_span_id, bool(parent_span_id)
         self.start_ns = time.time_ns()
-        self.children: list[tuple[str, int, int, dict[str, Any] | None, Any]] = []
-        self.links: list[Any] = []
+        self.children: list[tuple[str, int, int, dict[str, Any] | None, str | None]] = []
+        self.links: list[tuple[int, int]] = []
         self.ended = False
         self._token = _current.set(self)
 
     def finish(self, name: str, status: int, attributes: dict[str, Any]) -> None:
-        """End the request: its span and its children's, to the batch processor (and so to the exporter).
+        """End the request: its span's and its children's records, queued for the exporter process.
         Never raises: a request is answered whatever becomes of its spans."""
         end_ns = time.time_ns()
         self.ended = True
         _current.reset(self._token)
         try:
-            self._export(name, status, attributes, end_ns)
+            self._record(name, status, attributes, end_ns)
         except Exception:  # noqa: BLE001 - logged; the request's answer stands
             logger.exception("tracing: the spans of a request (%s) were not recorded", name)
 
-    def _export(self, name: str, status: int, attributes: dict[str, Any], end_ns: int) -> None:
-        from opentelemetry.trace import SpanKind, Status, StatusCode
-
-        on, context = self.on, self.context
-        for child, start_ns, child_end_ns, child_attributes, child_status in self.children:
-            on.processor.on_end(_finished(on, child, _sampled_context(on, context.trace_id, context.trace_state),
-                                          context, start_ns, child_end_ns, child_attributes, status=child_status))
+    def _record(self, name: str, status: int, attributes: dict[str, Any], end_ns: int) -> None:
+        on, trace_id, state = self.on, self.trace_id, self.trace_state
+        for child, start_ns, child_end_ns, child_attributes, error in self.children:
+            on.exporter.put((child, trace_id, on.ids.generate_span_id(), self.span_id, False, False, start_ns,
+                             child_end_ns, child_attributes, (), error, state))
         self.attributes.update((k, v) for k, v in attributes.items() if v is not None)
         if "url.path" in self.attributes and self.attributes["url.path"] == self.attributes.get("http.route"):
             del self.attributes["url.path"]  # said once: every attribute is encoded and sent for every request
-        on.processor.on_end(_finished(
-            on, name, context, self.parent, self.start_ns, end_ns, self.attributes, kind=SpanKind.SERVER,
-            links=tuple(self.links), status=Status(StatusCode.ERROR, f"status {status}") if status >= 500 else None))
+        on.exporter.put((name, trace_id, self.span_id, self.parent_span_id, self.parent_is_remote, True,
+                         self.start_ns, end_ns, self.attributes, tuple(self.links),
+                         f"status {status}" if status >= 500 else None, state))
 
 
 def request_span(name: str, carrier: dict[str, str], attributes: dict[str, Any]) -> RequestSpan | None:
@@ -231,13 +275,14 @@ def request_span(name: str, carrier: dict[str, str], attributes: dict[str, Any])
     parent = trace.get_current_span(parent_context).get_span_context() if parent_context is not None else None
     if parent is not None and not parent.is_valid:
         parent = None
-    trace_id = parent.trace_id if parent is not None else on.provider.id_generator.generate_trace_id()
-    decision = on.provider.sampler.should_sample(parent_context, trace_id, name, trace.SpanKind.SERVER, attributes)
+    trace_id = parent.trace_id if parent is not None else on.ids.generate_trace_id()
+    decision = on.sampler.should_sample(parent_context, trace_id, name, trace.SpanKind.SERVER, attributes)
     if not decision.decision.is_sampled():
         return None
     if decision.attributes:
         attributes = {**attributes, **decision.attributes}
-    return RequestSpan(on, _sampled_context(on, trace_id, decision.trace_state), parent, attributes)
+    state = decision.trace_state.to_header() if decision.trace_state else ""
+    return RequestSpan(on, trace_id, parent.span_id if parent is not None else 0, state, attributes)
 
 
 def carrier_of_headers(headers: dict[bytes, bytes]) -> dict[str, str]:
@@ -256,12 +301,9 @@ def span(name: str, **attributes: Any) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        from opentelemetry.trace import Status, StatusCode
-
-        request.children.append((name, start_ns, time.time_ns(), attributes,
-                                 Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")))
+        request.children.append((name, start_ns, time.time_ns(), attributes or None, f"{type(exc).__name__}: {exc}"))
         raise
-    request.children.append((name, start_ns, time.time_ns(), attributes, None))
+    request.children.append((name, start_ns, time.time_ns(), attributes or None, None))
 
 
 def current() -> RequestSpan | None:
@@ -285,19 +327,18 @@ def record_batch(jobs: list[Any], started: float, ended: float, attributes: dict
     on = _on
     if on is None:
         return
-    from opentelemetry.trace import Link
-
     traced: list[tuple[Any, RequestSpan]] = [
         (job, r) for job in jobs if isinstance(r := getattr(job, "trace", None), RequestSpan)]
     if not traced:
         return
     now_perf, now_ns = time.perf_counter(), time.time_ns()
     start_ns, end_ns = _epoch_ns(started, now_perf, now_ns), _epoch_ns(ended, now_perf, now_ns)
-    batch = _sampled_context(on, on.provider.id_generator.generate_trace_id())
-    on.processor.on_end(_finished(on, "batch", batch, None, start_ns, end_ns, attributes,
-                                  links=tuple(Link(r.context) for _, r in traced)))
+    attributes = {k: v.item() if hasattr(v, "item") else v for k, v in attributes.items()}  # numpy scalars
+    batch_trace, batch_span = on.ids.generate_trace_id(), on.ids.generate_span_id()
+    on.exporter.put(("batch", batch_trace, batch_span, 0, False, False, start_ns, end_ns, attributes,
+                     tuple((r.trace_id, r.span_id) for _, r in traced), None, ""))
     for job, request in traced:
         if request.ended:  # a request whose client left may have ended (499) before its batch did
             continue
-        request.links.append(Link(batch))  # what the request brought to it: its own encoder.texts and .tokens
+        request.links.append((batch_trace, batch_span))  # what the request brought: its own encoder.texts, .tokens
         request.children.append(("queue", _epoch_ns(job.enqueued, now_perf, now_ns), start_ns, None, None))

@@ -218,13 +218,60 @@ def test_spans_that_cannot_be_recorded_never_fail_the_request(receiver, caplog):
     try:
         tracing.configure(TracingSettings(endpoint=endpoint, protocol="grpc"))
 
-        def broken(span):
+        def broken(record):
             raise RuntimeError("exporter queue gone")
 
-        tracing._on.processor.on_end = broken
+        tracing._on.exporter.put = broken
         traced = tracing.request_span("POST /x", {}, {})
         traced.finish("POST /x", 200, {})  # does not raise
         assert tracing.current() is None
         assert "the spans of a request (POST /x) were not recorded" in caplog.text
     finally:
         tracing.shutdown()
+
+
+def test_the_exporter_process_ends_with_tracing_with_its_replica_and_never_holds_requests(receiver, caplog):
+    """Spans leave the replica for an exporter process of its own (service/span_export.py): it exits
+    when tracing is turned off, and when its replica dies without a word (SIGKILL, os._exit: its input
+    ends); if it is gone, requests still finish and their spans are dropped, said once."""
+    import subprocess
+    import sys
+
+    from service import tracing
+    from service.config import TracingSettings
+
+    _, endpoint = receiver
+    settings = TracingSettings(endpoint=endpoint, protocol="grpc")
+    tracing.configure(settings)
+    child = tracing._on.exporter.child
+    tracing.shutdown()
+    assert child.poll() == 0  # exited, having exported what it held
+
+    script = ("import os, sys; from service import tracing; from service.config import TracingSettings; "
+              f"tracing.configure(TracingSettings.model_validate_json({settings.model_dump_json()!r})); "
+              "print(tracing._on.exporter.child.pid, flush=True); os._exit(0)")
+    orphan = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout)
+
+    def gone() -> bool:
+        try:
+            os.kill(orphan, 0)
+        except ProcessLookupError:
+            return True
+        return open(f"/proc/{orphan}/stat").read().split()[2] == "Z"  # exited, not yet reaped by init
+
+    wait_until(gone, "the exporter process of a replica that died to exit", timeout=30, interval=0.2)
+
+    try:
+        tracing.configure(settings)
+        tracing._on.exporter.child.kill()
+        tracing._on.exporter.child.wait()
+        for _ in range(3):
+            traced = tracing.request_span("POST /x", {}, {})
+            with tracing.span("tokenize"):
+                pass
+            traced.finish("POST /x", 200, {})
+            tracing.flush(1000)  # writes to the dead process: said, never raised
+        assert caplog.text.count("the span exporter process is gone") == 1
+    finally:
+        tracing.shutdown()
+    assert "span(s) dropped" in caplog.text
