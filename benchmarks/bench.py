@@ -705,9 +705,13 @@ def main() -> int:
     if (args.rerank or args.rerank_only) and not args.tracing_only:
         rows += rerank_rows(args, ingresses[-1], settings)
         references.sample(after="the cross-encoder phase")
+    def tracing_phases() -> list[dict]:
+        """The same rows with tracing off and on at full sampling, phases alternating (noise)."""
+        return [row for traced in (False, True) * args.tracing_rounds
+                for row in phase(tracing_phase(ingresses[-1], common, settings, args.batch, traced, args.loadgen))]
+
     if args.tracing_only:
-        for traced in (False, True) * args.tracing_rounds:
-            rows += phase(tracing_phase(ingresses[-1], common, settings, args.batch, traced, args.loadgen))
+        rows += tracing_phases()
     elif not args.rerank_only:
         # the default configuration (runtime and precision auto: OpenVINO bf16 where the CPU has bf16 units
         # and it measures faster), on the last ingress; its embeddings of the texts against sentence-transformers'
@@ -724,9 +728,8 @@ def main() -> int:
                        "scenarios": [scenario("single texts", 1, 32)]})
         if args.protocols:
             rows += phase(protocol_phase(best, common, settings, args.batch))
-        if args.tracing:  # the same rows with tracing off and on at full sampling, phases alternating (noise)
-            for traced in (False, True) * args.tracing_rounds:
-                rows += phase(tracing_phase(best, common, settings, args.batch, traced, args.loadgen))
+        if args.tracing:
+            rows += tracing_phases()
         if args.bounds:  # the engine alone (no HTTP, no Ray), and the same app under plain uvicorn (no Ray)
             rows += engine_alone(args.bundle, ["auto", "fp32"], seconds=args.wrk_duration)
             references.sample(after="the engine alone")

@@ -127,9 +127,9 @@ def main() -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
         if args.tracing:
-            from benchmarks.otlp_receiver import Receiver
+            from benchmarks.otlp_receiver import ReceiverProcess  # as the bench's: not in the load generator
 
-            receiver = Receiver().start()
+            receiver = ReceiverProcess().start()
         settings = ServiceSettings.model_validate({"bundle": str(args.bundle.resolve()), "precision": args.precision,
                                                    "replicas": 1,
                                                    **({"tracing": {"endpoint": receiver.endpoint}} if receiver else {})})

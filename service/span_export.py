@@ -3,7 +3,7 @@
     python -m service.span_export '{"endpoint": ..., "protocol": ..., "service_name": ...}'
 
 service/tracing.py starts one per replica that traces and writes it frames on its stdin: b"S" and a
-marshalled list of span records (`RECORD`), or b"F" (flush: it exports what it holds and answers
+marshalled list of span records (their layout below), or b"F" (flush: it exports what it holds and answers
 b"ok" on stdout). Here each record becomes the SDK's finished span (`ReadableSpan`), given to the
 SDK's batch processor and OTLP exporter (gRPC or HTTP/protobuf, the standard OTEL_* variables read as
 the SDK reads them). Why a process: encoding OTLP protobuf costs about 15 us of Python a span, and in
@@ -28,8 +28,6 @@ SPANS, FLUSH = b"S", b"F"
 # One span: (name, trace_id, span_id, parent_span_id (0: none), parent_is_remote, server (bool),
 # start_ns, end_ns, attributes (dict or None), links ((trace_id, span_id), ...), error (str or None),
 # trace_state (W3C tracestate header or ""))
-RECORD = ("name", "trace_id", "span_id", "parent_span_id", "parent_is_remote", "server", "start_ns", "end_ns",
-          "attributes", "links", "error", "trace_state")
 
 
 def frame(kind: bytes, body: bytes = b"") -> bytes:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
-import json
 import logging
 import marshal
 import os
@@ -194,7 +193,7 @@ def configure(settings: TracingSettings | None) -> bool:
     settings = settings or TracingSettings()
     _on = _Tracing(settings)
     logger.info("tracing on: OTLP %s to %s, service.name %s, spans exported by process %d",
-                span_export.protocol(json.loads(settings.model_dump_json())),
+                span_export.protocol(settings.model_dump()),
                 settings.endpoint or "the OTEL_EXPORTER_OTLP_* endpoint",
                 os.environ.get("OTEL_SERVICE_NAME") or settings.service_name, _on.exporter.child.pid)
     return True
@@ -225,14 +224,14 @@ class RequestSpan:
     """The SERVER span of one request (HTTP or gRPC), current while the request is handled, and its
     children (tokenize, queue, serialize) and links, recorded as clock readings until it finishes."""
 
-    __slots__ = ("on", "trace_id", "span_id", "parent_span_id", "parent_is_remote", "trace_state", "start_ns",
-                 "attributes", "children", "links", "ended", "_token")
+    __slots__ = ("on", "trace_id", "span_id", "parent_span_id", "trace_state", "start_ns", "attributes", "children",
+                 "links", "ended", "_token")
 
     def __init__(self, on: _Tracing, trace_id: int, parent_span_id: int, trace_state: str,
                  attributes: dict[str, Any]) -> None:
         self.on, self.trace_id, self.trace_state, self.attributes = on, trace_id, trace_state, attributes
         self.span_id = on.ids.generate_span_id()
-        self.parent_span_id, self.parent_is_remote = parent_span_id, bool(parent_span_id)
+        self.parent_span_id = parent_span_id  # 0: none; else the client's span (remote)
         self.start_ns = time.time_ns()
         self.children: list[tuple[str, int, int, dict[str, Any] | None, str | None]] = []
         self.links: list[tuple[int, int]] = []
@@ -258,7 +257,7 @@ class RequestSpan:
         self.attributes.update((k, v) for k, v in attributes.items() if v is not None)
         if "url.path" in self.attributes and self.attributes["url.path"] == self.attributes.get("http.route"):
             del self.attributes["url.path"]  # said once: every attribute is encoded and sent for every request
-        on.exporter.put((name, trace_id, self.span_id, self.parent_span_id, self.parent_is_remote, True,
+        on.exporter.put((name, trace_id, self.span_id, self.parent_span_id, bool(self.parent_span_id), True,
                          self.start_ns, end_ns, self.attributes, tuple(self.links),
                          f"status {status}" if status >= 500 else None, state))
 
