@@ -23,8 +23,8 @@ At full sampling every microsecond counts (the target: at most 5 % of single-tex
 whole replica CPU is about 4 ms a text). So the replica only reads clocks and draws ids: a request's
 spans are `time_ns()` readings on a `RequestSpan`, which become plain records (tuples) when the
 request ends, queued for a writer thread that hands them, marshalled in batches every 0.1 s, to the
-replica's span exporter process (service/span_export.py). That process makes them the SDK's finished
-spans and exports them with its batch processor and OTLP exporter. The SDK's sampler and id
+replica's span exporter process (service/span_export.py), which encodes and exports them with the
+SDK's OTLP exporter at a lower CPU priority. The SDK's sampler and id
 generator, here, decide and name every span, as its tracer would. What the replica no longer does:
 the SDK's live-span machinery (locks, attribute checks, context attach and detach per span) and the
 OTLP protobuf encoding (about 15 us a span, holding the interpreter lock the event loop needs).

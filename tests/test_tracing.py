@@ -275,3 +275,81 @@ def test_the_exporter_process_ends_with_tracing_with_its_replica_and_never_holds
     finally:
         tracing.shutdown()
     assert "span(s) dropped" in caplog.text
+
+
+def test_the_exporters_encoder_makes_the_sdks_message():
+    """Over gRPC the exporter process encodes span records itself (a third of the SDK's cost); the
+    message must be the one the SDK's own encoder makes of the same spans, field for field."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    from service import span_export
+
+    resource = span_export.resource_of({"service_name": "parity"})
+    records = [
+        ("POST /v1/embeddings", 2**127 + 5, 2**63 + 7, 11, True, True, 1_000, 9_000,
+         {"http.route": "/v1/embeddings", "http.response.status_code": 200, "encoder.texts": 3,
+          "encoder.ok": True, "encoder.padding": 0.25, "encoder.graphs": ["encodings", "full"], "gone": None},
+         ((3, 4), (2**128 - 1, 2**64 - 1)), None, "vendor=a,other=b"),
+        ("tokenize", 12, 13, 2**63 + 7, False, False, 2_000, 3_000, {"encoder.texts": 1}, (), "ValueError: no", ""),
+        ("batch", 14, 15, 0, False, False, 4_000, 5_000, None, ((2**127 + 5, 2**63 + 7),), None, ""),
+    ]
+    ours = span_export.Encoder(resource, span_export.SCOPE_NAME)(records)
+    sdks = encode_spans(span_export.readable_spans(records, resource, InstrumentationScope(span_export.SCOPE_NAME)))
+    assert ours == sdks
+    assert ours.SerializeToString(deterministic=True) == sdks.SerializeToString(deterministic=True)
+    assert len(ours.resource_spans[0].scope_spans[0].spans) == 3
+
+
+def test_spans_go_over_otlp_http_too():
+    """protocol http/protobuf: the SDK's HTTP exporter posts them to a receiver's /v1/traces."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,
+    )
+
+    from service import tracing
+    from service.config import TracingSettings
+
+    got: list = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            got.append((self.path, self.headers["Content-Type"], ExportTraceServiceRequest.FromString(body)))
+            answer = ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    trace_id, parent, header = traceparent()
+    try:
+        tracing.configure(TracingSettings(endpoint=f"http://127.0.0.1:{server.server_port}/v1/traces",
+                                          protocol="http/protobuf", service_name="over-http"))
+        traced = tracing.request_span("POST /x", {"traceparent": header}, {"encoder.request_id": "r-2"})
+        with tracing.span("tokenize"):
+            pass
+        traced.finish("POST /x", 200, {"http.response.status_code": 200})
+        tracing.flush()
+    finally:
+        tracing.shutdown()
+        server.shutdown()
+    assert got, "nothing was posted to the receiver"
+    path, content_type, request = got[0]
+    assert (path, content_type) == ("/v1/traces", "application/x-protobuf")
+    resource = request.resource_spans[0].resource
+    assert {"service.name": "over-http"}.items() <= attributes(resource).items()
+    spans = {s.name: s for s in request.resource_spans[0].scope_spans[0].spans}
+    assert set(spans) == {"POST /x", "tokenize"}
+    assert spans["POST /x"].trace_id.hex() == trace_id and spans["POST /x"].parent_span_id.hex() == parent
+    assert spans["tokenize"].parent_span_id == spans["POST /x"].span_id
+    assert attributes(spans["POST /x"]) == {"encoder.request_id": "r-2", "http.response.status_code": 200}
