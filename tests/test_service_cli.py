@@ -95,22 +95,33 @@ def collect(proc: subprocess.Popen) -> list[str]:
     return lines
 
 
-def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(default_bundle, tmp_path):
+def test_python_m_service_serves_on_loopback_only_says_what_matters_quietly_and_stops_on_sigterm(
+        default_bundle, tmp_path):
+    """`python -m service` as the README runs it: it serves HTTP and gRPC, prints a short summary and
+    nothing in colour, keeps Ray's messages in its log file, stops on SIGTERM leaving no process behind;
+    and every listener of its processes faces loopback: GCS, raylet, agents, metrics, the HTTP and gRPC
+    ingress (HAProxy), HAProxy's stats and Prometheus ports, the fallback proxy's gRPC port and each
+    replica's own HTTP and gRPC ports (service/listeners.py moves those Ray binds to every interface)."""
     import numpy as np
     import tritonclient.grpc as triton_grpc
 
+    from tests.reliability import record
+
     port, metrics_port, grpc_port = free_port(), free_port(), free_port()
     log = tmp_path / "service.log"
+    env = service_env()
+    haproxy_own = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "--config", str(ROOT / "deploy/serve_config.yaml"),
          "--bundle", str(default_bundle), "--port", str(port), "--num-cpus", "2",
          "--metrics-port", str(metrics_port), "--log-file", str(log), "--grpc-port", str(grpc_port)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env(),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     lines = collect(proc)
     try:
         url = f"http://127.0.0.1:{port}"
         health = wait_for_health(url, proc, lines)
+        sockets = sockets_once_serving(proc, port)
         assert health.json()["provider"] == "CPUExecutionProvider"
         spawned = processes.descendants(proc.pid)
         assert spawned, "Ray should run in child processes"
@@ -154,6 +165,22 @@ def test_python_m_service_serves_says_what_matters_quietly_and_stops_on_sigterm(
     logged = log.read_text()
     assert "Started Serve" in logged or "serve" in logged.lower(), logged[-2000:]
     assert_no_orphans(spawned)
+
+    names = {name for name, _, _ in sockets}
+    assert any("gcs_server" in n for n in names) and any("raylet" in n for n in names), names
+    assert any(n.startswith("ray::ServeReplica") for n in names), names  # the replica's ports are among them
+    on_port = [s for s in sockets if s[2] == port]
+    assert all(name == "haproxy" and processes.is_loopback(address) for name, address, _ in on_port), on_port
+    on_grpc_port = [s for s in sockets if s[2] == grpc_port]
+    assert on_grpc_port and all(name == "haproxy" for name, _, _ in on_grpc_port), on_grpc_port
+    assert int(env["RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"]) in {p for name, _, p in sockets if name.startswith("ray::ProxyActor")}
+    assert haproxy_own <= {p for name, _, p in sockets if name == "haproxy"}, sockets  # stats, metrics
+    beyond = [s for s in sockets if not processes.is_loopback(s[1])]
+    assert not beyond, f"listening beyond loopback: {beyond}"
+    record("Ray's own ports under make run", "every listening TCP socket of the service's processes, read from /proc",
+           f"{len(sockets)} listeners, all on loopback (GCS, raylet, agents, metrics, the HTTP and gRPC ports, HAProxy's "
+           "stats and Prometheus ports, the fallback proxy's ports, replicas' own HTTP and gRPC ports)",
+           note="no dashboard, no Ray client server")
 
 
 def test_python_m_service_refuses_cuda_it_cannot_use_with_the_real_reason(default_bundle):
@@ -287,40 +314,6 @@ def sockets_once_serving(proc: subprocess.Popen, port: int) -> list[tuple[str, s
         return found if any(p == port for _, _, p in found) else None
 
     return wait_until(listing, f"a listener on port {port} among the service's processes", timeout=30)
-
-
-def test_ray_listens_on_loopback_only_under_python_m_service(default_bundle):
-    """Every listener of `make run` faces loopback: GCS, raylet, agents, metrics, the HTTP and gRPC
-    ingress (HAProxy), HAProxy's stats and Prometheus ports, the fallback proxy's gRPC port and each
-    replica's own HTTP and gRPC ports (service/listeners.py moves those Ray binds to every interface)."""
-    from tests.reliability import record
-
-    port, grpc_port = free_port(), free_port()
-    env = service_env()
-    haproxy_own = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
-    proc, lines = start_service(default_bundle, port, "--grpc-port", str(grpc_port), env=env)
-    try:
-        wait_for_health(f"http://127.0.0.1:{port}", proc, lines)
-        sockets = sockets_once_serving(proc, port)
-        spawned = stop_with_sigterm(proc)
-    finally:
-        kill_tree(proc)
-    names = {name for name, _, _ in sockets}
-    assert any("gcs_server" in n for n in names) and any("raylet" in n for n in names), names
-    assert any(n.startswith("ray::ServeReplica") for n in names), names  # the replica's ports are among them
-    on_port = [s for s in sockets if s[2] == port]
-    assert all(name == "haproxy" and processes.is_loopback(address) for name, address, _ in on_port), on_port
-    on_grpc_port = [s for s in sockets if s[2] == grpc_port]
-    assert on_grpc_port and all(name == "haproxy" for name, _, _ in on_grpc_port), on_grpc_port
-    assert int(env["RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"]) in {p for name, _, p in sockets if name.startswith("ray::ProxyActor")}
-    assert haproxy_own <= {p for name, _, p in sockets if name == "haproxy"}, sockets  # stats, metrics
-    beyond = [s for s in sockets if not processes.is_loopback(s[1])]
-    assert not beyond, f"listening beyond loopback: {beyond}"
-    assert_no_orphans(spawned)
-    record("Ray's own ports under make run", "every listening TCP socket of the service's processes, read from /proc",
-           f"{len(sockets)} listeners, all on loopback (GCS, raylet, agents, metrics, the HTTP and gRPC ports, HAProxy's "
-           "stats and Prometheus ports, the fallback proxy's ports, replicas' own HTTP and gRPC ports)",
-           note="no dashboard, no Ray client server")
 
 
 def test_python_m_service_with_ray_serves_proxy_actor(default_bundle):

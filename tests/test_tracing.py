@@ -165,6 +165,8 @@ def test_tracing_is_off_unless_the_settings_or_the_otel_variables_ask(monkeypatc
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+    # nothing listens at these endpoints: the exporter's retries give up after a second, not ten
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
     parsed = TracingSettings.model_validate(settings) if settings is not None else None
     try:
         assert tracing.configure(parsed) is on and tracing.enabled() is on
