@@ -69,9 +69,8 @@ class Encoder:
         spans = []
         for (name, trace_id, span_id, parent_span_id, parent_is_remote, is_server, start_ns, end_ns, attributes,
              links, error, trace_state) in records:
-            trace_bytes = trace_id.to_bytes(16, "big")
             spans.append(span(
-                trace_id=trace_bytes, span_id=span_id.to_bytes(8, "big"), trace_state=trace_state or None,
+                trace_id=trace_id.to_bytes(16, "big"), span_id=span_id.to_bytes(8, "big"), trace_state=trace_state or None,
                 parent_span_id=parent_span_id.to_bytes(8, "big") if parent_span_id else None, name=name,
                 kind=server if is_server else internal, start_time_unix_nano=start_ns, end_time_unix_nano=end_ns,
                 attributes=attributes_of(attributes) if attributes else None,
@@ -175,9 +174,11 @@ class Batches:
     a batch is full, so that reading the replica's frames never waits for the collector. Past
     MAX_WAITING records waiting, new ones are dropped (said once, counted at the end)."""
 
-    BATCH = int(os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2048"))  # the SDK's default is 512: a busy
-    DELAY_S = int(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "1000")) / 1000  # replica makes 2,000 spans a second;
-    MAX_WAITING = int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "8192"))  # the SDK's delay is 5 s
+    # The SDK's batch processor's variables, with other defaults: a busy replica makes 2,000 spans a
+    # second, so exports of up to 2,048 (the SDK's 512) every second (its 5 s)
+    BATCH = int(os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2048"))
+    DELAY_S = int(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "1000")) / 1000
+    MAX_WAITING = int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "8192"))
 
     def __init__(self, export) -> None:  # noqa: ANN001 - a list of records -> the SDK's export result
         self.export = export
