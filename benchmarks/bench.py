@@ -617,7 +617,8 @@ def main() -> int:
     p.add_argument("--tracing-only", action="store_true",
                    help="only the tracing rows (and the in-process references); prints them, writes no page")
     p.add_argument("--tracing-rounds", type=int, default=TRACING_ROUNDS,
-                   help="rounds of tracing off and on, in the order off, on, on, off, off, on, ... (a drift of the machine within a run falls on both alike)")
+                   help="rounds of tracing off and on, in the order off, on, on, off, off, on, ... (a drift of the "
+                   "machine within a run falls on both alike)")
     p.add_argument("--tracing", action=argparse.BooleanOptionalAction, default=True,
                    help="the tracing rows: single texts and client batches with OpenTelemetry tracing off, then on at "
                    "100%% sampling (every span exported with OTLP to a receiver on loopback)")
@@ -707,7 +708,7 @@ def main() -> int:
         rows += rerank_rows(args, ingresses[-1], settings)
         references.sample(after="the cross-encoder phase")
     def tracing_phases() -> list[dict]:
-        """The same rows with tracing off and on at full sampling, phases alternating (noise)."""
+        """The same rows with tracing off and on at full sampling, phases interleaved (TRACING_ROUNDS)."""
         order = [traced for i in range(args.tracing_rounds) for traced in ((False, True), (True, False))[i % 2]]
         return [row for traced in order
                 for row in phase(tracing_phase(ingresses[-1], common, settings, args.batch, traced, args.loadgen))]
