@@ -355,3 +355,34 @@ def test_spans_go_over_otlp_http_too():
     assert spans["POST /x"].trace_id.hex() == trace_id and spans["POST /x"].parent_span_id.hex() == parent
     assert spans["tokenize"].parent_span_id == spans["POST /x"].span_id
     assert attributes(spans["POST /x"]) == {"encoder.request_id": "r-2", "http.response.status_code": 200}
+
+
+def test_a_stalled_collector_never_stalls_the_exporters_input(capfd):
+    """While an export hangs (a collector slow or away), the exporter process keeps reading the replica's
+    frames: spans wait up to OTEL_BSP_MAX_QUEUE_SIZE, past it they are dropped and said once, and what
+    waited is exported once the collector answers again."""
+    from service import span_export
+
+    release, exported = threading.Event(), []
+
+    def export(records):
+        release.wait(30)
+        exported.extend(records)
+
+    class Small(span_export.Batches):
+        BATCH, DELAY_S, MAX_WAITING = 4, 0.05, 10
+
+    batches = Small(export)
+    batches.add([("first", 1)] * 4)  # a full batch: the thread takes it and hangs in export
+    wait_until(lambda: not batches.waiting, "the first batch to be taken", timeout=10, interval=0.01)
+    reader = threading.Thread(target=lambda: [batches.add([(f"r{i}", i)] * 3) for i in range(5)])
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive() and not release.is_set(), "adding spans waited for the hung export"
+    assert len(batches.waiting) == 10 and batches.dropped == 5  # 15 records, room for 10
+    release.set()
+    batches.flush(10)
+    batches.shutdown()
+    assert len(exported) == 4 + 10
+    err = capfd.readouterr().err
+    assert err.count("spans waiting for the collector; dropping") == 1 and "5 spans dropped" in err
