@@ -180,3 +180,70 @@ def test_each_request_gets_an_id_in_its_error_body_its_header_and_its_access_log
     assert first["ms"] >= 0 and first["time"].endswith("Z")
     assert error_response(400, "bad_request", "outside a request").body == \
         b'{"error":{"type":"bad_request","message":"outside a request"}}'
+
+
+def test_serve_never_sees_a_header_it_cannot_decode_and_the_app_refuses_it_with_an_id():
+    """service/http/ingress.py's guard, before Serve's code: a header value Serve decodes as UTF-8 that is
+    not UTF-8 is taken out and named for the app, which answers a JSON 400 with the request's one id and
+    an access log line; one X-Request-Id is kept (the first, when valid); a client's own naming is dropped.
+    (End to end through both ingresses: tests/test_hostile_headers.py.)"""
+    import logging
+
+    from service.http.ingress import ServeHeaderGuard
+    from service.http.middleware import UNREADABLE_HEADER
+    from service.http.request_ids import access_logger, enable_access_log
+
+    seen: list[list] = []
+
+    async def serve_then_app(scope, receive, send):  # what Serve's code does first: decode them all
+        seen.append(list(scope["headers"]))
+        for name, value in scope["headers"]:
+            name.decode("utf-8"), value.decode("utf-8")
+        await middleware.MetricsMiddleware(answers_200)(scope, receive, send)
+
+    async def answers_200(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    def through(headers):
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/embeddings", "headers": list(headers)}
+        asyncio.run(ServeHeaderGuard(serve_then_app)(scope, _receive, send))
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        return start, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+    lines: list[dict] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(json.loads(record.getMessage()))
+
+    handler = Collect()
+    enable_access_log(True)
+    access_logger.addHandler(handler)
+    try:
+        plain = [(b"host", b"x"), (b"x-request-id", b"client-1"), (b"serve_multiplexed_model_id", b"m\xc3\xa9")]
+        start, _ = through(plain)
+        assert start["status"] == 200 and seen[-1] == plain  # nothing to change: passed as it came
+        for name, value in [(b"x-request-timeout-seconds", b"\xff"), (b"serve-multiplexed-model-id", b"\xff"),
+                            (b"x-request-id", b"caf\xe9")]:
+            start, body = through([(b"host", b"x"), (name, value)])
+            error = json.loads(body)["error"]
+            assert start["status"] == 400 and error["type"] == "bad_request", (name, body)
+            assert name.decode().lower() in error["message"] and value not in [v for _, v in seen[-1]]
+            ids = [v.decode() for k, v in start["headers"] if k == b"x-request-id"]
+            assert ids == [error["request_id"]] and lines[-1]["id"] == ids[0] and lines[-1]["status"] == 400
+        start, _ = through([(UNREADABLE_HEADER.encode(), b"x-request-id")])  # a client cannot name any itself
+        assert start["status"] == 200 and seen[-1] == []
+        through([(b"x-request-id", b"first"), (b"x-request-id", b"second")])
+        assert seen[-1] == [(b"x-request-id", b"first")] and lines[-1]["id"] == "first"
+        through([(b"x-request-id", b"not valid"), (b"x-request-id", b"second")])
+        assert seen[-1] == []  # none left: Serve makes one (here, the middleware does)
+        through([(b"x-request-id", b"b" * 129)])
+        assert seen[-1] == []
+    finally:
+        access_logger.removeHandler(handler)

@@ -86,6 +86,24 @@ def test_one_request_is_one_trace_continued_from_the_clients_traceparent(traced,
     assert battrs["encoder.graphs"].startswith(("encodings", "packed"))
 
 
+def test_the_request_id_on_the_span_is_the_one_the_client_got(traced, receiver):
+    """An id that fails the service's rule, or the second of two: the span carries the one id the response
+    header carries (and the access log line, tests/test_hostile_headers.py), not another."""
+    import uuid
+
+    found, _ = receiver
+    first = f"first-{uuid.uuid4().hex}"
+    for ids, expected in ((["two words"], None), ([first, "second-id"], first)):
+        trace_id, parent, header = traceparent()
+        r = httpx.post(f"{traced}/v1/embeddings", json={"input": "an id"}, timeout=60,
+                       headers=[("traceparent", header), *(("x-request-id", i) for i in ids)])
+        assert r.status_code == 200
+        (echoed,) = r.headers.get_list("x-request-id")
+        assert echoed == expected if expected else echoed not in ids
+        server, _ = request_tree(found, trace_id, parent, "POST /v1/embeddings")
+        assert attributes(server)["encoder.request_id"] == echoed
+
+
 def test_a_grpc_call_continues_the_trace_from_its_metadata(ray_serve, traced, receiver):
     import numpy as np
     import tritonclient.grpc as triton_grpc
@@ -386,3 +404,4 @@ def test_a_stalled_collector_never_stalls_the_exporters_input(capfd):
     assert len(exported) == 4 + 10
     err = capfd.readouterr().err
     assert err.count("spans waiting for the collector; dropping") == 1 and "5 spans dropped" in err
+

@@ -13,18 +13,28 @@ overload alert looks. Our own answers are JSON already and pass through untouche
 Serve's 408 is the client's deadline passing on Serve's clock, a moment before ours: it becomes the
 503 `timeout` with Retry-After that the service answers for the same deadline, so which clock fired
 first never shows. The replica's MetricsMiddleware counts it (Serve cancels the handler there).
+
+Before any of Serve's code, `ServeHeaderGuard` makes the headers safe for it: Serve decodes some
+header values as UTF-8 (the request id, X-Request-Timeout-Seconds, the multiplexed model id, the
+session id, traceparent) in its proxy and in each replica's HTTP server, and bytes that are not UTF-8
+made it answer a plain-text 500 with no log line. Such a header is taken out and named in
+UNREADABLE_HEADER, and the app refuses the request with a JSON 400 that has an id, an access log line,
+metrics and a span (MetricsMiddleware). It also keeps one X-Request-Id (service/http/request_ids.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from starlette.middleware import Middleware
 
 from service.http.errors import app_path, error_body
-from service.http.middleware import TIMEOUT_HEADER, asked_deadline_s
-from service.http.request_ids import REQUEST_ID_HEADER
+from service.http.middleware import TIMEOUT_HEADER, UNREADABLE_HEADER, asked_deadline_s
+from service.http.request_ids import REQUEST_ID_HEADER, is_valid_request_id
+
+logger = logging.getLogger("ray.serve")
 
 # Serve's status -> our error type (service/engine/errors.py names the same ones)
 RAY_ANSWER_TYPES = {404: "not_found", 408: "timeout", 413: "too_large", 500: "backend", 503: "unavailable"}
@@ -94,6 +104,89 @@ class RayAnswersAsJson:
         await self.app(scope, receive, rewriting_send)
 
 
+def serve_decoded_headers() -> frozenset[bytes]:
+    """The names (lowercase, `-` as `_`, as Serve compares some of them) of the headers whose values Ray
+    Serve decodes as UTF-8 before the app runs (ray/serve/_private/proxy.py, replica.py, http_util.py:
+    its constants where it has them; a Ray without one is said once in the log)."""
+    names = {"traceparent", "tracestate", REQUEST_ID_HEADER, TIMEOUT_HEADER}
+    try:
+        from ray.serve._private import constants
+    except ImportError:
+        constants = None
+    for constant in ("SERVE_HTTP_REQUEST_ID_HEADER", "SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER", "SERVE_MULTIPLEXED_MODEL_ID",
+                     "SERVE_SESSION_ID", "SERVE_HTTP_REQUEST_DISCONNECT_DISABLED_HEADER"):
+        value = getattr(constants, constant, None)
+        if isinstance(value, str):
+            names.add(value)
+        else:
+            logger.warning("Ray Serve has no %s: that header is not checked for bytes Serve cannot decode", constant)
+    return frozenset(n.lower().replace("-", "_").encode() for n in names)
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+class ServeHeaderGuard:
+    """ASGI middleware, outermost in Serve's proxy and replicas' servers: takes out the header values
+    Serve would fail to decode, naming them in UNREADABLE_HEADER for the app to refuse (the client
+    cannot set that header: any it sent is dropped), and keeps the request's one X-Request-Id: the
+    first, when it passes the service's rule, else none, so that Serve makes one (and Serve's echo,
+    the error body, the access log line and the span carry the same id)."""
+
+    decoded: frozenset[bytes] = frozenset()  # serve_decoded_headers(), when the first instance is made
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        if not ServeHeaderGuard.decoded:
+            ServeHeaderGuard.decoded = serve_decoded_headers()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope["headers"] = self.guarded(scope.get("headers") or [])
+        await self.app(scope, receive, send)
+
+    def guarded(self, headers: list) -> list:
+        """The headers as Serve and the app may read them (the same list when nothing is to change)."""
+        decoded, id_name, mark = self.decoded, REQUEST_ID_HEADER.encode(), UNREADABLE_HEADER.encode()
+        ids = 0
+        for name, value in headers:
+            key = name.lower()
+            if key == id_name:
+                ids += 1
+                if ids > 1 or not is_valid_request_id(value):
+                    break
+            elif key == mark or (key.replace(b"-", b"_") in decoded and not _is_utf8(value)):
+                break
+        else:
+            return headers  # the common case: nothing to change, nothing copied
+        kept, request_id, names = [], None, []
+        for name, value in headers:
+            key = name.lower()
+            if key == id_name:
+                if request_id is None:
+                    request_id = value
+                continue
+            if key == mark:
+                continue
+            if key.replace(b"-", b"_") in decoded and not _is_utf8(value):
+                names.append(key.decode("latin-1"))
+                continue
+            kept.append((name, value))
+        if request_id is not None:
+            if not _is_utf8(request_id):
+                names.append(REQUEST_ID_HEADER)
+            elif is_valid_request_id(request_id):
+                kept.append((id_name, request_id))
+        if names:
+            kept.append((mark, ",".join(dict.fromkeys(names)).encode()))
+        return kept
+
+
 def deadline_message(scope: dict) -> str:
     """What Serve's 408 means, in the words of the service's own timeout (Serve's text names
     its request_timeout_s, not the client's header)."""
@@ -120,4 +213,4 @@ def ray_answers_as_json() -> list[Middleware]:
     from service.listeners import bind_grpc_ingress_to_node_address
 
     bind_grpc_ingress_to_node_address()
-    return [Middleware(RayAnswersAsJson)]
+    return [Middleware(RayAnswersAsJson), Middleware(ServeHeaderGuard)]  # the last is the outermost

@@ -29,6 +29,9 @@ TIMEOUT_HEADER = "x-request-timeout-seconds"
 # How much earlier than the client's deadline ours ends: Serve's clock starts a little before ours,
 # so ours ends first and the answer is ours.
 HEADER_DEADLINE_MARGIN_S = 0.05
+# Headers Serve could not have decoded (not UTF-8), named by service/http/ingress.py, which took them out
+# before Serve's code ran: the request is refused here, with an id, a log line and metrics.
+UNREADABLE_HEADER = "x-encoder-unreadable-headers"
 
 
 def asked_deadline_s(scope: dict) -> float | None:
@@ -83,7 +86,12 @@ class MetricsMiddleware:
         metrics = service_metrics()
         started = time.perf_counter()
         scope["arrived"] = started  # a request's deadline counts from here (context.deadline)
-        request_id = request_id_of(dict(scope.get("headers") or []))
+        raw_headers = scope.get("headers") or []
+        request_id = request_id_of(raw_headers)
+        app = self.app
+        unreadable = next((v for k, v in raw_headers if k == UNREADABLE_HEADER.encode()), None)
+        if unreadable is not None:
+            app = refusal_of_unreadable(unreadable.decode("latin-1"))
         scope["request_id"] = request_id
         id_token = current_request_id.set(request_id)
         echo = not MetricsMiddleware.behind_serve
@@ -109,7 +117,7 @@ class MetricsMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, counting_send)
+            await app(scope, receive, counting_send)
         except asyncio.CancelledError:
             # Serve cancels the handler of a client that went away, and of one whose
             # X-Request-Timeout-Seconds passed first on Serve's clock (it answers 408 itself, which
@@ -149,6 +157,17 @@ class MetricsMiddleware:
                     "http.route": route, "http.response.status_code": status, "encoder.model": model or None,
                     "encoder.task": task or None, "encoder.texts": scope.get("texts", 0),
                     "encoder.tokens": scope.get("tokens", 0)})
+
+
+def refusal_of_unreadable(names: str) -> Any:
+    """The ASGI app that answers a request whose headers `names` were not UTF-8 (a 400 in the route's
+    error style): what the app would have done with them is unknown, so it does nothing."""
+    async def refuse(scope: dict, receive: Any, send: Any) -> None:
+        scope["failure_reason"] = "bad_request"
+        response = error_response(400, "bad_request", f"header {names}: the value is not UTF-8 text", scope=scope)
+        await response(scope, receive, send)
+
+    return refuse
 
 
 class BearerAuthMiddleware:

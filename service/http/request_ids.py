@@ -2,8 +2,11 @@
 
 Ray Serve's ingress (its proxy's and each replica's RequestIdMiddleware, and HAProxy's `unique-id`)
 already puts an `x-request-id` into the request's headers when the client sent none, and echoes it in
-the response's headers; the service reads that id, puts it in its JSON error bodies and its access log
-line, and echoes it itself only where no Serve ingress stands in front (plain uvicorn, tests).
+the response's headers; the service reads that id, puts it in its JSON error bodies, its access log
+line and its span, and echoes it itself only where no Serve ingress stands in front (plain uvicorn,
+tests). So that Serve's echo and ours are the same id, service/http/ingress.py (before Serve's code)
+keeps the first id a request came with when it passes the rule below and drops every other, and Serve
+then makes one where none is left.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from contextvars import ContextVar
 REQUEST_ID_HEADER = "x-request-id"
 # what a client's id may be: 1-128 visible ASCII characters (Envoy's and nginx's ids are 32-36);
 # anything else is replaced by one made here, never echoed into a header or a log line as it came
-_VALID = re.compile(r"[\x21-\x7e]{1,128}")
+MAX_REQUEST_ID_CHARS = 128
+_VALID = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_REQUEST_ID_CHARS)
 
 # the id of the request this task serves: what error bodies carry (service/http/errors.py)
 current_request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
@@ -26,13 +30,21 @@ current_request_id: ContextVar[str | None] = ContextVar("request_id", default=No
 access_logger = logging.getLogger("service.access")
 
 
-def request_id_of(headers: dict[bytes, bytes]) -> str:
-    """The id the request came with (from the client or Serve's ingress), else a new one."""
-    raw = headers.get(REQUEST_ID_HEADER.encode())
-    if raw is not None:
-        value = raw.decode("ascii", errors="replace")
-        if _VALID.fullmatch(value):
-            return value
+def is_valid_request_id(value: str | bytes) -> bool:
+    """Whether a client's id may be used as the request's (the rule of every protocol): 1-128 visible
+    ASCII characters."""
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    return _VALID.fullmatch(value) is not None
+
+
+def request_id_of(headers: dict[bytes, bytes] | list[tuple[bytes, bytes]]) -> str:
+    """The id the request came with (from the client or Serve's ingress; of several, the first, as
+    Serve echoes), else a new one."""
+    name = REQUEST_ID_HEADER.encode()
+    raw = headers.get(name) if isinstance(headers, dict) else next((v for k, v in headers if k.lower() == name), None)
+    if raw is not None and is_valid_request_id(raw):
+        return raw.decode("ascii")
     return uuid.uuid4().hex
 
 
