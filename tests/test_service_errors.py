@@ -124,3 +124,36 @@ def test_a_request_id_is_echoed_once_and_carried_by_the_error_body(client):
     assert len(made) == 1 and r.json()["error"]["request_id"] == made[0], (r.headers, r.text)
     r = client.post("/v1/encode", json={"inputs": "x"}, headers={"X-Request-Id": "ok-1"})
     assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["ok-1"]
+
+
+def test_the_id_a_client_sends_is_in_the_answer_and_the_access_log_line_with_its_usage(service_url):
+    """End to end, against the served app (HAProxy, the replica, its stderr as Ray keeps it): the client's
+    X-Request-Id is the response's one header, the error body's `request_id`, Cohere's `id`, and the `id` of
+    the request's one access log line, whose `tokens` are the response's usage and `texts` its texts."""
+    import uuid
+
+    from tests.access_log import access_line
+
+    def sent(path: str, body: dict) -> tuple[str, httpx.Response, dict]:
+        request_id = f"e2e-{uuid.uuid4().hex}"
+        r = httpx.post(f"{service_url}{path}", json=body, headers={"X-Request-Id": request_id}, timeout=60)
+        assert r.headers.get_list("x-request-id") == [request_id], (r.status_code, r.headers)
+        return request_id, r, access_line(service_url, request_id)
+
+    texts = ["the first text", "a second and somewhat longer text"]
+    request_id, r, line = sent("/v1/embeddings", {"input": texts})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 2 * 2
+    assert {k: line[k] for k in ("method", "route", "model", "status", "texts", "tokens")} == {
+        "method": "POST", "route": "/v1/embeddings", "model": "all-MiniLM-L6-v2", "status": 200, "texts": len(texts),
+        "tokens": r.json()["usage"]["prompt_tokens"]}
+    request_id, r, line = sent("/v2/embed", {"model": "all-MiniLM-L6-v2", "texts": texts,
+                                             "input_type": "search_document", "embedding_types": ["float"]})
+    assert r.status_code == 200 and r.json()["id"] == request_id, r.text[:300]
+    assert (line["route"], line["status"], line["texts"], line["tokens"]) == (
+        "/v2/embed", 200, len(texts), r.json()["meta"]["billed_units"]["input_tokens"])
+    request_id, r, line = sent("/v1/encode", {"inputs": []})
+    assert r.status_code == 422 and r.json()["error"]["request_id"] == request_id
+    assert (line["route"], line["status"], line["texts"], line["tokens"]) == ("/v1/encode", 422, 0, 0)
+    request_id, r, line = sent("/v2/embed", {"model": "all-MiniLM-L6-v2", "texts": [], "input_type": "search_document",
+                                             "embedding_types": ["float"]})
+    assert r.status_code >= 400 and r.json()["id"] == request_id and line["status"] == r.status_code, r.text[:300]
