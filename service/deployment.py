@@ -14,6 +14,7 @@ The request path, in order, is in service/__init__.py.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -39,6 +40,9 @@ from service.metrics import node_metrics_url, refresh_periodically, service_metr
 from service.runtimes.cuda import ray_gpu_assignment
 
 logger = logging.getLogger("ray.serve")
+# How long a replica's graceful stop waits for its last spans to be exported (within Serve's
+# graceful_shutdown_timeout_s, whose drain comes first; the exporter process is killed past it)
+TRACING_CLOSE_S = 10.0
 
 
 @serve.deployment(name="Encoder")
@@ -107,6 +111,12 @@ class Encoder(KServeGrpc):
         batching = BatchingSettings(**merged)
         await resize_runtimes(self.engines, self.svc.settings.model_copy(update={"batching": batching}))
         self.svc.reconfigure(batching)
+
+    async def __del__(self) -> None:
+        """Serve's graceful stop of this replica, after its requests drained: the spans of its last
+        requests exported (Ray kills a worker's child processes when it exits, the span exporter
+        with what it held). Off the event loop; bounded, however the exporter process behaves."""
+        await asyncio.to_thread(tracing.shutdown, TRACING_CLOSE_S)
 
     def check_health(self) -> None:
         """Called by Serve periodically: a tiny real inference per model, so a broken session restarts the replica."""

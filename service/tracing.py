@@ -62,6 +62,9 @@ TRACEPARENT, TRACESTATE = "traceparent", "tracestate"
 MAX_QUEUED = 65536  # span records waiting for the exporter process; past it, new ones are dropped
 WRITE_EVERY_S = 0.1
 CHUNK = 4096  # records a frame
+# How long closing the exporter may take: its last frames written and the process's last export. Past it
+# the process is killed, which also ends a write blocked on its full pipe (a stopped process reads nothing).
+CLOSE_TIMEOUT_S = 30.0
 
 
 class _Exporter:
@@ -122,20 +125,31 @@ class _Exporter:
             if ready:
                 self.child.stdout.readline()
 
-    def close(self) -> None:
-        """Export what is queued, then let the process export what it holds and exit."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Export what is queued, then let the process export what it holds and exit; within `timeout_s`
+        (CLOSE_TIMEOUT_S) whatever the process does (stopped, hung): then it is killed. Every wait below
+        may block on the process (a write to its full pipe holds `pipe`, its exit), so one timer bounds them all."""
+        timeout_s = CLOSE_TIMEOUT_S if timeout_s is None else timeout_s
         self.stopping.set()
-        self.thread.join(timeout=5)
-        self.write()
-        with contextlib.suppress(OSError):
-            self.child.stdin.close()
+        killer = threading.Timer(timeout_s, self._kill, args=(timeout_s,))
+        killer.daemon = True
+        killer.start()
         try:
-            self.child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.child.kill()
+            self.thread.join()
+            self.write()
+            with contextlib.suppress(OSError, ValueError):  # a broken pipe's last flush
+                self.child.stdin.close()
             self.child.wait()
+        finally:
+            killer.cancel()
         if self.dropped:
             logger.warning("tracing: %d span(s) dropped (the exporter process was gone or behind)", self.dropped)
+
+    def _kill(self, timeout_s: float) -> None:
+        if self.child.poll() is None:
+            logger.warning("tracing: the span exporter process did not finish within %g s; killed, with the spans "
+                           "it held", timeout_s)
+            self.child.kill()
 
 
 def _marshallable(record: tuple) -> bool:
@@ -203,12 +217,12 @@ def enabled() -> bool:
     return _on is not None
 
 
-def shutdown() -> None:
-    """Tracing off in this process (what was recorded is exported first)."""
+def shutdown(timeout_s: float | None = None) -> None:
+    """Tracing off in this process (what was recorded is exported first, within `timeout_s`: CLOSE_TIMEOUT_S)."""
     global _on
     on, _on = _on, None
     if on is not None:
-        on.exporter.close()
+        on.exporter.close(timeout_s)
 
 
 def flush(timeout_ms: int = 5000) -> None:

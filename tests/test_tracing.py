@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from benchmarks.otlp_receiver import Receiver
 from tests.conftest import deploy, wait_until
 
-TRACED, HELD = "traced", "traced-held"
+TRACED, HELD, STOPPED = "traced", "traced-held", "traced-stopped"
 
 
 @pytest.fixture(scope="module")
@@ -405,3 +406,84 @@ def test_a_stalled_collector_never_stalls_the_exporters_input(capfd):
     err = capfd.readouterr().err
     assert err.count("spans waiting for the collector; dropping") == 1 and "5 spans dropped" in err
 
+
+def test_closing_the_exporter_is_bounded_when_its_process_is_stopped(receiver, monkeypatch, caplog):
+    """A SIGSTOPped exporter process reads nothing: the writer thread blocks on its full pipe, holding the
+    pipe's lock. Closing (a replica's stop, tracing reconfigured) still returns within its bound, having
+    killed the process; before, it waited for that lock forever."""
+    import signal
+    import time
+
+    from service import tracing
+    from service.config import TracingSettings
+
+    _, endpoint = receiver
+    monkeypatch.setattr(tracing, "CLOSE_TIMEOUT_S", 2.0, raising=False)
+    tracing.configure(TracingSettings(endpoint=endpoint, protocol="grpc"))
+    exporter = tracing._on.exporter
+    child = exporter.child
+    os.kill(child.pid, signal.SIGSTOP)
+    closing = None
+    try:
+        filler = "x" * 200
+        for i in range(20_000):  # ~5 MB of records: far past the pipe's 64 KiB
+            exporter.put(("POST /x", i + 1, i + 1, 0, False, True, 1, 2, {"filler": filler}, (), None, ""))
+
+        def writer_blocked() -> bool:  # holding the lock across several looks: blocked in a write
+            return all(exporter.pipe.locked() and not time.sleep(0.1) for _ in range(5))
+
+        wait_until(writer_blocked, "the writer thread to block on the stopped process's pipe", timeout=30)
+        started = time.monotonic()
+        closing = threading.Thread(target=tracing.shutdown, daemon=True)
+        closing.start()
+        closing.join(20)
+        took = time.monotonic() - started
+        assert not closing.is_alive(), "close() did not return while its exporter process was stopped"
+        assert took < 2.0 + 3, took
+        assert child.poll() == -signal.SIGKILL
+        assert "did not finish within 2 s; killed" in caplog.text
+        print(f"\nclose with a stopped exporter process: {took:.2f} s (bound 2 s)")
+    finally:
+        if child.poll() is None:  # the unfixed close: free its thread
+            child.kill()
+        if closing is not None:
+            closing.join(10)
+        tracing.shutdown()
+
+
+def test_a_graceful_stop_of_a_replica_exports_its_last_spans(ray_serve, default_bundle, receiver):
+    """Serve's graceful stop of a traced replica (serve.delete, scale-down, a new version): the spans of its
+    last requests still held by its exporter process reach the collector before the process goes."""
+    from ray import serve
+
+    from service.app import compose
+    from service.config import ServiceSettings
+    from service.deployment import Encoder
+
+    class ExportsOnlyWhenClosed(Encoder.func_or_class):  # type: ignore[misc] - pickled by value (a local class)
+        """The replica, its exporter process holding every span until flushed or closed (a batch delay of 10
+        minutes), so that the spans a graceful stop must export are certain to be still held there."""
+
+        async def __init__(self, settings) -> None:  # the ingress wrapper's __init__ is async
+            os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "600000"  # read by the exporter process it starts
+            await super().__init__(settings)
+
+    found, endpoint = receiver
+    settings = ServiceSettings.model_validate({"bundle": str(default_bundle), "num_cpus": 0.25, "warmup": False,
+                                               "tracing": {"endpoint": endpoint, "protocol": "grpc"}})
+    serve.run(compose(settings, serve.deployment(ExportsOnlyWhenClosed, name="Encoder")), name=STOPPED,
+              route_prefix=f"/{STOPPED}", logging_config={"enable_access_log": False})
+    trace_id, parent, header = traceparent()
+    try:
+        url = f"{ray_serve.url}/{STOPPED}"
+        wait_until(lambda: httpx.get(f"{url}/v2/health/live", timeout=10).status_code == 200, "the app", timeout=60)
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": "the last words"}, headers={"traceparent": header},
+                       timeout=60)
+        assert r.status_code == 200
+        time.sleep(1.5)  # the writer thread has handed them over (every 0.1 s); the process holds them
+        assert not found.of_trace(trace_id), "exported before the stop: the test would prove nothing"
+    finally:
+        serve.delete(STOPPED)  # a graceful stop: drain, then Serve's destructor hook, then the process ends
+    spans = wait_until(lambda: found.of_trace(trace_id), "the last request's spans after the stop", timeout=30)
+    server = next(s for s in spans if s.parent_span_id.hex() == parent)
+    assert server.name == "POST /v1/embeddings" and attributes(server)["encoder.request_id"] == r.headers["x-request-id"]
