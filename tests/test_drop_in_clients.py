@@ -341,6 +341,22 @@ def test_texts_cut_to_tokens_at_either_end(checkpoint):
     assert left.encoding.tokens[0] == "[CLS]" and left.encoding.tokens[-1] == "[SEP]"
 
 
+def test_left_truncation_keeps_the_prompt_before_the_text(checkpoint):
+    """With a prompt (`kept` characters) before the text, truncation from the start cuts the text's start and
+    keeps the prompt: [CLS] query : <the text's last tokens> [SEP]; a text that fits is left whole."""
+    from service.engine.tokenization import TextTokenizer
+
+    tokenizer = TextTokenizer(checkpoint.tokenizer_path, 8)
+    prompt = "query: "
+    cut, whole = tokenizer.encode([prompt + "the cat sat on the mat today", prompt + "a cat"], True, from_start=True,
+                                  kept=len(prompt))
+    assert cut.encoding.tokens == ["[CLS]", "query", ":", "on", "the", "mat", "today", "[SEP]"] and cut.truncated
+    assert whole.encoding.tokens == ["[CLS]", "query", ":", "a", "cat", "[SEP]"] and not whole.truncated
+    # without a prompt, as before: the text's last tokens
+    plain = tokenizer.encode([prompt + "the cat sat on the mat today"], True, from_start=True)[0]
+    assert plain.encoding.tokens == ["[CLS]", "cat", "sat", "on", "the", "mat", "today", "[SEP]"]
+
+
 def test_tei_and_cohere_requests_are_counted_under_their_own_routes(dropin, metrics_url):
     from tests.metrics_scrape import poll, settled, total
 

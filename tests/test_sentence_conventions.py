@@ -290,3 +290,43 @@ def test_dimensions_cut_only_a_matryoshka_model_to_its_sizes(conventions, conven
     assert listed["keep"]["prompts"] == PROMPTS and listed["keep"]["default_prompt_name"] == "query"
     info = httpx.get(f"{conventions_url}/info", timeout=10).json()
     assert any(m.get("include_prompt") is False for m in info["models"]), info["models"]
+
+
+def test_left_truncation_keeps_the_prompt_and_cuts_the_text(conventions, conventions_url):
+    """TEI's truncation_direction left and Cohere's truncate START cut a long text's start, never the
+    prompt before it: [CLS] + the prompt's tokens + the text's last tokens + [SEP], embedded (include_prompt
+    false: pooled without the prompt) as SentenceTransformer.encode embeds the prompt and that cut text."""
+    from sentence_transformers import SentenceTransformer
+
+    bundle, directory = conventions["bundles"]["skip"], conventions["dirs"]["skip"]
+    st = SentenceTransformer(str(directory), device="cpu")
+    model = load_bundle(bundle).manifest.model
+    long = " ".join(CORPUS[:12])
+    prompt = PROMPTS["query"]
+    prompt_ids = st.tokenize([prompt])["input_ids"][0].tolist()[:-1]  # [CLS] and the prompt's, not [SEP]
+    assert len(prompt_ids) == model.prompt_tokens["query"] > 1
+    # the text's last tokens that fit beside [CLS], the prompt and [SEP], and the text they cover
+    offsets = st.tokenizer(long, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    room = model.max_tokens - len(prompt_ids) - 1
+    assert len(offsets) > 2 * room, "the text must be well past the model's limit"
+    cut = long[offsets[-room][0]:]
+    expected_ids = st.tokenize([prompt + cut])["input_ids"][0].tolist()
+
+    expected = st.encode([cut], prompt_name="query")
+    r = httpx.post(f"{conventions_url}/embed", json={"model": "skip", "inputs": [long, "short"], "prompt_name": "query",
+                                                     "truncation_direction": "left"}, timeout=60)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.array(r.json()[:1]), expected, atol=TOLERANCE, rtol=0)
+    np.testing.assert_allclose(np.array(r.json()[1:]), st.encode(["short"], prompt_name="query"), atol=TOLERANCE, rtol=0)
+    r = httpx.post(f"{conventions_url}/v2/embed", json={"model": "skip", "texts": [long], "input_type": "search_query",
+                                                        "embedding_types": ["float"], "truncate": "START"}, timeout=60)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.array(r.json()["embeddings"]["float"]), expected, atol=TOLERANCE, rtol=0)
+    assert r.json()["meta"]["tokens"]["input_tokens"] == model.max_tokens
+
+    # the ids themselves, tokenized as the routes tokenize them
+    svc = engine_service(bundle)
+    tokenized = asyncio.run(svc.tokenize(svc.engines.default, [prompt + long], True, "/embed", from_start=True,
+                                         kept=len(prompt)))[0]
+    assert tokenized.ids.tolist() == expected_ids and tokenized.truncated
+    assert tokenized.ids.tolist()[:len(prompt_ids)] == prompt_ids and len(expected_ids) == model.max_tokens

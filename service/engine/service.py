@@ -95,14 +95,36 @@ class EncoderService:
         return result
 
     async def tokenize(self, engine: Engine, texts: list[str], truncate: bool, route: str,
-                       limit_tokens: bool = True, from_start: bool = False) -> list[TokenizedText]:
+                       limit_tokens: bool = True, from_start: bool = False, kept: int = 0) -> list[TokenizedText]:
         """The whole request in one batch call of the tokenizer; off the event loop when it is large.
-        `from_start`: truncation cuts a text's first tokens instead of its last."""
+        `from_start`: truncation cuts a text's first tokens instead of its last, but not its first `kept`
+        characters (the prompt put before every text: TextTokenizer.encode)."""
         inline = sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS
-        tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode, texts, truncate, from_start)
+        tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode, texts, truncate, from_start,
+                                           kept)
         if limit_tokens:
             self.check_tokens(sum(t.n_tokens for t in tokenized), "split it into smaller requests")
         return tokenized
+
+    async def tokenize_whole(self, engine: Engine, texts: list[str], add_special_tokens: bool, route: str,
+                             max_tokens: int) -> list:
+        """Each text's tokens, never truncated (TEI's /tokenize), off the event loop when large; a request
+        past `max_tokens` (what its response may hold) is a 413, found without tokenizing the texts after."""
+        inline = sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS
+        encodings = await self._tokenizing(engine, route, inline, engine.tokenizer.encode_plain, texts,
+                                           add_special_tokens, max_tokens)
+        total = sum(len(e.ids) for e in encodings)
+        if total > max_tokens:
+            counted = "" if len(encodings) == len(texts) else f" in its first {len(encodings)} of {len(texts)} texts"
+            raise TooLarge(f"request has {total} tokens{counted}; its response can hold at most {max_tokens} (the "
+                           f"response limit is {self.settings.max_response_bytes} bytes): send fewer or shorter texts")
+        return encodings
+
+    async def cut_to_tokens(self, engine: Engine, texts: list[str], tokens: int, from_start: bool,
+                            route: str) -> list[tuple[str, bool]]:
+        """TextTokenizer.cut_to_tokens, off the event loop when the texts are large (Cohere's max_tokens)."""
+        inline = sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS
+        return await self._tokenizing(engine, route, inline, engine.tokenizer.cut_to_tokens, texts, tokens, from_start)
 
     async def tokenize_pairs(self, engine: Engine, pairs: list[tuple[str, str]], truncate: bool,
                              route: str, from_start: bool = False) -> list[TokenizedText]:

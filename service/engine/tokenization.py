@@ -13,6 +13,9 @@ from tokenizers import Encoding, Tokenizer
 from service.engine.errors import InvalidRequest, TooLarge
 
 
+PLAIN_GROUP = 8  # texts per tokenizer call of encode_plain: its threads share them, the budget is checked between
+
+
 @dataclass(frozen=True)
 class TokenizedText:
     ids: np.ndarray  # int64 (n_tokens,), special tokens included
@@ -47,10 +50,34 @@ class TextTokenizer:
         self._windowing_lock = threading.Lock()
         self.special_tokens = self._whole.num_special_tokens_to_add(False)  # per single text ([CLS] ... [SEP])
 
-    def encode(self, texts: list[str], truncate: bool, from_start: bool = False) -> list[TokenizedText]:
+    def encode(self, texts: list[str], truncate: bool, from_start: bool = False, kept: int = 0) -> list[TokenizedText]:
         """Tokenize texts; with truncate=False, a text over max_tokens is a 413 naming it. `from_start`:
-        a text past the limit loses its first tokens instead of its last."""
-        return self._encode(texts, truncate, "input", "send truncate=true to cut it", from_start)
+        a text past the limit loses its first tokens instead of its last, but never its first `kept`
+        characters (the prompt before it: cut away, the model would embed the text as if unprompted, and
+        with include_prompt false pooling would skip real text tokens in its place)."""
+        return self._encode(texts, truncate, "input", "send truncate=true to cut it", from_start, kept)
+
+    def _cut_after_prefix(self, texts: list[str], kept: int) -> list[TokenizedText]:
+        """Left truncation that keeps each text's first `kept` characters: [CLS] prefix, then the last
+        tokens of the rest that fit, [SEP]. A text over the limit is cut at the character where its first
+        kept token starts (its tokens from the whole text's tokenization) and the prefix and that tail
+        are tokenized again: what SentenceTransformer.encode gives for the prompt and the cut text."""
+        room = self.max_tokens - self.special_tokens
+        joined, cut = [], []
+        for text, e in zip(texts, self._whole.encode_batch(texts, add_special_tokens=False), strict=True):
+            n = len(e)
+            if n <= room:
+                joined.append(text)
+                cut.append(False)
+                continue
+            prefix = next((i for i in range(n) if e.token_to_chars(i)[0] >= kept), n)  # the prompt's tokens
+            left = room - prefix
+            # a prompt that fills the model alone: cut at the end, as right truncation does
+            joined.append(text[:kept] + text[e.token_to_chars(n - left)[0]:] if left > 0 else text)
+            cut.append(True)
+        encodings = self._truncating.encode_batch(joined)
+        return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=was_cut or bool(e.overflowing))
+                for e, was_cut in zip(encodings, cut, strict=True)]
 
     def encode_pairs(self, pairs: list[tuple[str, str]], truncate: bool, from_start: bool = False) -> list[TokenizedText]:
         """Text pairs (query, document) as the checkpoint's tokenizer joins them: its separators and
@@ -58,9 +85,12 @@ class TextTokenizer:
         does), else a pair over max_tokens is a 413 naming it."""
         return self._encode(pairs, truncate, "pair", "send truncate=true to cut the longer side", from_start)
 
-    def _encode(self, items: list, truncate: bool, what: str, advice: str, from_start: bool = False) -> list[TokenizedText]:
+    def _encode(self, items: list, truncate: bool, what: str, advice: str, from_start: bool = False,
+                kept: int = 0) -> list[TokenizedText]:
         """One batch call of the truncating tokenizer, or of the whole one with each item checked
-        against max_tokens (a 413 naming the first over it)."""
+        against max_tokens (a 413 naming the first over it). `kept`: see encode."""
+        if truncate and from_start and kept:
+            return self._cut_after_prefix(items, kept)
         truncating = self._truncating_left if from_start else self._truncating
         encodings = (truncating if truncate else self._whole).encode_batch(items)
         if not truncate:
@@ -69,9 +99,19 @@ class TextTokenizer:
                     raise TooLarge(f"{what} {i} has {len(e.ids)} tokens; the model's limit is {self.max_tokens} ({advice})")
         return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=bool(e.overflowing)) for e in encodings]
 
-    def encode_plain(self, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
-        """The whole texts' tokens, with or without the model's special tokens (TEI's /tokenize)."""
-        return self._whole.encode_batch(texts, add_special_tokens=add_special_tokens)
+    def encode_plain(self, texts: list[str], add_special_tokens: bool, stop_above: int) -> list[Encoding]:
+        """The whole texts' tokens, with or without the model's special tokens (TEI's /tokenize), a few
+        texts at a time until their tokens pass `stop_above` (the caller refuses such a request, the
+        texts after need no tokenizing: 64 texts of 100k characters were 6M tokens, 3 GB once listed)."""
+        encodings: list[Encoding] = []
+        total = 0
+        for i in range(0, len(texts), PLAIN_GROUP):
+            group = self._whole.encode_batch(texts[i:i + PLAIN_GROUP], add_special_tokens=add_special_tokens)
+            encodings += group
+            total += sum(len(e) for e in group)
+            if total > stop_above:
+                break
+        return encodings
 
     def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
         """Token ids back to text; an id past the vocabulary is a 422 naming it."""
@@ -89,12 +129,13 @@ class TextTokenizer:
         model's own limit, which tokenizing enforces anyway."""
         out = []
         for text, e in zip(texts, self._whole.encode_batch(texts, add_special_tokens=False), strict=True):
-            if len(e.offsets) <= tokens:
+            n = len(e)  # token_to_chars, not e.offsets: no list of every token's offsets for one of them
+            if n <= tokens:
                 out.append((text, False))
             elif from_start:
-                out.append((text[e.offsets[len(e.offsets) - tokens][0]:], True))
+                out.append((text[e.token_to_chars(n - tokens)[0]:], True))
             else:
-                out.append((text[: e.offsets[tokens - 1][1]] if tokens else "", True))
+                out.append((text[: e.token_to_chars(tokens - 1)[1]] if tokens else "", True))
         return out
 
     def chunk_counts(self, texts: list[str], tokens: int, overlap: int, stop_above: int) -> list[tuple[int, int]]:

@@ -87,6 +87,12 @@ def prompted(svc: EncoderService, engine: Engine, texts: list[str], prompt_name:
     return prompt.apply(texts), prompt.pool_skip
 
 
+def prompt_chars(prompted_texts: list[str], texts: list[str]) -> int:
+    """The characters of the prompt `prompted` put before every text (0 without one): what left
+    truncation keeps (EncoderService.tokenize's `kept`)."""
+    return len(prompted_texts[0]) - len(texts[0])
+
+
 def normalization(asked: bool | None, engine: Engine) -> bool:
     """Whether a request's embeddings are L2-normalised: as asked, else as the model was trained."""
     normalize = engine.model.normalize if asked is None else asked

@@ -22,7 +22,7 @@ from service.engine.prompts import check_dimensions, cohere_prompt_name, shorten
 from service.engine.runner import EncodeJob
 from service.engine.service import EncoderService
 from service.http.app import ERROR_RESPONSES, app
-from service.http.context import infer, model_for, prompted, service
+from service.http.context import infer, model_for, prompt_chars, prompted, service
 from service.http.request_ids import current_request_id
 from service.http.responses import JSONResponse, KindCounter
 from service.http.routes.heads import best_first, relevance, rerank_pairs, reranker
@@ -59,14 +59,15 @@ def by_type(vectors: np.ndarray, types: list[str], kinds: KindCounter) -> dict:
     return out
 
 
-def cut(engine: Engine, texts: list[str], tokens: int, from_start: bool, refuse: bool, field: str) -> list[str]:
-    """Each text cut to `tokens` tokens (at its end, or start); with `refuse` (truncate NONE), a text
-    over it is a 400 naming it instead. At or past the model's own limit there is nothing to do here:
-    tokenizing cuts (or refuses) there."""
+async def cut(svc: EncoderService, engine: Engine, texts: list[str], tokens: int, from_start: bool, refuse: bool,
+              field: str, route: str) -> list[str]:
+    """Each text cut to `tokens` tokens (at its end, or start), tokenized off the event loop when large;
+    with `refuse` (truncate NONE), a text over it is a 400 naming it instead. At or past the model's own
+    limit there is nothing to do here: tokenizing cuts (or refuses) there."""
     if tokens >= engine.model.max_tokens:
         return texts
     out = []
-    for i, (text, was_cut) in enumerate(engine.tokenizer.cut_to_tokens(texts, tokens, from_start)):
+    for i, (text, was_cut) in enumerate(await svc.cut_to_tokens(engine, texts, tokens, from_start, route)):
         if was_cut and refuse:
             raise BadRequest(f"texts.{i} has more than {field} {tokens} tokens and truncate is NONE")
         out.append(text)
@@ -87,12 +88,14 @@ async def embed(body: CohereEmbedRequest, request: Request, svc: EncoderService 
                          "maximum over a corpus), which no bundle ships; ask for float, base64, binary or ubinary")
     check_dimensions(engine.model, engine.name, body.output_dimension)
     prompt_name = cohere_prompt_name(engine.model, engine.name, body.input_type)
-    texts = svc.texts(body.texts)
+    raw = svc.texts(body.texts)
     refuse, from_start = body.truncate == "NONE", body.truncate == "START"
     if body.max_tokens is not None:
-        texts = cut(engine, texts, body.max_tokens, from_start, refuse, "max_tokens")
-    texts, skip = prompted(svc, engine, texts, prompt_name, None)
-    tokenized = await svc.tokenize(engine, texts, not refuse, "/v2/embed", from_start=from_start)
+        raw = await cut(svc, engine, raw, body.max_tokens, from_start, refuse, "max_tokens", "/v2/embed")
+    texts, skip = prompted(svc, engine, raw, prompt_name, None)
+    # truncate START cuts the text's start, never the prompt before it
+    tokenized = await svc.tokenize(engine, texts, not refuse, "/v2/embed", from_start=from_start,
+                                   kept=prompt_chars(texts, raw))
     job = EncodeJob(route="/v2/embed", ids=[t.ids for t in tokenized], normalize=engine.model.normalize, pool_skip=skip)
     vectors = (await infer(svc, engine, job, request)).embeddings
     if body.output_dimension is not None:
@@ -115,8 +118,8 @@ async def rerank(body: CohereRerankRequest, request: Request, svc: EncoderServic
     if not body.documents:
         raise EmptyInput("documents: at least one document")
     documents = svc.texts(body.documents)
-    documents = cut(engine, documents, body.max_tokens_per_doc or DEFAULT_MAX_TOKENS_PER_DOC, False, False,
-                    "max_tokens_per_doc")
+    documents = await cut(svc, engine, documents, body.max_tokens_per_doc or DEFAULT_MAX_TOKENS_PER_DOC, False, False,
+                          "max_tokens_per_doc", "/v2/rerank")
     logits, tokenized, _ = await rerank_pairs(svc, engine, body.query, documents, True, "/v2/rerank", request)
     scores = relevance(engine, False)(logits)
     order = best_first(scores, body.top_n)

@@ -24,8 +24,8 @@ from service.engine.prompts import check_dimensions, shortened
 from service.engine.runner import EncodeJob
 from service.engine.service import EncoderService, as_list
 from service.http.app import app, describe
-from service.http.context import infer, model_for, normalization, prompted, service
-from service.http.responses import JSONResponse, KindCounter
+from service.http.context import infer, model_for, normalization, prompt_chars, prompted, service
+from service.http.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, respond
 from service.http.routes.heads import (SCORE_ACTIVATIONS, best_first, ranked, read_logits, relevance, rerank_pairs,
                                       reranker)
 from service.http.schemas import (TEIDecodeRequest, TEIEmbedAllRequest, TEIEmbedRequest, TEIError, TEILabelScore,
@@ -33,6 +33,8 @@ from service.http.schemas import (TEIDecodeRequest, TEIEmbedAllRequest, TEIEmbed
                                   InferenceAPIClassifyRequest)
 
 TEI_ERROR_RESPONSES = {code: {"model": TEIError} for code in (400, 401, 413, 422, 424, 429, 503)}
+# One /tokenize token in JSON but its text, `{"id":2054,"text":"","special":false,"start":12345,"stop":12350},`
+TOKEN_JSON_BYTES = 64
 
 
 def truncation(truncate: bool | None, direction: str) -> tuple[bool, bool]:
@@ -52,11 +54,11 @@ async def embeddings(body: TEIEmbedRequest, request: Request, svc: EncoderServic
     """The pooled embedding of every input, `[[floats]]` (a single text too), normalised by default
     (TEI's `normalize: true`); `dimensions` cuts before normalising, as TEI does."""
     engine = model_for(svc, body.model, request)
-    texts = texts_of(svc, body.inputs)
+    raw = texts_of(svc, body.inputs)
     check_dimensions(engine.model, engine.name, body.dimensions)
-    texts, skip = prompted(svc, engine, texts, body.prompt_name, None)
+    texts, skip = prompted(svc, engine, raw, body.prompt_name, None)
     truncate, from_start = truncation(body.truncate, body.truncation_direction)
-    tokenized = await svc.tokenize(engine, texts, truncate, route, from_start=from_start)
+    tokenized = await svc.tokenize(engine, texts, truncate, route, from_start=from_start, kept=prompt_chars(texts, raw))
     normalize = normalization(body.normalize, engine)
     result = await infer(svc, engine, EncodeJob(route=route, ids=[t.ids for t in tokenized], normalize=normalize,
                                                 pool_skip=skip), request)
@@ -79,17 +81,22 @@ async def embed(body: TEIEmbedRequest, request: Request, svc: EncoderService = D
 async def embed_all(body: TEIEmbedAllRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's /embed_all: every token's encoding (the last hidden state), per input."""
     engine = model_for(svc, body.model, request)
-    texts, _ = prompted(svc, engine, texts_of(svc, body.inputs), body.prompt_name, None, pooled_only=False)
+    raw = texts_of(svc, body.inputs)
+    texts, _ = prompted(svc, engine, raw, body.prompt_name, None, pooled_only=False)
     truncate, from_start = truncation(body.truncate, body.truncation_direction)
-    tokenized = await svc.tokenize(engine, texts, truncate, "/embed_all", from_start=from_start)
-    svc.check_response_size(sum(t.n_tokens for t in tokenized) * engine.model.hidden_size * 12)
+    tokenized = await svc.tokenize(engine, texts, truncate, "/embed_all", from_start=from_start,
+                                   kept=prompt_chars(texts, raw))
+    estimate = sum(t.n_tokens for t in tokenized) * engine.model.hidden_size * JSON_FLOAT_BYTES
+    svc.check_response_size(estimate)
     job = EncodeJob(route="/embed_all", ids=[t.ids for t in tokenized], normalize=engine.model.normalize,
                     want_embedding=False, want_hidden=True)
     result = await infer(svc, engine, job, request)
     kinds = KindCounter()
-    content = [kinds.array("token_embeddings", h, "float", "float32") for h in result.hidden]
+    # up to the response limit of floats: built in a worker thread when large, as /v1/encode's
+    response = await respond(lambda: [kinds.array("token_embeddings", h, "float", "float32") for h in result.hidden],
+                             estimate)
     kinds.report(request)
-    return JSONResponse(content)
+    return response
 
 
 @app.post("/rerank", response_model=list[TEIRerankResult], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
@@ -177,18 +184,31 @@ async def predict(body: TEIPredictRequest, request: Request, svc: EncoderService
 
 @app.post("/tokenize", response_model=list[list[TEIToken]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
 async def tokenize(body: TEITokenizeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
-    """TEI's /tokenize: each input's tokens (the whole text, never truncated), with character offsets."""
+    """TEI's /tokenize: each input's tokens (the whole text, never truncated, as TEI), with character
+    offsets; within the response limit, its tokens counted before any is listed (a 413 past it), and
+    tokenized and listed off the event loop when large."""
     engine = model_for(svc, body.model, request, task=None)
     texts = texts_of(svc, body.inputs)
     if body.prompt_name is not None:
         texts, _ = prompted(svc, engine, texts, body.prompt_name, None)
-    encodings = engine.tokenizer.encode_plain(texts, body.add_special_tokens)
-    out = []
-    for text, e in zip(texts, encodings, strict=True):
-        out.append([{"id": i, "text": token if special else text[a:b], "special": bool(special),
-                     "start": None if special else a, "stop": None if special else b}
-                    for i, token, (a, b), special in zip(e.ids, e.tokens, e.offsets, e.special_tokens_mask, strict=True)])
-    return JSONResponse(out)
+    limit = svc.settings.max_response_bytes
+    text_bytes = sum(len(t) for t in texts)  # each token's `text` is its span of the text: about once over
+    encodings = await svc.tokenize_whole(engine, texts, body.add_special_tokens, "/tokenize",
+                                         max(limit - text_bytes, 0) // TOKEN_JSON_BYTES)
+    estimate = sum(len(e) for e in encodings) * TOKEN_JSON_BYTES + text_bytes
+    kinds = KindCounter()
+
+    def build() -> list:  # a text's token dicts at a time, each serialised (and freed) before the next
+        return [kinds.fragment("tokens", [
+            {"id": i, "text": token if special else text[a:b], "special": bool(special),
+             "start": None if special else a, "stop": None if special else b}
+            for i, token, (a, b), special in zip(e.ids, e.tokens, e.offsets, e.special_tokens_mask, strict=True)])
+            for text, e in zip(texts, encodings, strict=True)]
+
+    response = await respond(build, estimate)
+    svc.check_response_size(len(response.body))  # the estimate is one: the limit holds on what was written
+    kinds.report(request)
+    return response
 
 
 @app.post("/decode", response_model=list[str], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
