@@ -8,7 +8,11 @@ units, a bundle whose bf16 gate passed). The first row that matches says what se
 - a precision the bundle does not have is never served: bf16 asked for without a gated bf16 graph
   is an error here, int8 and fp16 in onnxruntime's resolve_precision;
 - OpenVINO that cannot start (not installed, a graph it cannot compile) falls back to onnxruntime
-  fp32 with one warning line; a cache directory that cannot be written costs a compile, not the replica.
+  fp32 with one warning line under `runtime: auto`; under `runtime: openvino`, asked for by name, the
+  start is refused in one line (before Ray, by check_bundles' preflight; in the replica otherwise).
+  A cache directory that cannot be written costs a compile, not the replica.
+- `runtime: openvino` keeps onnxruntime's full graph (attention weights) on the CPU too: a GPU never
+  turns a replica asked to run OpenVINO into one that runs onnxruntime on CUDA.
 int8 is never picked by `auto`: its cosine loss is two orders of magnitude above bf16's
 (docs/performance.md).
 """
@@ -27,7 +31,7 @@ from service.config import ServiceSettings
 from service.runtimes import Runtime
 from service.runtimes.cuda import GpuAssignment
 from service.runtimes.onnxruntime import CUDA, CudaSettings, OrtEncoder
-from service.runtimes.openvino import OvEncoder, check_openvino, usable_cache_dir
+from service.runtimes.openvino import REQUIRED, OvEncoder, check_openvino, usable_cache_dir
 
 logger = logging.getLogger("service.runtimes.choice")
 
@@ -149,8 +153,12 @@ def choose_runtime(bundle: Bundle, settings: ServiceSettings, threads: int, gpu:
             f"{bundle.root}: no gated bf16 graph in this bundle (has {', '.join(variants)}); export it again on a "
             "CPU with bf16 units (the export log says why it was not published)")
     ort_precision = "auto" if wanted == "bf16" or settings.runtime == "openvino" else wanted
-    encoder = OrtEncoder(bundle, settings.provider, threads, settings.inter_op_threads, settings.allow_spinning,
-                         ort_precision, CudaSettings.from_settings(settings, gpu))
+    # runtime openvino, asked for by name, runs on the CPU: its full graph too, never onnxruntime on CUDA instead
+    on_openvino = settings.runtime == "openvino"
+    encoder = OrtEncoder(bundle, "cpu" if on_openvino else settings.provider, threads, settings.inter_op_threads,
+                         settings.allow_spinning, ort_precision, CudaSettings.from_settings(settings, gpu))
+    if on_openvino:
+        encoder.provider_note = "runtime openvino runs on the CPU"
     encoder.precision_requested = wanted
     found = Found(settings.runtime, wanted, encoder.provider == CUDA, bundle)
     index, rule = next((i, r) for i, r in enumerate(RULES) if r.matches(found))
@@ -178,10 +186,14 @@ def choose_runtime(bundle: Bundle, settings: ServiceSettings, threads: int, gpu:
 
 def _openvino(bundle: Bundle, settings: ServiceSettings, threads: int, streams: int, encoder: OrtEncoder,
               precision: str, wanted: str, note: str) -> OvEncoder | None:
-    """OpenVINO for the encodings graph (the full graph stays the onnxruntime encoder's), or None and one
-    warning line when it cannot start: the replica serves on onnxruntime then."""
+    """OpenVINO for the encodings graph (the full graph stays the onnxruntime encoder's). When it cannot
+    start: with `runtime: auto`, None and one warning line (the replica serves on onnxruntime); with
+    `runtime: openvino`, asked for by name, a RuntimeError of one line (that runtime or none)."""
+    required = settings.runtime == "openvino"
     check = check_openvino()
     if not check.installed:
+        if required:
+            raise RuntimeError(f"{REQUIRED}: {check.reason}")
         logger.warning("OpenVINO not used: %s; serving on onnxruntime", check.reason)
         encoder.precision_note += f"; OpenVINO not used: {check.reason}"
         return None
@@ -191,8 +203,10 @@ def _openvino(bundle: Bundle, settings: ServiceSettings, threads: int, streams: 
     try:
         return OvEncoder(bundle, precision, threads, streams, cache_dir, encoder.full, encoder.provider,
                          wanted, note, encoder.provider_note, encoder.describe_cuda())
-    except Exception as exc:  # noqa: BLE001 - any failure to start means: serve on onnxruntime
+    except Exception as exc:  # noqa: BLE001 - any failure to start: refused (asked for by name) or onnxruntime
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if required:
+            raise RuntimeError(f"{REQUIRED}: OpenVINO {precision} could not start: {reason}") from None
         logger.warning("OpenVINO %s could not start (%s); serving onnxruntime fp32", precision, reason)
         encoder.precision_note += f"; OpenVINO {precision} could not start: {reason}"
         return None

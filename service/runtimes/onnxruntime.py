@@ -317,6 +317,10 @@ def check_bundles(settings: ServiceSettings) -> list[str]:
     for ref in settings.bundles:
         bundle = load_bundle(ref.path)
         preflight(bundle, settings.precision)
+        if settings.runtime == "openvino":  # asked for by name: it serves, or the start is refused here
+            from service.runtimes.openvino import preflight as openvino_preflight
+
+            openvino_preflight(bundle)
         names.append(ref.name or bundle.manifest.model.name)
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:

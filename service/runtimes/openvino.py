@@ -34,6 +34,8 @@ DEVICE = "CPU"
 PROVIDER = "OpenVINO CPU"  # what /info, /health and the model-info metric say a graph runs on
 HINTS = {"fp32": "f32", "bf16": "bf16"}  # our precision names -> OpenVINO's INFERENCE_PRECISION_HINT
 RUNTIME_CACHE_CAPACITY = 256  # compiled shapes kept per graph
+# the one line that refuses a start: a runtime asked for by name serves or refuses; only `auto` falls back
+REQUIRED = "runtime 'openvino' was asked for, but OpenVINO cannot serve"
 SEQ_MULTIPLE = 8  # runs are padded to a multiple of this many tokens (masked: the outputs do not change)
 
 
@@ -98,6 +100,30 @@ def compile_options(precision: str, threads: int, streams: int) -> dict:
     }
 
 
+def reason(exc: Exception) -> str:
+    """OpenVINO's error in one line: its last line that says something (the first ones name source files:
+    `Exception from src/inference/src/cpp/core.cpp:132:`)."""
+    lines = [line.strip(" -") for line in str(exc).splitlines()]
+    said = [line for line in lines if line and not line.startswith(("Exception from ", "Check '"))]
+    return said[-1] if said else (lines[0] if lines else type(exc).__name__)
+
+
+def matches(ports, names: Sequence[str]) -> bool:
+    """Whether the graph's ports are the manifest's, in order. A port is matched by any of its names
+    (`get_names()`): OpenVINO gives a tensor the names of the values it was merged with (an input
+    followed by a Cast is also `/encoder/embeddings/Cast_output_0`), and `get_any_name()` may be any of them."""
+    return len(ports) == len(names) and all(name in port.get_names() for port, name in zip(ports, names))
+
+
+def port_names(ports, names: Sequence[str]) -> list[str]:
+    """Each port as the error line shows it: the manifest's name where the port has it, else all its names."""
+    shown = []
+    for i, port in enumerate(ports):
+        own = port.get_names()
+        shown.append(names[i] if i < len(names) and names[i] in own else "|".join(sorted(own)))
+    return shown
+
+
 class OvGraph:
     """One compiled graph; `run` may be called from several threads at once (one infer request each).
     Compiled with `threads` in all, shared by `streams` runs at once; afterwards `threads` (per run) and
@@ -118,19 +144,20 @@ class OvGraph:
         try:
             self.compiled = core.compile_model(str(self.path), DEVICE, compile_options(self.precision, threads, streams))
         except Exception as exc:  # OpenVINO raises RuntimeError with multi-line text
-            raise BundleError(f"{self.path}: OpenVINO cannot compile the graph: {str(exc).splitlines()[0]}") from None
-        got_inputs = tuple(i.get_any_name() for i in self.compiled.inputs)
-        got = tuple(o.get_any_name() for o in self.compiled.outputs)
-        if got_inputs != self.inputs or got != self.outputs:
-            raise BundleError(f"{self.path}: graph I/O {list(got_inputs)} -> {list(got)} does not match the manifest "
+            raise BundleError(f"{self.path}: OpenVINO cannot compile the graph: {reason(exc)}") from None
+        inputs, outputs = self.compiled.inputs, self.compiled.outputs
+        if not (matches(inputs, self.inputs) and matches(outputs, self.outputs)):
+            raise BundleError(f"{self.path}: graph I/O {port_names(inputs, self.inputs)} -> "
+                              f"{port_names(outputs, self.outputs)} does not match the manifest "
                               f"{list(self.inputs)} -> {list(self.outputs)}")
         self.sized_for = (threads, streams)
         # what the plugin made of the options (it caps threads at the CPUs it sees): the figures in use
         self.streams = int(self.compiled.get_property("NUM_STREAMS"))
         self.threads = max(1, int(self.compiled.get_property("INFERENCE_NUM_THREADS")) // max(1, self.streams))
-        self.shapes = {o.get_any_name(): [d.get_length() if d.is_static else None for d in o.get_partial_shape()]
-                       for o in self.compiled.outputs}
-        self._ports = {name: self.compiled.output(name) for name in self.outputs}
+        self.shapes = {name: [d.get_length() if d.is_static else None for d in o.get_partial_shape()]
+                       for name, o in zip(self.outputs, outputs, strict=True)}
+        self._ports = dict(zip(self.outputs, outputs, strict=True))
+        self._feeds = dict(zip(self.inputs, inputs, strict=True))
         self._local = threading.local()  # infer requests are the compiled model's: new ones for a new one
 
     def resized(self, threads: int, streams: int) -> OvGraph:
@@ -156,7 +183,8 @@ class OvGraph:
         types = np.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         if extra := -tokens % SEQ_MULTIPLE:  # masked padding: a shape the kernel cache has seen
             input_ids, attention_mask, types = (np.pad(a, ((0, 0), (0, extra))) for a in (input_ids, attention_mask, types))
-        result = self._request().infer({"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": types})
+        feed = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": types}
+        result = self._request().infer({port: feed[name] for name, port in self._feeds.items()})
         out = {}
         for name in outputs:
             value = result[self._ports[name]]
@@ -178,8 +206,30 @@ class OvPackedGraph(OvGraph):
                          threads, streams, cache_dir)
 
     def run_packed(self, feed: dict[str, np.ndarray]) -> np.ndarray:
-        result = self._request().infer(feed)
+        result = self._request().infer({port: feed[name] for name, port in self._feeds.items()})
         return np.array(result[self._ports[self.outputs[0]]], copy=True)
+
+
+def preflight(bundle: Bundle) -> None:
+    """`runtime: openvino` before any replica starts: OpenVINO is installed, and the encodings graph (and
+    the packed one) compile, match the manifest and compute finite numbers, at f32 (the loading and I/O
+    code of bf16 too). Raises RuntimeError with a one-line reason: a runtime asked for by name serves or
+    refuses the start, never falls back."""
+    from service.runtimes import smoke_test
+
+    check = check_openvino()
+    if not check.installed:
+        raise RuntimeError(f"{REQUIRED}: {check.reason}")
+    task = bundle.manifest.model.task
+    try:
+        fast = OvGraph(bundle.root / bundle.manifest.variants["fp32"].file, INPUT_NAMES, encodings_output_names(task),
+                       "encodings-fp32-openvino", "fp32", 1, 1)
+        smoke_test([fast], bundle.manifest.model.vocab_size)
+        if bundle.manifest.packed is not None:
+            OvPackedGraph(bundle.packed_path, task, "fp32", 1, 1)
+    except Exception as exc:  # noqa: BLE001 - a compile error, a graph that does not match, a smoke test
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RuntimeError(f"{REQUIRED}: {why}") from None
 
 
 class OvEncoder(TwoGraphs):
