@@ -300,6 +300,8 @@ class ServiceSettings(BaseModel):
         """Ray GPUs each replica asks for, given how many GPUs the cluster has (see num_gpus)."""
         if self.num_gpus is not None:
             return self.num_gpus
+        if self.runtime == "openvino":  # CPU only: every graph of the replica runs there
+            return 0.0
         if self.provider == "cuda" or (self.provider == "auto" and cluster_gpus > 0):
             return DEFAULT_GPU_SHARE
         return 0.0

@@ -167,6 +167,7 @@ def test_replicas_ask_ray_for_a_gpu_share_only_where_cuda_is_wanted():
     assert ServiceSettings(provider="auto").gpu_share(cluster_gpus=0) == 0
     assert ServiceSettings(provider="cpu").gpu_share(cluster_gpus=8) == 0
     assert ServiceSettings(provider="auto", num_gpus=0.5).gpu_share(cluster_gpus=0) == 0.5
+    assert ServiceSettings(runtime="openvino").gpu_share(cluster_gpus=8) == 0  # runs on CPU, its attention graph too
     assert ServiceSettings(num_gpus=2).num_gpus == 2
     with pytest.raises(ValueError, match="num_gpus: 1.5 is neither a fraction of one GPU"):
         ServiceSettings(num_gpus=1.5)
