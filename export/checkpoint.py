@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 
@@ -99,8 +99,43 @@ _DENSE_ACTIVATIONS = {
     "torch.nn.modules.activation.GELU": "gelu",
     "torch.nn.modules.activation.Sigmoid": "sigmoid",
 }
-# the sentence-transformers modules whose computation the graph reproduces, by the end of their type
+# the sentence-transformers modules whose computation the graph reproduces, by the full type modules.json
+# gives them: `sentence_transformers.models.X` as sentence-transformers up to 5.3 wrote it (and still reads it),
+# the module paths 5.4 and 6 write (`type(module).__module__` + the class name; Normalize moved in 6.0). Matched
+# whole: another package's class of the same name (PyLate's `pylate.models.Dense.Dense`) computes something else.
+_MODULE_TYPES = {
+    "sentence_transformers.models.Transformer": "Transformer",
+    "sentence_transformers.models.Pooling": "Pooling",
+    "sentence_transformers.models.Dense": "Dense",
+    "sentence_transformers.models.Normalize": "Normalize",
+    "sentence_transformers.base.modules.transformer.Transformer": "Transformer",
+    "sentence_transformers.sentence_transformer.modules.pooling.Pooling": "Pooling",
+    "sentence_transformers.base.modules.dense.Dense": "Dense",
+    "sentence_transformers.sentence_transformer.modules.normalize.Normalize": "Normalize",
+    "sentence_transformers.base.modules.normalize.Normalize": "Normalize",
+}
 _KNOWN_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+
+
+def _modules_json(directory: Path) -> tuple[Path, list[dict]]:
+    """modules.json's entries in idx order, each path one inside the checkpoint: an absolute path or `..` would
+    read files from outside it (sentence-transformers refuses them too, in _validate_relative_path)."""
+    modules_path = directory / "modules.json"
+    modules = _read_json(modules_path)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise CheckpointError(f"{modules_path}: must be a list of modules (objects), got {type(modules).__name__}")
+    for module in modules:
+        where = module.get("path", "")
+        if not isinstance(where, str) or PurePath(where).is_absolute() or ".." in PurePath(where).parts:
+            raise CheckpointError(f"{modules_path}: module {module.get('type')!r} has path {where!r}, which is not a "
+                                  "folder inside the checkpoint (absolute paths and '..' are refused)")
+    return modules_path, sorted(modules, key=lambda m: m.get("idx", 0) if isinstance(m.get("idx", 0), int) else 0)
+
+
+def _module_kind(module: dict) -> str | None:
+    """Transformer, Pooling, Dense or Normalize for a sentence-transformers module of that type; else None."""
+    kind = module.get("type")
+    return _MODULE_TYPES.get(kind) if isinstance(kind, str) else None
 
 
 @dataclass
@@ -119,15 +154,20 @@ def _sentence_modules(directory: Path) -> SentenceModules:
     """Read modules.json, if present: every module must be one the graph computes, in an order it
     can; any other (a custom module, a second Pooling, a Dense before pooling) is refused by name,
     since a module left out serves vectors of another size and meaning."""
-    modules_path = directory / "modules.json"
-    if not modules_path.exists():
+    if not (directory / "modules.json").exists():
         return SentenceModules()
+    modules_path, modules = _modules_json(directory)
+    if "Pooling" not in map(_module_kind, modules):
+        raise CheckpointError(
+            f"{modules_path}: no sentence-transformers Pooling module ({[m.get('type') for m in modules]}): a "
+            "token-level (multi-vector) model, such as a PyLate ColBERT, gives one vector per token, which is not "
+            "served yet; the export serves one pooled vector per text only")
     found = SentenceModules()
     seen: list[str] = []
-    for module in sorted(_read_json(modules_path), key=lambda m: m.get("idx", 0)):
-        kind = module.get("type", "").rsplit(".", 1)[-1]
+    for module in modules:
+        kind = _module_kind(module)
         where = directory / module.get("path", "")
-        if kind not in _KNOWN_MODULES:
+        if kind is None:
             raise CheckpointError(
                 f"{modules_path}: module {module.get('type')!r} ({module.get('path')}) is not supported: the graph "
                 f"computes {', '.join(_KNOWN_MODULES)} only, and leaving it out would change the embeddings"
@@ -206,6 +246,39 @@ def encoder_config(directory: Path, pooling: str = "mean", normalize: bool = Fal
     return config, architecture
 
 
+# Bounds on a config's sizes, checked before anything is built from them: far above any model the encoder loads
+# (Gemma's 262,144-token vocabulary, 131,072-position RoPE models), far below what a hostile config.json could
+# make the export allocate. The weights' own shapes are held against the rest before the encoder is built.
+MAX_SIZE = 1 << 24
+MAX_POSITIONS = 1 << 20
+# EncoderConfig's sizes -> the config.json key most families give them (named in the refusal)
+_SIZES = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+          "n_heads": "num_attention_heads", "d_ff": "intermediate_size", "max_positions": "max_position_embeddings",
+          "type_vocab_size": "type_vocab_size", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+          "embedding_size": "embedding_size", "relative_buckets": "relative_attention_num_buckets"}
+_MAY_BE_ZERO = ("type_vocab_size", "relative_buckets")
+
+
+def _check_sizes(fields: dict, config_path: Path) -> None:
+    """Every size a whole number within its bound, before anything is allocated from it: a hostile vocab_size or
+    max_position_embeddings is one refusal naming it, not a table of that many rows."""
+    for name, key in _SIZES.items():
+        value = fields.get(name)
+        if value is None and name not in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_positions"):
+            continue
+        low, high = (0 if name in _MAY_BE_ZERO else 1), (MAX_POSITIONS if name == "max_positions" else MAX_SIZE)
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise CheckpointError(f"{config_path}: {key} {value!r} is not a whole number from {low} to {high:,}")
+
+
+def _check_layers(config: EncoderConfig, mapped: dict[str, torch.Tensor], weights_path: Path) -> None:
+    """The config's layer count against the layers the weights hold, before an encoder of that many is built."""
+    held = {int(m.group(1)) for name in mapped if (m := re.match(r"layers\.(\d+)\.", name))}
+    if config.n_layers > len(held):
+        raise CheckpointError(f"{weights_path}: config.json says {config.n_layers} layers, the weights hold "
+                              f"{len(held)}")
+
+
 def _read_config(directory: Path, pooling: str, normalize: bool,
                  dense: tuple[DenseLayer, ...] = ()) -> tuple[EncoderConfig, str, Family]:
     config_path = directory / "config.json"
@@ -213,11 +286,12 @@ def _read_config(directory: Path, pooling: str, normalize: bool,
     model_type = raw.get("model_type")
     family = family_of(model_type, config_path)
     try:
-        config = EncoderConfig(**family.fields(raw, model_type, config_path), pooling=pooling, normalize=normalize,
-                               dense=dense)
+        fields = family.fields(raw, model_type, config_path)
+        _check_sizes(fields, config_path)
+        config = EncoderConfig(**fields, pooling=pooling, normalize=normalize, dense=dense)
     except KeyError as exc:
         raise CheckpointError(f"{config_path}: required key {exc.args[0]!r} is missing") from None
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
         raise CheckpointError(f"{config_path}: {exc}") from None
     architecture = (raw.get("architectures") or [model_type])[0]
     return config, architecture, family
@@ -302,12 +376,12 @@ def take_sinusoidal_table(
         return []
     stored = mapped.pop("embeddings.position.weight").float()
     source = next(n for n in weights if n.endswith("embeddings.position_embeddings.weight"))
-    expected = sinusoidal_positions(config.max_positions, config.d_embed)
-    if stored.shape != expected.shape:
+    if tuple(stored.shape) != (config.max_positions, config.d_embed):  # before a table of that size is computed
         raise CheckpointError(
             f"{weights_path}: tensor {source} has shape {tuple(stored.shape)}, "
-            f"the config implies {tuple(expected.shape)}"
+            f"the config implies {(config.max_positions, config.d_embed)}"
         )
+    expected = sinusoidal_positions(config.max_positions, config.d_embed)
     diff = (stored - expected).abs().max().item()
     if diff > _SINUSOID_ATOL:
         raise CheckpointError(
@@ -319,7 +393,13 @@ def take_sinusoidal_table(
 
 def load_into(encoder: Encoder, mapped: dict[str, torch.Tensor], weights_path: Path) -> None:
     """Copy weights into the encoder; any missing parameter or shape mismatch is an error."""
-    params = dict(encoder.state_dict())
+    check_fit(encoder.state_dict(), mapped, weights_path)
+    encoder.load_state_dict({k: v.float() for k, v in mapped.items()}, strict=True)
+
+
+def check_fit(params: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor], weights_path: Path) -> None:
+    """Every parameter filled by a tensor of its shape, and every tensor used; `params` may be an encoder's on
+    the meta device (shapes only: nothing allocated for a config the weights do not bear out)."""
     missing = sorted(set(params) - set(mapped))
     if missing:
         raise CheckpointError(f"{weights_path}: missing weight(s) for {missing[:5]} ({len(missing)} in all)")
@@ -334,7 +414,6 @@ def load_into(encoder: Encoder, mapped: dict[str, torch.Tensor], weights_path: P
     if mismatched:
         more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
         raise CheckpointError(f"{weights_path}: {mismatched[0]}{more}")
-    encoder.load_state_dict({k: v.float() for k, v in mapped.items()}, strict=True)
 
 
 def max_tokens_of(directory: Path, config: EncoderConfig) -> int:
@@ -359,10 +438,9 @@ def _cross_encoder_modules(directory: Path, raw: dict, family: Family) -> Senten
     """A classifier reads the first token (or, where its family's config says so, the mean):
     sentence-transformers' CrossEncoder saves a modules.json with its Transformer module only; a
     Pooling, Dense or other module has no place in a classifier."""
-    modules_path = directory / "modules.json"
-    if modules_path.exists():
-        types = [m.get("type", "") for m in _read_json(modules_path)]
-        others = [t for t in types if t.rsplit(".", 1)[-1] != "Transformer"]
+    if (directory / "modules.json").exists():
+        modules_path, modules = _modules_json(directory)
+        others = [m.get("type") for m in modules if _module_kind(m) != "Transformer"]
         if others:
             raise CheckpointError(f"{modules_path}: module(s) {others} after a sequence classifier are not supported "
                                   "(its head reads the first token; a CrossEncoder has the Transformer module only)")
@@ -500,7 +578,11 @@ def load_checkpoint(spec: str | Path, name: str | None = None,
     mapped, ignored = map_state_dict(weights, weights_path, family, head=head is not None)
     ignored += take_sinusoidal_table(mapped, weights, config, weights_path)
     mapped |= modules.dense_weights  # the Dense modules' own files, already checked
-    encoder = Encoder(config) if head is None else SequenceClassifier(config, head)
+    build = (lambda: Encoder(config)) if head is None else (lambda: SequenceClassifier(config, head))
+    _check_layers(config, mapped, weights_path)
+    with torch.device("meta"):  # the config's shapes against the weights', before any table is allocated
+        check_fit(build().state_dict(), mapped, weights_path)
+    encoder = build()
     load_into(encoder, mapped, weights_path)
     encoder.eval()
     prompts, default_prompt, prompt_tokens = _prompts(directory, tokenizer_path) if head is None else ({}, None, {})

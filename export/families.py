@@ -191,6 +191,15 @@ def config_value(raw: dict, key: str, default):
     return default if value is None else value
 
 
+def _positive_int(raw: dict, key: str, default: int, config_path: Path) -> int:
+    """A layer pattern's period (every n-th layer global): a whole number of 1 or more, refused by name otherwise
+    (a 0 would divide by zero, a fraction name no layer)."""
+    value = config_value(raw, key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CheckpointError(f"{config_path}: {key} {value!r} is not a whole number of layers of 1 or more")
+    return value
+
+
 def _activation(raw: dict, key: str, config_path: Path) -> str:
     act = config_value(raw, key, "gelu")
     if act not in _ACTIVATIONS:
@@ -347,7 +356,7 @@ def _modernbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
     layer type) and the original one (global_attn_every_n_layers, global/local_rope_theta): pre-norm
     without biases, a sliding window of local_attention // 2 each way on the local layers, GeGLU."""
     n_layers = raw["num_hidden_layers"]
-    every = config_value(raw, "global_attn_every_n_layers", 3)
+    every = _positive_int(raw, "global_attn_every_n_layers", 3, config_path)
     local = _local_attention(raw, config_path, [bool(i % every) for i in range(n_layers)], _MODERNBERT_THETA,
                              {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"})
     if bool(raw.get("attention_bias", False)) != bool(raw.get("mlp_bias", False)):
@@ -425,7 +434,7 @@ def _gemma3_fields(raw: dict, model_type: str, config_path: Path) -> dict:
     if config_value(raw, "query_pre_attn_scalar", 256) != head_dim:
         raise CheckpointError(f"{config_path}: query_pre_attn_scalar {raw['query_pre_attn_scalar']} is not supported "
                               f"(scores are scaled by the head width, {head_dim})")
-    pattern = config_value(raw, "sliding_window_pattern", 6)
+    pattern = _positive_int(raw, "sliding_window_pattern", 6, config_path)
     local = _local_attention(raw, config_path, [bool((i + 1) % pattern) for i in range(n_layers)], _GEMMA3_THETA,
                              {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"})
     return dict(

@@ -109,3 +109,90 @@ def test_unsupported_pooling_is_refused(ckpt_copy):
     pool.write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"1_Pooling/config.json: pooling .* is not supported"):
         load_checkpoint(ckpt_copy)
+
+
+def _edit_config(directory: Path, **changes) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | changes))
+
+
+@pytest.mark.parametrize(("family", "key"), [("modernbert", "global_attn_every_n_layers"),
+                                             ("gemma3", "sliding_window_pattern")])
+@pytest.mark.parametrize("value", [0, -2, 1.5, "3"])
+def test_a_layer_pattern_of_zero_or_not_a_count_is_refused_by_name(family, key, value, tmp_path):
+    """A period of 0 divided by zero in export/families.py (ZeroDivisionError) instead of a refusal."""
+    from tests.families import make_checkpoint
+
+    directory = make_checkpoint(family, tmp_path / family)
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("layer_types", None)  # the older layout, where the period says which layers are local
+    (directory / "config.json").write_text(json.dumps(config | {key: value}))
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(directory)
+    assert str(caught.value) == (f"{directory / 'config.json'}: {key} {value!r} is not a whole number of layers "
+                                 "of 1 or more")
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("vocab_size", 10**13, "vocab_size 10000000000000 is not a whole number from 1 to 16,777,216"),
+    ("max_position_embeddings", 10**9, "max_position_embeddings 1000000000 is not a whole number from 1 to 1,048,576"),
+    ("vocab_size", -1, "vocab_size -1 is not a whole number from 1 to 16,777,216"),
+    ("hidden_size", "384", "hidden_size '384' is not a whole number from 1 to 16,777,216"),
+    ("num_attention_heads", 0, "num_attention_heads 0 is not a whole number from 1 to 16,777,216"),
+    ("num_hidden_layers", 100_000, "model.safetensors: config.json says 100000 layers, the weights hold 6"),
+])
+def test_a_hostile_size_is_refused_before_anything_is_built_from_it(ckpt_copy, key, value, message):
+    """Sizes out of every bound are refused by name, not allocated (10**13 rows) or divided by (0 heads)."""
+    _edit_config(ckpt_copy, **{key: value})
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(ckpt_copy)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+_PEAK_MEMORY = """
+import json, resource, sys
+from pathlib import Path
+from export.checkpoint import CheckpointError, load_checkpoint
+good, bad = Path(sys.argv[1]), Path(sys.argv[2])
+load_checkpoint(good)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    load_checkpoint(bad)
+    message = None
+except CheckpointError as exc:
+    message = str(exc)
+print(json.dumps({"grew_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, "message": message}))
+"""
+
+
+@pytest.mark.parametrize(("key", "tensor"), [("vocab_size", "embeddings.token.weight"),
+                                              ("max_position_embeddings", "embeddings.position.weight")])
+def test_a_size_the_weights_do_not_bear_out_allocates_nothing(ckpt_copy, key, tensor):
+    """Within the bounds but not the weights' shape: refused from the shapes alone. Before, the encoder's table was
+    built first (a million rows x 384 = 1.5 GB, filled at random) and only then compared with the weights."""
+    import subprocess
+    import sys
+
+    _edit_config(ckpt_copy, **{key: 1_000_000})
+    result = subprocess.run([sys.executable, "-c", _PEAK_MEMORY, str(resolve_checkpoint("default")[0]), str(ckpt_copy)],
+                            capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["message"] is not None and f"tensor for {tensor} has shape" in seen["message"], seen
+    assert "the config implies (1000000, 384)" in seen["message"], seen
+    assert seen["grew_kib"] < 200_000, seen  # peak memory: none of the table's 1.5 GB (measured 0 KiB)
+
+
+@pytest.mark.parametrize("path", ["/etc", "../elsewhere", "1_Pooling/../../elsewhere"])
+def test_a_module_path_outside_the_checkpoint_is_refused(ckpt_copy, path):
+    """modules.json's paths name folders inside the checkpoint; an absolute one or `..` read files from outside."""
+    modules = json.loads((ckpt_copy / "modules.json").read_text())
+    outside = ckpt_copy.parent / "elsewhere"
+    shutil.copytree(ckpt_copy / "1_Pooling", outside)  # a readable Pooling config outside the checkpoint
+    modules[1]["path"] = path
+    (ckpt_copy / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(ckpt_copy)
+    assert str(caught.value) == (f"{ckpt_copy / 'modules.json'}: module 'sentence_transformers.models.Pooling' has "
+                                 f"path {path!r}, which is not a folder inside the checkpoint (absolute paths and '..' "
+                                 "are refused)")
