@@ -366,6 +366,9 @@ def test_dense_projections_after_pooling_are_in_the_graph_and_match_sentence_tra
 @pytest.mark.parametrize(("module_type", "message"), [
     ("sentence_transformers.models.LayerNorm", "module 'sentence_transformers.models.LayerNorm' (3_X) is not supported"),
     ("my_package.CustomHead", "module 'my_package.CustomHead' (3_X) is not supported"),
+    # a class of another package that merely ends like one of sentence-transformers' is not it
+    ("pylate.models.Dense.Dense", "module 'pylate.models.Dense.Dense' (3_X) is not supported"),
+    ("my_package.Normalize", "module 'my_package.Normalize' (3_X) is not supported"),
 ])
 def test_a_sentence_transformers_module_the_graph_does_not_compute_is_refused_by_name(
         module_type, message, checkpoints, tmp_path):
@@ -525,3 +528,72 @@ def test_gemma3_loads_as_embeddinggemma_uses_it_and_refuses_a_causal_language_mo
         (directory / "config.json").write_text(json.dumps(raw | change))
         with pytest.raises(CheckpointError, match=message):
             load_checkpoint(directory)
+
+
+def pylate_like(bert: Path, directory: Path) -> Path:
+    """`bert` as PyLate saves a ColBERT model: the Transformer, then PyLate's own Dense (a linear map of every
+    token's encoding to 128 without bias) and no Pooling: one vector per token, scored by MaxSim."""
+    import shutil
+
+    shutil.copytree(bert, directory)
+    (directory / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]))
+    shutil.rmtree(directory / "1_Pooling")
+    (directory / "1_Dense").mkdir()
+    (directory / "1_Dense" / "config.json").write_text(json.dumps(
+        {"in_features": 32, "out_features": 128, "bias": False,
+         "activation_function": "torch.nn.modules.linear.Identity", "use_residual": False}))
+    save_file({"linear.weight": torch.randn(128, 32, generator=torch.Generator().manual_seed(0))},
+              str(directory / "1_Dense" / "model.safetensors"))
+    return directory
+
+
+def test_a_token_level_model_without_pooling_is_refused_by_name(checkpoints, tmp_path):
+    """A PyLate ColBERT model exported as a mean-pooled embedder before: its `pylate.models.Dense.Dense` was taken for
+    sentence-transformers' Dense, and a modules.json without Pooling got mean pooling; one averaged vector served where
+    the model gives one per token. Refused by name now, as is any modules.json without a Pooling module."""
+    directory = pylate_like(checkpoints["bert"], tmp_path / "colbert")
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(directory)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{directory / 'modules.json'}: no sentence-transformers "
+                                                      "Pooling module")
+    assert "token-level (multi-vector) model" in message and "not served yet" in message
+    assert "pylate.models.Dense.Dense" in message
+    # the Transformer alone (sentence-transformers' token embeddings) is token-level too
+    (directory / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"}]))
+    with pytest.raises(CheckpointError, match="no sentence-transformers Pooling module .* token-level"):
+        load_checkpoint(directory)
+
+
+# modules.json's types as sentence-transformers writes them: up to 5.3 (and read by every version since), 5.4/5.5
+# (Normalize under sentence_transformer.modules), 6 (what add_dense's save writes: base.modules.*)
+_ST_NAMES = {
+    "5.3": ("sentence_transformers.models.Transformer", "sentence_transformers.models.Pooling",
+            "sentence_transformers.models.Normalize"),
+    "5.4": ("sentence_transformers.base.modules.transformer.Transformer",
+            "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+            "sentence_transformers.sentence_transformer.modules.normalize.Normalize"),
+    "6": ("sentence_transformers.base.modules.transformer.Transformer",
+          "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+          "sentence_transformers.base.modules.normalize.Normalize"),
+}
+
+
+@pytest.mark.parametrize("version", list(_ST_NAMES))
+def test_sentence_transformers_module_types_of_each_version_load(version, checkpoints, tmp_path):
+    import shutil
+
+    directory = shutil.copytree(checkpoints["electra"], tmp_path / "electra")  # saved with Normalize
+    names = _ST_NAMES[version]
+    modules = json.loads((directory / "modules.json").read_text())
+    assert len(modules) == 3
+    (directory / "modules.json").write_text(json.dumps([m | {"type": t} for m, t in zip(modules, names)]))
+    ckpt = load_checkpoint(directory)
+    assert (ckpt.config.pooling, ckpt.config.normalize) == (BUNDLE_POOLING["electra"], True)
+    if version == "6":  # what sentence-transformers itself writes
+        saved = json.loads((add_dense(checkpoints["bert"], tmp_path / "saved") / "modules.json").read_text())
+        assert [m["type"] for m in saved] == [*names[:2], "sentence_transformers.base.modules.dense.Dense",
+                                              "sentence_transformers.base.modules.dense.Dense", names[2]]
