@@ -326,6 +326,100 @@ def file_entry(path: Path) -> FileEntry:
     return FileEntry(sha256=sha256_file(path), bytes=path.stat().st_size)
 
 
+# Where ONNX keeps tensors (onnx.proto's field numbers): the walk to every TensorProto that may name an external
+# file. message -> {field: the message it holds}; ModelProto's graph and functions, a graph's nodes and initializers,
+# a node's attributes, an attribute's tensors and subgraphs (If, Loop, Scan), a sparse tensor's values and indices.
+_ONNX_FIELDS = {
+    "model": {7: "graph", 25: "function"},
+    "graph": {1: "node", 5: "tensor", 15: "sparse"},
+    "function": {7: "node"},
+    "node": {5: "attribute"},
+    "attribute": {5: "tensor", 6: "graph", 10: "tensor", 11: "graph", 22: "sparse", 23: "sparse"},
+    "sparse": {1: "tensor", 2: "tensor"},
+    "tensor": {13: "entry"},  # external_data: StringStringEntryProto (key 1, value 2)
+    "entry": {},
+}
+
+
+class _NotOnnx(ValueError):
+    pass
+
+
+def _varint(buf, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise _NotOnnx("a varint runs past its message")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _external_locations(buf, start: int, end: int, kind: str, found: set[str]) -> None:
+    """Add the `location` of every tensor under this message whose data lives in another file; protobuf's wire
+    format is walked without copying, so a graph's weights (its raw_data) are skipped, not read."""
+    pos, entry = start, {}
+    while pos < end:
+        key, pos = _varint(buf, pos, end)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            _, pos = _varint(buf, pos, end)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        elif wire == 2:
+            length, pos = _varint(buf, pos, end)
+            if pos + length > end:
+                raise _NotOnnx(f"field {field} runs past its message")
+            if kind == "entry" and field in (1, 2):
+                entry[field] = bytes(buf[pos:pos + length]).decode("utf-8", "replace")
+            elif (inner := _ONNX_FIELDS[kind].get(field)) is not None:
+                _external_locations(buf, pos, pos + length, inner, found)
+            pos += length
+        else:
+            raise _NotOnnx(f"wire type {wire}")
+    if pos != end:
+        raise _NotOnnx("a field runs past its message")
+    if kind == "entry" and entry.get(1) == "location":
+        found.add(entry.get(2, ""))
+
+
+def external_data_files(graph: Path) -> set[str]:
+    """The files an ONNX graph keeps tensors in besides itself (its external data's `location`s, relative to the
+    graph's folder), read from the graph without onnx or onnxruntime and without loading its weights."""
+    import mmap
+
+    found: set[str] = set()
+    with graph.open("rb") as fh:
+        if graph.stat().st_size == 0:
+            return found
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            _external_locations(buf, 0, len(buf), "model", found)
+    return found
+
+
+def _check_external_data(root: Path, graph_file: str, manifest: BundleManifest, manifest_path: Path) -> None:
+    """Every file a graph reads its weights from is inside the bundle and listed in 'files' (so hashed and
+    verified): onnxruntime and OpenVINO load `<graph>.data` beside a large graph, and an unlisted one could be
+    replaced without the manifest's hash noticing."""
+    graph = root / graph_file
+    try:
+        locations = external_data_files(graph)
+    except (_NotOnnx, RecursionError) as exc:
+        raise BundleError(f"{graph}: not an ONNX graph ({exc})") from None
+    for location in sorted(locations):
+        name = Path(graph_file).parent / location
+        if Path(location).is_absolute() or ".." in Path(location).parts:
+            raise BundleError(f"{graph}: external data {location!r} is outside the bundle directory")
+        if name.as_posix() not in manifest.files:
+            raise BundleError(f"{graph}: external data {location} has no hash in 'files' ({BUNDLE_MANIFEST} must list "
+                              "every file a graph reads)")
+
+
 def _schema_version(path: Path) -> object:
     """The manifest's schema_version, if it is JSON with one (to name a version mismatch)."""
     try:
@@ -435,4 +529,6 @@ def load_bundle(root: str | Path) -> Bundle:
         actual = sha256_file(path)
         if actual != entry.sha256:
             raise BundleError(f"{path}: sha256 {actual[:12]}... does not match manifest {entry.sha256[:12]}...")
+    for graph_file in dict.fromkeys((manifest.graph.file, *(v.file for v in manifest.variants.values()), *packed_files)):
+        _check_external_data(root, graph_file, manifest, manifest_path)
     return Bundle(root=root, manifest=manifest)

@@ -52,11 +52,24 @@ def _wrong_graph(bundle: Path) -> str:
     return "manifest implies 384"
 
 
+def _unlisted_external_data(bundle: Path) -> str:
+    """The graph's weights moved to model.onnx.data (as a graph over 2 GB ships), left out of 'files', one bit flipped."""
+    from tests.test_bundle_loader import with_external_data
+
+    data = with_external_data(bundle)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    return "external data model.onnx.data has no hash in 'files'"
+
+
 CASES = {
     "missing file": (_missing_file, "tokenizer.json deleted"),
     "tampered hash": (_tampered, "one bit flipped in model.onnx"),
     "truncated ONNX": (_truncated, "model.onnx cut in half"),
     "graph does not match manifest": (_wrong_graph, "a 64-wide 2-layer graph, manifest re-hashed"),
+    "unlisted external data": (_unlisted_external_data, "model.onnx's weights in model.onnx.data, not in 'files', "
+                               "one bit flipped"),
 }
 
 

@@ -83,3 +83,62 @@ def test_loader_does_not_import_torch(default_bundle):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def with_external_data(bundle: Path, graph: str = "model.onnx", location: str | None = None,
+                       listed: bool = False) -> Path:
+    """`graph` re-saved with its weights in `<graph>.data` beside it, as the export writes a graph over 2 GB, and the
+    manifest re-hashed for the graph (and, when `listed`, for its data file). location: what the graph then says
+    its data file is (written into every external tensor's entry, the file itself left where onnx wrote it)."""
+    import onnx
+
+    from bundle.manifest import file_entry
+
+    model = onnx.load(str(bundle / graph))
+    onnx.save_model(model, str(bundle / graph), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=graph + ".data", size_threshold=1024)
+    if location is not None:
+        model = onnx.load(str(bundle / graph), load_external_data=False)
+        for tensor in model.graph.initializer:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = location
+        onnx.save_model(model, str(bundle / graph))
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    manifest["files"][graph] = file_entry(bundle / graph).model_dump()
+    if listed:
+        manifest["files"][graph + ".data"] = file_entry(bundle / (graph + ".data")).model_dump()
+    (bundle / "bundle.json").write_text(json.dumps(manifest))
+    return bundle / (graph + ".data")
+
+
+@pytest.mark.parametrize("graph", ["model.onnx", "encodings-fp32.onnx"])
+def test_a_graph_s_external_data_must_be_listed_and_verified(bundle_copy, graph):
+    """A graph's weights in `<graph>.data` beside it: not listed in 'files', they could be replaced (here: one bit
+    flipped) and the bundle loaded, its hash unchanged. The file is now required in 'files' and verified."""
+    data = with_external_data(bundle_copy, graph)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(BundleError) as caught:
+        load_bundle(bundle_copy)
+    assert str(caught.value) == (f"{bundle_copy / graph}: external data {graph}.data has no hash in 'files' "
+                                 "(bundle.json must list every file a graph reads)")
+
+
+def test_listed_external_data_loads_and_is_verified(bundle_copy):
+    data = with_external_data(bundle_copy, listed=True)
+    assert load_bundle(bundle_copy).manifest.files["model.onnx.data"].bytes == data.stat().st_size
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(BundleError, match=r"model.onnx.data: sha256 .* does not match manifest"):
+        load_bundle(bundle_copy)
+
+
+@pytest.mark.parametrize("location", ["../model.onnx.data", "/tmp/model.onnx.data"])
+def test_external_data_outside_the_bundle_is_refused(bundle_copy, location):
+    with_external_data(bundle_copy, location=location)
+    with pytest.raises(BundleError) as caught:
+        load_bundle(bundle_copy)
+    assert str(caught.value) == f"{bundle_copy / 'model.onnx'}: external data {location!r} is outside the bundle directory"
