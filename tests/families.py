@@ -70,6 +70,12 @@ POOLINGS = ("mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lastt
 MAX_TOKENS = 64  # the longest input, special tokens included
 
 _HIDDEN, _LAYERS, _HEADS, _FFN = 32, 2, 4, 64
+# The weights' standard deviation (config.json's initializer_range; transformers' default is 0.02). At 0.02 a
+# tiny model is nearly linear and blind to what the tests claim to hold: swapping ModernBERT's global and local
+# RoPE bases moved its pooled embeddings by 2.2e-6, GTE's base 160000 -> 10000 by 1.8e-5, MPNet's relative bias
+# zeroed by 2.1e-4, all near or under the tests' 1e-4. At 0.2 they move them by 2.8e-2, 2.4e-1 and 1.3e-1
+# while the export stays within 1.4e-6 of sentence-transformers (tests/test_families.py's mutation test holds both).
+INIT_STD = 0.2
 
 # Varied text in several scripts, so every tokenizer learns more than one alphabet.
 CORPUS = (
@@ -102,14 +108,16 @@ CORPUS = (
 
 def make_checkpoint(family: str, out: Path, pooling: str = "mean", seed: int = 0, normalize: bool = False,
                     prompts: dict[str, str] | None = None, default_prompt_name: str | None = None,
-                    include_prompt: bool = True, pooling_format: str = "legacy", config_extra: dict | None = None) -> Path:
+                    include_prompt: bool = True, pooling_format: str = "legacy", config_extra: dict | None = None,
+                    init_std: float = INIT_STD) -> Path:
     """Write a small random checkpoint of `family` (a key of FAMILIES) into `out`; return `out`.
 
     pooling: sentence-transformers' pooling mode (one of POOLINGS); normalize: add its Normalize
     module. prompts, default_prompt_name: config_sentence_transformers.json's; include_prompt: the
     Pooling module's; pooling_format: its config as sentence-transformers 6 writes it ("v6":
     `pooling_mode`) or as older versions did ("legacy": a boolean per mode); config_extra: keys added
-    to config.json (matryoshka_dimensions). Needs torch and transformers (the export extra), not the network.
+    to config.json (matryoshka_dimensions); init_std: the weights' standard deviation (INIT_STD). Needs torch
+    and transformers (the export extra), not the network.
     """
     import torch
     import transformers
@@ -126,6 +134,7 @@ def make_checkpoint(family: str, out: Path, pooling: str = "mean", seed: int = 0
     tokenizer = Tokenizer.from_str(tokenizer_json)
     specials = {role: tokenizer.token_to_id(token) for role, token in names.items()}
     config = _config(family, vocab_size=tokenizer.get_vocab_size(), specials=specials)
+    config.initializer_range = init_std
     with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
         torch.manual_seed(seed)
         model = getattr(transformers, class_name)(config).eval()

@@ -597,3 +597,49 @@ def test_sentence_transformers_module_types_of_each_version_load(version, checkp
         saved = json.loads((add_dense(checkpoints["bert"], tmp_path / "saved") / "modules.json").read_text())
         assert [m["type"] for m in saved] == [*names[:2], "sentence_transformers.base.modules.dense.Dense",
                                               "sentence_transformers.base.modules.dense.Dense", names[2]]
+
+
+def _swap_modernbert_bases(directory: Path) -> None:
+    raw = json.loads((directory / "config.json").read_text())
+    params = raw["rope_parameters"]
+    params["full_attention"], params["sliding_attention"] = params["sliding_attention"], params["full_attention"]
+    (directory / "config.json").write_text(json.dumps(raw))
+
+
+def _gte_base_10000(directory: Path) -> None:
+    raw = json.loads((directory / "config.json").read_text())
+    raw["rope_parameters"]["rope_theta"] = 10_000.0
+    (directory / "config.json").write_text(json.dumps(raw))
+
+
+def _zero_mpnet_relative_bias(directory: Path) -> None:
+    weights = load_file(str(directory / "model.safetensors"))
+    name = next(n for n in weights if n.endswith("relative_attention_bias.weight"))
+    weights[name] = torch.zeros_like(weights[name])
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(("family", "mutate"), [("modernbert", _swap_modernbert_bases), ("gte", _gte_base_10000),
+                                                ("mpnet", _zero_mpnet_relative_bias)])
+def test_the_family_checkpoints_are_big_enough_to_see_what_the_tests_claim(family, mutate, checkpoints, tmp_path):
+    """The pooled embedding the bundle tests compare with sentence-transformers must move well past TOLERANCE when
+    the export reads a family wrong. At transformers' 0.02 init it did not: ModernBERT's RoPE bases swapped moved it
+    by 2.2e-6, GTE's base 160000 -> 10000 by 1.8e-5, MPNet's relative bias zeroed by 2.1e-4. tests/families.py's
+    INIT_STD (0.2) makes them 2.8e-2, 2.4e-1 and 1.3e-1, while the right reading stays within 1.4e-6."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    def pooled(directory: Path) -> np.ndarray:
+        ckpt = load_checkpoint(directory)
+        ids, mask = tokenize(ckpt.tokenizer_path, ckpt.config.pad_token_id, ckpt.max_tokens)
+        with torch.no_grad():
+            return ckpt.encoder(ids, mask, torch.zeros_like(ids))[1].numpy()
+
+    expected = SentenceTransformer(str(checkpoints[family]), device="cpu").encode(
+        TEXTS, convert_to_numpy=True, batch_size=len(TEXTS))
+    assert np.abs(pooled(checkpoints[family]) - expected).max() <= TOLERANCE
+    wrong = shutil.copytree(checkpoints[family], tmp_path / "wrong")
+    mutate(wrong)
+    moved = np.abs(pooled(wrong) - expected).max()
+    assert moved > 100 * TOLERANCE, moved
