@@ -135,7 +135,10 @@ def bf16_bundles(tmp_path_factory) -> dict[str, tuple[Path, Path, list[str]]]:
     root = tmp_path_factory.mktemp("openvino-families")
     out = {}
     for family, (pooling, normalize) in BF16_FAMILIES.items():
-        checkpoint = make_checkpoint(family, root / family, pooling=pooling, normalize=normalize)
+        # the weights at transformers' own 0.02: at the families' larger INIT_STD a random XLM-R's retrieval
+        # probe has near ties (cosines 0.99999, one top-1 flipped) and the gate rejects bf16 for that alone;
+        # what this file checks, the graph's names and OpenVINO's answers, does not depend on their size
+        checkpoint = make_checkpoint(family, root / family, pooling=pooling, normalize=normalize, init_std=0.02)
         log: list[str] = []
         build_bundle(ExportOptions(str(checkpoint), root / f"{family}-bundle", DEFAULT_OPSET, DEFAULT_ATOL,
                                    DEFAULT_RTOL, lossy=("bf16",)), progress=log.append)
