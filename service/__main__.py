@@ -27,6 +27,7 @@ from bundle.manifest import BundleError
 from service import processes
 from service.config import DEFAULT_INGRESS, INGRESS_ENV, ServiceSettings, serve_app_values
 from service.grpc.protocol import SERVICER_FUNCTION
+from service.grpc.serve_hooks import MAX_MESSAGE_ENV
 
 APP_NAME = "encoder"
 DEFAULT_GRPC_PORT = 9000  # KServe v2 over gRPC (Triton's and KServe's gRPC port is 8001; 9000 is KServe's Serve default)
@@ -234,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         from service.runtimes.onnxruntime import check_bundles
 
         load_token(settings)  # an empty or unreadable token file refuses here
+        if local:
+            # the gRPC message limit of Serve's proxy actor, which has no settings (each replica
+            # takes its own from the settings): the body limit, as HTTP's (service/grpc/serve_hooks.py)
+            os.environ[MAX_MESSAGE_ENV] = str(settings.max_body_bytes)
         check_bundles(settings)
         if args.address == "local":
             if settings.provider == "cuda" and not check_cuda().usable:

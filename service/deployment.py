@@ -55,7 +55,7 @@ class Encoder(KServeGrpc):
         started = time.perf_counter()
         bind_replica_grpc_to_node_address()  # before Serve starts that server, after this returns
         bind_grpc_ingress_to_node_address()  # the same for its gRPC ingress server, when gRPC is on
-        serve_hooks.install(settings.retry_after_s)
+        serve_hooks.install(settings.retry_after_s, settings.max_body_bytes)  # before Serve starts its gRPC server
         tracing.configure(settings.tracing)  # OpenTelemetry traces, when the settings or OTEL_* ask
         # the GPU share this replica asked Ray for (fixed in app.compose) and the device Ray gave it
         self.gpu = ray_gpu_assignment(settings.num_gpus or 0.0)

@@ -122,7 +122,8 @@ def test_errors_are_status_codes_a_client_can_act_on(channel, mutate, code, word
     with pytest.raises(grpc.RpcError) as raised:
         call(channel, "ModelInfer", request)
     assert raised.value.code() == code, raised.value.details()
-    assert words in raised.value.details() and "request id" in raised.value.details()
+    sent_back = dict(raised.value.trailing_metadata())["request_id"]  # the call's id, as the details name it
+    assert words in raised.value.details() and f"(request id {sent_back})" in raised.value.details()
 
 
 def test_a_text_past_the_limit_without_truncation_is_invalid_argument_through_tritonclient(client):

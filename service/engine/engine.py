@@ -21,6 +21,21 @@ from service.runtimes.cuda import GpuAssignment
 from service.runtimes import Runtime, load_runtime
 from service.engine.tokenization import TextTokenizer
 
+SHOWN_CHARS = 100  # of a client's text, in an error message
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """What a client sent (a model or input name, a shape), as an error message shows it: in full when
+    short, else its first `limit` characters and its length. An error's message goes into gRPC's
+    status details, which travel in size-capped trailers, and into log lines: a 9,000-character model
+    name must not turn NOT_FOUND into RESOURCE_EXHAUSTED."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[:limit]!r}...({len(value)} characters)"
+    if isinstance(value, (list, tuple)) and len(value) > limit // 4:  # never the whole list as text first
+        return f"{list(value[:limit // 4])}...({len(value)} items)"
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
+
 
 @dataclass
 class Engine:
@@ -139,7 +154,7 @@ class EngineTable:
             return self.default
         found = self.by_name.get(name) or self.by_alias.get(name)
         if found is None:
-            raise NotFound(f"model {name!r} is not served here; served: {self.described()} (a bundle's `aliases` "
+            raise NotFound(f"model {shown(name)} is not served here; served: {self.described()} (a bundle's `aliases` "
                            "setting lets clients that send another model name, such as Cohere's, reach it)")
         return found
 

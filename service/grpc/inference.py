@@ -14,9 +14,13 @@ errors. What gRPC adds is here:
 - The client's gRPC deadline is the request's deadline, as X-Request-Timeout-Seconds is on HTTP
   (the service's request_timeout_s when it is shorter); a call cancelled, or past its deadline, is
   cancelled by gRPC and its job leaves the batch queue.
-- Authentication: the bearer token in the `authorization` metadata on ModelInfer when auth is on.
+- Authentication: the bearer token in the `authorization` metadata on ModelInfer when auth is on,
+  checked from the metadata before the message is read where the replica runs the gRPC server
+  (service/grpc/serve_hooks.py), and again here (behind Serve's proxy actor).
 - Request ids: Serve takes the client's `request_id` metadata or makes one, and sends it back in
-  the trailing metadata; the access log line and the error details carry it.
+  the trailing metadata; an id that fails HTTP's rule for X-Request-Id (1-128 visible ASCII
+  characters) is replaced by a fresh one there, and the access log line and the error details
+  carry the same id.
 - Metrics: the same families as HTTP, with protocol="grpc" and the call's full name as the route.
 """
 
@@ -33,6 +37,7 @@ import grpc
 import numpy as np
 from pydantic import ValidationError
 
+from service.engine.engine import shown
 from service.engine.errors import InvalidRequest, ServiceError, Unauthorized
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.service import EncoderService
@@ -42,9 +47,9 @@ from service.http.app import SERVER_NAME, SERVER_VERSION, describe
 from service.http.context import count
 from service.http.errors import status_of
 from service.http.middleware import HEADER_DEADLINE_MARGIN_S, BearerAuthMiddleware, InFlightMiddleware, MetricsMiddleware
-from service.http.request_ids import current_request_id, log_access
+from service.http.request_ids import REQUEST_ID_HEADER, current_request_id, log_access, request_id_of
 from service.http.routes.v2 import (
-    V2_DATATYPES, V2_EXTENSIONS, V2_KINDS, V2Call, select_outputs, v2_head, v2_model_metadata, v2_run,
+    V2_DATATYPES, V2_EXTENSIONS, V2_KINDS, V2Call, declared_count, select_outputs, v2_head, v2_model_metadata, v2_run,
 )
 from service.http.schemas import V2InferRequest
 from service.metrics import service_metrics, status_class
@@ -63,7 +68,11 @@ GRPC_CODES = {
     "backend": grpc.StatusCode.INTERNAL,
 }
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata: seconds after which the same call may succeed
+REQUEST_ID_KEY = "request_id"  # metadata in (the client's) and trailing metadata out (the call's)
 CLIENT_GONE = 499  # the access log's and metrics' status of a call the client cancelled (as on HTTP)
+# status details travel in the trailers, whose size gRPC caps (8 KiB by default): what a client sent
+# is shown in part (service/engine/engine.py, `shown`), and the whole message is cut past this
+MAX_DETAILS_CHARS = 2000
 
 
 class KServeGrpc:
@@ -99,11 +108,9 @@ class GrpcCall:
     def __init__(self, method: str, context: Any) -> None:
         self.arrived = time.perf_counter()
         self.context = context
-        # the client's `request_id` metadata, or the one Serve made: what it sends back in the trailing metadata
-        sent_back = dict(context.trailing_metadata()) if context is not None else {}
         self.scope: dict[str, Any] = {
             "method": "gRPC", "route_template": method_path(method), "arrived": self.arrived,
-            "request_id": sent_back.get("request_id") or uuid.uuid4().hex,
+            "request_id": _call_id(context),
         }
         remaining = getattr(context, "encoder_time_remaining", None)  # service/grpc/serve_hooks.py keeps it
         self.client_deadline = None if remaining is None else self.arrived + remaining
@@ -179,23 +186,82 @@ def _trace_carrier(call: GrpcCall) -> dict[str, str]:
     return {key: value for key in (tracing.TRACEPARENT, tracing.TRACESTATE) if (value := call.metadata(key))}
 
 
+def _call_id(context: Any) -> str:
+    """The call's one request id: the client's `request_id` metadata, or the one Serve made, where it
+    passes HTTP's rule for X-Request-Id; else a fresh one. Whichever it is goes back in the trailing
+    metadata (in place of the one Serve put there)."""
+    if context is None:
+        return uuid.uuid4().hex
+    given = dict(context.trailing_metadata() or ()).get(REQUEST_ID_KEY)
+    if given is None:  # no Serve in front (the interceptor's refusal): the client's metadata
+        given = next((v for k, v in context.invocation_metadata() or () if k == REQUEST_ID_KEY), None)
+    request_id = uuid.uuid4().hex if given is None else request_id_of(
+        {REQUEST_ID_HEADER.encode(): given.encode("utf-8", "replace") if isinstance(given, str) else bytes(given)})
+    if request_id != given:
+        _set_trailing(context, request_id, [])
+    return request_id
+
+
+def _set_trailing(context: Any, request_id: str | None, pairs: list[tuple[str, str]]) -> None:
+    """The trailing metadata: the call's request id, once, then `pairs`. Serve's context keeps the id
+    it holds in front of whatever is set (RayServegRPCContext.set_trailing_metadata), so its list is
+    written here instead, when it has one."""
+    full = ([(REQUEST_ID_KEY, request_id)] if request_id else []) + pairs
+    if isinstance(getattr(context, "_trailing_metadata", None), list):
+        context._trailing_metadata = full
+    else:
+        context.set_trailing_metadata(full)
+
+
 def _refuse(context: Any, code: grpc.StatusCode, exc: ServiceError) -> None:
     if context is None:
         raise exc
     context.set_code(code)
-    context.set_details(f"{exc.message} (request id {current_request_id.get()})")
-    if exc.retry_after_s is not None:
-        context.set_trailing_metadata([(RETRY_AFTER_KEY, str(exc.retry_after_s))])
+    context.set_details(f"{exc.message[:MAX_DETAILS_CHARS]} (request id {current_request_id.get()})")
+    _set_trailing(context, current_request_id.get(),
+                  [] if exc.retry_after_s is None else [(RETRY_AFTER_KEY, str(exc.retry_after_s))])
+
+
+def _token_refusal(lookup: Callable[[str], str | None]) -> Unauthorized | None:
+    """The refusal of a call whose `authorization` metadata lacks the bearer token (compared in
+    constant time), when auth is on; None when the call may go on."""
+    token = BearerAuthMiddleware.token
+    if token is None:
+        return None
+    scheme, _, provided = (lookup("authorization") or "").partition(" ")
+    if not (scheme.lower() == "bearer" and hmac.compare_digest(provided.strip().encode(), token)):
+        return Unauthorized("missing or invalid bearer token in the `authorization` metadata")
+    return None
 
 
 def _authenticate(call: GrpcCall) -> None:
-    """The bearer token in the `authorization` metadata, compared in constant time, when auth is on."""
-    token = BearerAuthMiddleware.token
-    if token is None:
-        return
-    scheme, _, provided = (call.metadata("authorization") or "").partition(" ")
-    if not (scheme.lower() == "bearer" and hmac.compare_digest(provided.strip().encode(), token)):
-        raise Unauthorized("missing or invalid bearer token in the `authorization` metadata")
+    refusal = _token_refusal(call.metadata)
+    if refusal is not None:
+        raise refusal
+
+
+def needs_refusal(method: str, metadata: Any) -> bool:
+    """Whether a call is a ModelInfer that must be refused for its token, from its metadata alone
+    (serve_hooks.TokenBeforeMessage asks, before the message is read)."""
+    if method != method_path("ModelInfer") or BearerAuthMiddleware.token is None:
+        return False
+    pairs = [(k, v) for k, v in metadata or ()]
+    return _token_refusal(lambda key: next((v for k, v in pairs if k == key), None)) is not None
+
+
+async def refuse_before_reading(request_iterator: Any, context: Any) -> Any:
+    """ModelInfer without the token, refused without reading its message (never iterated): counted,
+    logged and answered as `_answer` answers the same refusal after reading it."""
+    call = GrpcCall("ModelInfer", context)
+    id_token = current_request_id.set(call.scope["request_id"])
+    try:
+        exc = _token_refusal(call.metadata) or Unauthorized("missing or invalid bearer token")
+        call.scope["failure_reason"] = exc.type
+        _refuse(context, GRPC_CODES[exc.type], exc)
+        _record(service_metrics(), call, status_of(exc), GRPC_CODES[exc.type], None)
+    finally:
+        current_request_id.reset(id_token)
+    return messages().ModelInferResponse()
 
 
 def _record(metrics: Any, call: GrpcCall, status: int, code: grpc.StatusCode, reply: Any) -> None:
@@ -260,7 +326,7 @@ async def _model_metadata(svc: EncoderService, request: Any, call: GrpcCall) -> 
 
 async def _infer(svc: EncoderService, request: Any, call: GrpcCall) -> Any:
     engine = _engine(svc, request.model_name, call)
-    req, binary = v2_request(request)
+    req, binary = v2_request(request, svc.settings.max_inputs)
     outputs = select_outputs(req, engine.model.task)
     route = call.scope["route_template"]
 
@@ -278,23 +344,34 @@ async def _infer(svc: EncoderService, request: Any, call: GrpcCall) -> Any:
 
 
 _OFF_LOOP_BYTES = 1 << 20
+MAX_V2_INPUTS, MAX_V2_OUTPUTS = 8, 16  # as V2InferRequest allows: checked before the tensors are read
 
 
-def v2_request(request: Any) -> tuple[V2InferRequest, bytes]:
+def v2_request(request: Any, max_inputs: int) -> tuple[V2InferRequest, bytes]:
     """A ModelInferRequest as the v2 request HTTP reads: raw input contents become the binary tail
-    (each input `binary_data_size` bytes of it), `bytes_contents` the input's data."""
-    raw = list(request.raw_input_contents)
-    if raw and len(raw) != len(request.inputs):
+    (each input `binary_data_size` bytes of it), `bytes_contents` the input's data. Counts come
+    first: each input's shape against the limit and its `bytes_contents` against its shape (a
+    length, read without touching an element) before any element is copied."""
+    if len(request.inputs) > MAX_V2_INPUTS or len(request.outputs) > MAX_V2_OUTPUTS:
+        raise InvalidRequest(f"{len(request.inputs)} inputs and {len(request.outputs)} outputs; at most "
+                             f"{MAX_V2_INPUTS} and {MAX_V2_OUTPUTS}")
+    raw = request.raw_input_contents
+    if len(raw) and len(raw) != len(request.inputs):
         raise InvalidRequest(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs: one each, in order")
     inputs = []
     for i, tensor in enumerate(request.inputs):
+        count = declared_count(tensor.name, tensor.datatype, tensor.shape, max_inputs)
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
                                  "parameters": parameters(tensor.parameters)}
-        if raw:
+        if len(raw):
             if tensor.HasField("contents"):
-                raise InvalidRequest(f"input {tensor.name!r} has contents while raw_input_contents is given: one or the other")
+                raise InvalidRequest(f"input {shown(tensor.name)} has contents while raw_input_contents is given: "
+                                     "one or the other")
             entry["parameters"]["binary_data_size"] = len(raw[i])
         else:
+            given = len(tensor.contents.bytes_contents)
+            if given != count:
+                raise InvalidRequest(f"input {shown(tensor.name)} has shape {shown(list(tensor.shape))} but {given} elements")
             entry["data"] = list(tensor.contents.bytes_contents)
         inputs.append(entry)
     body = {"id": request.id or None, "parameters": parameters(request.parameters), "inputs": inputs,

@@ -209,8 +209,11 @@ def count_refusal(protocol: str = "http") -> None:
 def ray_answers_as_json() -> list[Middleware]:
     """The callback Serve imports (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), in its proxy actor and in
     each replica before their ingress servers start: also the moment to move their gRPC ingress off
-    the wildcard address (service/listeners.py)."""
+    the wildcard address (service/listeners.py), and to cap their gRPC messages at the body limit
+    (service/grpc/serve_hooks.py; a replica's own settings set it again there)."""
+    from service.grpc.serve_hooks import limit_grpc_servers
     from service.listeners import bind_grpc_ingress_to_node_address
 
     bind_grpc_ingress_to_node_address()
+    limit_grpc_servers()
     return [Middleware(RayAnswersAsJson), Middleware(ServeHeaderGuard)]  # the last is the outermost

@@ -11,6 +11,7 @@ No `from __future__ import annotations` (see http/routes/native.py).
 """
 
 import asyncio
+import math
 import struct
 from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
@@ -24,8 +25,8 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from service import tracing
-from service.engine.engine import Engine
-from service.engine.errors import InvalidRequest
+from service.engine.engine import Engine, shown
+from service.engine.errors import InvalidRequest, TooLarge
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.service import EncoderService
 from service.engine.tokenization import TokenizedText
@@ -64,7 +65,7 @@ def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, 
     """Split a v2 body into its JSON header and binary tail (binary tensor data extension)."""
     if header_len is not None:
         if not header_len.isdigit() or int(header_len) > len(raw):
-            raise InvalidRequest(f"Inference-Header-Content-Length {header_len!r} does not fit a {len(raw)}-byte body")
+            raise InvalidRequest(f"Inference-Header-Content-Length {shown(header_len)} does not fit a {len(raw)}-byte body")
         json_part, binary = raw[: int(header_len)], raw[int(header_len) :]
     else:
         json_part, binary = raw, b""
@@ -83,33 +84,38 @@ def select_outputs(req: V2InferRequest, task: str) -> dict[str, bool]:
     selected = {}
     for asked in req.outputs:
         if asked.name not in outputs.names:
-            raise InvalidRequest(f"unknown output {asked.name!r}; {outputs.listing}")
+            raise InvalidRequest(f"unknown output {shown(asked.name)}; {outputs.listing}")
         own = asked.parameters.binary_data
         selected[asked.name] = everything_binary if own is None else own
     return selected
 
 
-def _v2_texts(req: V2InferRequest, binary: bytes, names: tuple[str, ...] = (V2_INPUT,),
+def _v2_texts(req: V2InferRequest, binary: bytes, max_inputs: int, names: tuple[str, ...] = (V2_INPUT,),
               optional: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    """The texts of each BYTES input, by name, from its JSON data or its slice of the binary tail."""
+    """The texts of each BYTES input, by name, from its JSON data or its slice of the binary tail. Each
+    input's shape is checked against the limit first, and no more elements are read than it declares
+    (one past, to say the data disagrees)."""
     given = [t.name for t in req.inputs]
     required = [n for n in names if n not in optional]
     if not set(required) <= set(given) or not set(given) <= set(names) or len(set(given)) != len(given):
         wanted = " and ".join(repr(n) for n in required) + "".join(f", optionally {n!r}" for n in optional)
-        raise InvalidRequest(f"expected inputs {wanted} (BYTES, shape [n]); got {given}")
-    counts = [_element_count(tensor) for tensor in req.inputs]
+        raise InvalidRequest(f"expected inputs {wanted} (BYTES, shape [n]); got {shown(given)}")
+    counts = [declared_count(t.name, t.datatype, t.shape, max_inputs) for t in req.inputs]
     slices = _binary_slices(req.inputs, binary)
     return {tensor.name: _input_texts(tensor, count, part) for tensor, count, part in zip(req.inputs, counts, slices, strict=True)}
 
 
-def _element_count(tensor: V2Tensor) -> int:
-    """How many texts an input declares: a BYTES tensor of shape [n] or [n, 1], n >= 1."""
-    if tensor.datatype != "BYTES":
-        raise InvalidRequest(f"input {tensor.name!r} must have datatype BYTES, got {tensor.datatype}")
-    shape = tensor.shape
-    count = int(np.prod(shape)) if shape else 0
+def declared_count(name: str, datatype: str, shape: list[int], max_inputs: int) -> int:
+    """How many texts an input declares: a BYTES tensor of shape [n] or [n, 1], 1 <= n <= max_inputs.
+    Read from the shape alone, before any element (HTTP and gRPC)."""
+    if datatype != "BYTES":
+        raise InvalidRequest(f"input {shown(name)} must have datatype BYTES, got {shown(datatype)}")
+    shape = list(shape)
+    count = math.prod(shape) if len(shape) in (1, 2) else 0
     if len(shape) not in (1, 2) or (len(shape) == 2 and shape[1] != 1) or count < 1:
-        raise InvalidRequest(f"input {tensor.name!r} must have shape [n] or [n, 1] with n >= 1, got {shape}")
+        raise InvalidRequest(f"input {shown(name)} must have shape [n] or [n, 1] with n >= 1, got {shown(shape)}")
+    if count > max_inputs:
+        raise TooLarge(f"input {shown(name)} has shape {shown(shape)}: {count} inputs; at most {max_inputs} per request")
     return count
 
 
@@ -128,10 +134,11 @@ def _binary_slices(inputs: list[V2Tensor], binary: bytes) -> list[memoryview | N
     return [None if size is None else tail[end - size : end] for size, end in zip(sizes, ends, strict=True)]
 
 
-def _length_prefixed(part: memoryview) -> list[bytes]:
-    """The elements of one binary BYTES input: each a 4-byte little-endian length, then its bytes."""
+def _length_prefixed(part: memoryview, most: int) -> list[bytes]:
+    """The elements of one binary BYTES input, each a 4-byte little-endian length, then its bytes: at
+    most `most` of them (the reading stops there, whatever follows)."""
     items, at = [], 0
-    while at < len(part):
+    while at < len(part) and len(items) < most:
         if at + 4 > len(part):
             raise InvalidRequest("truncated BYTES element in binary data")
         (length,) = struct.unpack_from("<I", part, at)
@@ -142,28 +149,33 @@ def _length_prefixed(part: memoryview) -> list[bytes]:
     return items
 
 
-def _json_elements(tensor: V2Tensor) -> list[Any]:
-    """The elements of a JSON input, its data flattened one level (JSON data may be nested per shape)."""
-    flat = []
+def _json_elements(tensor: V2Tensor, most: int) -> list[Any]:
+    """The elements of a JSON input, its data flattened one level (JSON data may be nested per shape):
+    at most `most` of them."""
+    flat: list[Any] = []
     for item in tensor.data or []:
-        flat.extend(item if isinstance(item, list) else [item])
+        if len(flat) >= most:
+            break
+        flat.extend(item[: most - len(flat)] if isinstance(item, list) else [item])
     return flat
 
 
 def _input_texts(tensor: V2Tensor, count: int, part: memoryview | None) -> list[str]:
-    """One input's texts: exactly `count` of them, each a string or UTF-8 bytes."""
-    items = _json_elements(tensor) if part is None else _length_prefixed(part)
+    """One input's texts: exactly `count` of them, each a string or UTF-8 bytes; one element past
+    `count` is as far as it reads to say the data does not match the shape."""
+    items = _json_elements(tensor, count + 1) if part is None else _length_prefixed(part, count + 1)
     if len(items) != count:
-        raise InvalidRequest(f"input {tensor.name!r} has shape {tensor.shape} but {len(items)} elements")
+        got = f"more than {count}" if len(items) > count else str(len(items))
+        raise InvalidRequest(f"input {shown(tensor.name)} has shape {shown(tensor.shape)} but {got} elements")
     texts = []
     for i, item in enumerate(items):
         if isinstance(item, bytes):
             try:
                 item = item.decode("utf-8")
             except UnicodeDecodeError:
-                raise InvalidRequest(f"element {i} of {tensor.name!r} is not valid UTF-8") from None
+                raise InvalidRequest(f"element {i} of {shown(tensor.name)} is not valid UTF-8") from None
         if not isinstance(item, str):
-            raise InvalidRequest(f"element {i} of {tensor.name!r} must be a string")
+            raise InvalidRequest(f"element {i} of {shown(tensor.name)} must be a string")
         texts.append(item)
     return texts
 
@@ -304,7 +316,11 @@ async def v2_infer(name: str, request: Request, version: str = "1", svc: Encoder
     Supports the binary tensor data extension that tritonclient uses by default.
     """
     engine = model_for(svc, name, request, task=None)
-    req, binary = _parse_v2_body(await request.body(), request.headers.get("inference-header-content-length"))
+    raw, header_len = await request.body(), request.headers.get("inference-header-content-length")
+    # a large body's JSON is parsed in a worker thread: its data may hold millions of elements, and
+    # their count is known only once it is parsed
+    req, binary = (_parse_v2_body(raw, header_len) if len(raw) <= OFF_LOOP_BYTES
+                   else await asyncio.to_thread(_parse_v2_body, raw, header_len))
     outputs = select_outputs(req, engine.model.task)
     ran = await v2_run(svc, engine, req, binary, outputs, V2Call(V2_ROUTE, lambda job: infer(svc, engine, job, request)))
 
@@ -350,7 +366,7 @@ async def _v2_embed(svc: EncoderService, engine: Engine, req: V2InferRequest, bi
     """An embedding model on v2: `text` in; the sentence embedding, token states, mask and attentions
     out, as `outputs` selects them, after the response's size is checked."""
     pooled_only = not ({"last_hidden_state", "attentions"} & set(outputs))
-    texts, skip = prompted(svc, engine, svc.texts(_v2_texts(req, binary)[V2_INPUT]), req.parameters.prompt_name,
+    texts, skip = prompted(svc, engine, svc.texts(_v2_texts(req, binary, svc.settings.max_inputs)[V2_INPUT]), req.parameters.prompt_name,
                            req.parameters.input_type, pooled_only)
     tokenized = await svc.tokenize(engine, texts, req.parameters.truncate, call.route)
     n, T = len(tokenized), max(t.n_tokens for t in tokenized)
@@ -378,7 +394,7 @@ async def _v2_classify(svc: EncoderService, engine: Engine, req: V2InferRequest,
     `logits` and `scores` out, scores read as /v1/classify reads them (the checkpoint's problem_type)."""
     from service.http.routes.heads import read_logits
 
-    inputs = _v2_texts(req, binary, (V2_INPUT, V2_PAIR_INPUT), optional=(V2_PAIR_INPUT,))
+    inputs = _v2_texts(req, binary, svc.settings.max_inputs, (V2_INPUT, V2_PAIR_INPUT), optional=(V2_PAIR_INPUT,))
     texts, truncate = svc.texts(inputs[V2_INPUT]), req.parameters.truncate
     if V2_PAIR_INPUT in inputs:
         pairs = svc.texts(inputs[V2_PAIR_INPUT])
