@@ -86,6 +86,10 @@ def test_cli_publishes_a_bundle_and_prints_the_parity_table(tmp_path):
     assert len(table) == 6, result.stdout  # full graph: 3 outputs; fp32 encodings graph: 2; packed graph: 1
     assert "int8 rejected by its gate: not published" in result.stdout
     assert "published" in result.stdout
+    # the export says only what matters: no exporter progress, torchvision notices or FutureWarnings
+    noise = [line for line in (result.stdout + result.stderr).splitlines()
+             if any(word in line for word in ("[torch.onnx]", "torchvision", "Warning", "copyreg"))]
+    assert not noise, noise
     bundle = load_bundle(out)
     assert set(bundle.manifest.variants) == {"fp32"} and not (out / "encodings-int8.onnx").exists()
     refused = subprocess.run(
