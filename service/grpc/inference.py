@@ -47,7 +47,7 @@ from service.http.app import SERVER_NAME, SERVER_VERSION, describe
 from service.http.context import count
 from service.http.errors import status_of
 from service.http.middleware import HEADER_DEADLINE_MARGIN_S, BearerAuthMiddleware, InFlightMiddleware, MetricsMiddleware
-from service.http.request_ids import REQUEST_ID_HEADER, current_request_id, log_access, request_id_of
+from service.http.request_ids import current_request_id, is_valid_request_id, log_access
 from service.http.routes.v2 import (
     V2_DATATYPES, V2_EXTENSIONS, V2_KINDS, V2Call, declared_count, select_outputs, v2_head, v2_model_metadata, v2_run,
 )
@@ -195,8 +195,9 @@ def _call_id(context: Any) -> str:
     given = dict(context.trailing_metadata() or ()).get(REQUEST_ID_KEY)
     if given is None:  # no Serve in front (the interceptor's refusal): the client's metadata
         given = next((v for k, v in context.invocation_metadata() or () if k == REQUEST_ID_KEY), None)
-    request_id = uuid.uuid4().hex if given is None else request_id_of(
-        {REQUEST_ID_HEADER.encode(): given.encode("utf-8", "replace") if isinstance(given, str) else bytes(given)})
+    if isinstance(given, bytes):
+        given = given.decode("latin-1")
+    request_id = given if given is not None and is_valid_request_id(given) else uuid.uuid4().hex
     if request_id != given:
         _set_trailing(context, request_id, [])
     return request_id

@@ -32,6 +32,7 @@ HEADER_DEADLINE_MARGIN_S = 0.05
 # Headers Serve could not have decoded (not UTF-8), named by service/http/ingress.py, which took them out
 # before Serve's code ran: the request is refused here, with an id, a log line and metrics.
 UNREADABLE_HEADER = "x-encoder-unreadable-headers"
+_UNREADABLE_NAME = UNREADABLE_HEADER.encode()
 
 
 def asked_deadline_s(scope: dict) -> float | None:
@@ -89,7 +90,7 @@ class MetricsMiddleware:
         raw_headers = scope.get("headers") or []
         request_id = request_id_of(raw_headers)
         app = self.app
-        unreadable = next((v for k, v in raw_headers if k == UNREADABLE_HEADER.encode()), None)
+        unreadable = next((v for k, v in raw_headers if k == _UNREADABLE_NAME), None)
         if unreadable is not None:
             app = refusal_of_unreadable(unreadable.decode("latin-1"))
         scope["request_id"] = request_id

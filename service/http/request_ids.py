@@ -23,6 +23,7 @@ REQUEST_ID_HEADER = "x-request-id"
 # anything else is replaced by one made here, never echoed into a header or a log line as it came
 MAX_REQUEST_ID_CHARS = 128
 _VALID = re.compile(r"[\x21-\x7e]{1,%d}" % MAX_REQUEST_ID_CHARS)
+_REQUEST_ID_NAME = REQUEST_ID_HEADER.encode()
 
 # the id of the request this task serves: what error bodies carry (service/http/errors.py)
 current_request_id: ContextVar[str | None] = ContextVar("request_id", default=None)
@@ -38,11 +39,10 @@ def is_valid_request_id(value: str | bytes) -> bool:
     return _VALID.fullmatch(value) is not None
 
 
-def request_id_of(headers: dict[bytes, bytes] | list[tuple[bytes, bytes]]) -> str:
+def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
     """The id the request came with (from the client or Serve's ingress; of several, the first, as
     Serve echoes), else a new one."""
-    name = REQUEST_ID_HEADER.encode()
-    raw = headers.get(name) if isinstance(headers, dict) else next((v for k, v in headers if k.lower() == name), None)
+    raw = next((v for k, v in headers if k.lower() == _REQUEST_ID_NAME), None)
     if raw is not None and is_valid_request_id(raw):
         return raw.decode("ascii")
     return uuid.uuid4().hex
