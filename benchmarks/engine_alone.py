@@ -70,7 +70,7 @@ def main() -> int:
     from bundle.manifest import load_bundle
     from service.config import ServiceSettings
     from service.engine.engine import EngineTable, load_engine
-    from service.engine.service import EncoderService
+    from service.engine.encoder_service import EncoderService
     from service.runtimes.onnxruntime import available_cpus
 
     texts = sentences(512)

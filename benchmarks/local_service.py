@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from service.processes import free_port, local_cluster_ports
+from service.hosting.processes import free_port, local_cluster_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 

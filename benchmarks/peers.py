@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks.service_phase import load, process_group_cpu
 from benchmarks.wrk_load import run_wrk
-from service.processes import free_port
+from service.hosting.processes import free_port
 
 PEERS = ("infinity",)
 ROOT = Path("results/peers")

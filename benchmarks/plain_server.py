@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
 
     from service.config import ServiceSettings
     from service.engine.engine import EngineTable, load_engine
-    from service.engine.service import EncoderService
+    from service.engine.encoder_service import EncoderService
     from service.http.app import app
     from service.http.context import serve_with
     from service.http.middleware import configure

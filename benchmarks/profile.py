@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks.corpus import sentences
 from benchmarks.service_phase import INGRESS_ENV, load
 from service.config import DEFAULT_INGRESS
-from service.processes import free_port, local_cluster_ports
+from service.hosting.processes import free_port, local_cluster_ports
 
 PROCESSES = {"Encoder": "replica", "ProxyActor": "proxy"}  # HAProxy is not Python: /proc CPU columns cover it
 
@@ -62,7 +62,7 @@ WAITING = ("Condition.wait", "Thread.run (threading", "_run_user_code_event_loop
            "_worker (concurrent", "Event.wait", "select (selectors", "_get_loop")
 # Where a sample of the replica's stack is, by the innermost frame that says (checked in this order)
 STAGES = [
-    ("metrics", ("ray/util/metrics.py", "service/metrics.py")),
+    ("metrics", ("ray/util/metrics.py", "service/observability/metrics.py")),
     ("model", ("onnxruntime_inference_collection", "runtimes/onnxruntime.py")),
     ("tokenize", ("engine/tokenization.py", "tokenizers")),
     ("serialise", ("http/responses.py", "orjson", "responses.py")),
@@ -112,7 +112,7 @@ def main() -> int:
 
     os.environ.update(INGRESS_ENV[args.ingress])
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    for key, value in local_cluster_ports().items():  # never another cluster's ports (service/processes.py)
+    for key, value in local_cluster_ports().items():  # never another cluster's ports (service/hosting/processes.py)
         os.environ.setdefault(key, value)
     import ray
     from ray import serve

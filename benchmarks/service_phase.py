@@ -22,7 +22,7 @@ import numpy as np
 
 from benchmarks.wrk_load import run_wrk
 from service.config import INGRESS_ENV as SERVICE_INGRESS_ENV
-from service.processes import free_port, local_cluster_ports
+from service.hosting.processes import free_port, local_cluster_ports
 
 # Ray Serve switches per ingress choice (environment of the Ray processes, set before ray starts):
 # the service's own choices, and Ray's throughput-optimized mode (ingress replicas listen
@@ -121,7 +121,7 @@ COMPONENTS = (  # process title fragment -> component, first match wins
     ("haproxy", "proxy"),
     ("benchmarks.plain_server", "uvicorn server"),  # the no-Ray bound (benchmarks/plain_server.py)
     ("benchmarks.otlp_receiver", "trace receiver"),  # the tracing rows' collector (benchmarks/otlp_receiver.py)
-    ("service.span_export", "span exporter"),  # a tracing replica's exporter process (service/span_export.py)
+    ("service.observability.span_export", "span exporter"),  # a tracing replica's exporter process (service/observability/span_export.py)
 )
 
 

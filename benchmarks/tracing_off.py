@@ -1,4 +1,4 @@
-"""What tracing costs a request while it is off: the calls the request path makes into service/tracing.py
+"""What tracing costs a request while it is off: the calls the request path makes into service/observability/tracing.py
 (the `enabled()` checks, the tokenize and serialize `span()` blocks, `current()`), timed in-process, and
 their share of the replica's CPU per single text in the last `make bench` (its tracing-off rows).
 
@@ -14,7 +14,7 @@ import statistics
 import timeit
 from pathlib import Path
 
-from service import tracing
+from service.observability import tracing
 
 CALLS = 200_000
 
@@ -22,7 +22,7 @@ CALLS = 200_000
 def off_path() -> None:
     """One request's calls, as the HTTP path makes them with tracing off."""
     tracing.enabled()  # middleware: no request span
-    with tracing.span("tokenize"):  # engine/service.py
+    with tracing.span("tokenize"):  # engine/encoder_service.py
         pass
     tracing.current()  # the job's trace
     with tracing.span("serialize"):  # http/responses.py

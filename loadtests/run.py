@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from service.processes import free_port
+from service.hosting.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

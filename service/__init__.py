@@ -10,13 +10,13 @@ a request passes through, in order:
                              the engines at start and serves the FastAPI app (serve.ingress)
   http/app.py                the app: its middleware stack and the mapping of every failure to
                              the JSON error body (http/errors.py)
-  http/middleware.py         outermost first: metrics (metrics.py), bearer auth, in-flight count,
+  http/middleware.py         outermost first: metrics (observability/), bearer auth, in-flight count,
                              body limit
   http/routes/<protocol>.py  native, openai, v2, tei, cohere, attention, heads, explorer or ops; the body is
                              validated against http/schemas.py
   http/context.py            the route gets the replica's EncoderService and the named model;
                              the deadline header; a client that left is noticed
-  engine/service.py          limits; tokenization (engine/tokenization.py); the job joins its
+  engine/encoder_service.py  limits; tokenization (engine/tokenization.py); the job joins its
                              model's batch queue (engine/engine.py) and waits within its deadline
   engine/batcher.py          a batch forms when a runner slot is free, up to the token budget
   engine/runner.py           texts that need only their pooled output packed into rows

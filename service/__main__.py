@@ -24,7 +24,7 @@ import yaml
 from pydantic import ValidationError
 
 from bundle.manifest import BundleError
-from service import processes
+from service.hosting import processes
 from service.config import DEFAULT_INGRESS, INGRESS_ENV, ServiceSettings, serve_app_values
 from service.grpc.protocol import SERVICER_FUNCTION
 from service.grpc.serve_hooks import MAX_MESSAGE_ENV

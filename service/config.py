@@ -117,7 +117,7 @@ class AutoscalingSettings(BaseModel):
 
 
 class TracingSettings(BaseModel):
-    """OpenTelemetry traces exported with OTLP (service/tracing.py). The standard OTEL_* variables turn
+    """OpenTelemetry traces exported with OTLP (service/observability/tracing.py). The standard OTEL_* variables turn
     tracing on too, and fill in what is left out here."""
 
     model_config = ConfigDict(extra="forbid")

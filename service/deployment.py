@@ -22,10 +22,10 @@ import time
 
 from ray import serve
 
-from service import tracing
+from service.observability import tracing
 from service.config import BatchingSettings, ServiceSettings
 from service.engine.engine import EngineTable, load_engine, resize_runtimes
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.http.app import app
 from service.http.context import serve_with
 from service.http.middleware import BearerAuthMiddleware, MetricsMiddleware, configure
@@ -35,8 +35,8 @@ from service.http.routes import attention, cohere, explorer, heads, native, open
 from service.http.routes.ops import replica_info
 from service.grpc import serve_hooks
 from service.grpc.inference import KServeGrpc
-from service.listeners import bind_grpc_ingress_to_node_address, bind_replica_grpc_to_node_address
-from service.metrics import node_metrics_url, refresh_periodically, service_metrics
+from service.hosting.listeners import bind_grpc_ingress_to_node_address, bind_replica_grpc_to_node_address
+from service.observability.metrics import node_metrics_url, refresh_periodically, service_metrics
 from service.runtimes.cuda import ray_gpu_assignment
 
 logger = logging.getLogger("ray.serve")

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from service import processes
+from service.hosting import processes
 
 # `ray start` for a cluster of nodes on one machine's loopback. Ray 2.60 lets worker nodes join only
 # with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1, and with it rewrites a node address of 127.0.0.1 into the

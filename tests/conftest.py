@@ -10,7 +10,7 @@ import pytest
 
 from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
 from service.config import DEFAULT_INGRESS, INGRESS_ENV
-from service.processes import free_port, local_cluster_ports  # noqa: F401 - the tests import free_port from here
+from service.hosting.processes import free_port, local_cluster_ports  # noqa: F401 - the tests import free_port from here
 from tests.waiting import wait_until  # noqa: F401 - the tests import it from here
 
 # The test cluster runs as `make run` does: HAProxy in front (the default ingress), every Ray

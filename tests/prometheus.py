@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
-from service.processes import free_port
+from service.hosting.processes import free_port
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

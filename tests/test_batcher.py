@@ -14,7 +14,7 @@ from service.engine import runner as runner_module
 from service.engine.batcher import Batcher
 from service.engine.engine import EngineTable, load_engine
 from service.engine.runner import EncodeJob
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 
 
 class Runner:

@@ -13,7 +13,7 @@ from service.config import BundleRef, ServiceSettings
 from service.engine.engine import EngineTable, load_engine
 from service.engine.errors import BackendError, ClientGone, InvalidRequest, NotFound, Timeout, TooLarge
 from service.engine.runner import EncodeJob, Pooled, l2_normalize, pooled_output
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 
 TEXTS = [f"sentence number {i} about {'cats' if i % 2 else 'the weather'} and more" for i in range(24)]
 

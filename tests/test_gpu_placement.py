@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from service.config import DEFAULT_GPU_SHARE
-from service.processes import free_port
+from service.hosting.processes import free_port
 from service.runtimes.openvino import check_openvino
 from tests.metrics_scrape import poll
 from tests.test_multinode import replicas_info

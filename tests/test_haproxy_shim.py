@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service import processes
-from service.listeners import HAPROXY_SHIM, real_haproxy
-from service.processes import free_port
+from service.hosting import processes
+from service.hosting.listeners import HAPROXY_SHIM, real_haproxy
+from service.hosting.processes import free_port
 from tests.conftest import wait_until
 
 HAPROXY = real_haproxy()

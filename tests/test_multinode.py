@@ -13,8 +13,8 @@ import httpx
 import pytest
 import yaml
 
-from service import processes
-from service.processes import free_port
+from service.hosting import processes
+from service.hosting.processes import free_port
 from tests.cluster import LoopbackCluster
 from tests.conftest import wait_until
 from tests.metrics_scrape import poll, total
@@ -84,7 +84,7 @@ def node_requests(families: dict) -> float:
 def test_every_listener_of_the_cluster_is_on_loopback(cluster):
     """GCS, raylets, object managers, agents, the Ray client server, Serve's proxy, the replicas'
     own HTTP and gRPC ports: every listening socket of every process of the three nodes is on
-    127.0.0.1 (ray start --node-ip-address 127.0.0.1, kept; service/listeners.py for the replicas)."""
+    127.0.0.1 (ray start --node-ip-address 127.0.0.1, kept; service/hosting/listeners.py for the replicas)."""
     from tests.reliability import record
 
     pids = cluster.processes_of_cluster()

@@ -21,7 +21,7 @@ from export.pipeline import ExportOptions, build_bundle
 from service.config import BundleRef, ServiceSettings
 from service.engine.engine import EngineTable, load_engine
 from service.engine.runner import EncodeJob
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.runtimes.openvino import check_openvino
 from tests.families import make_checkpoint
 

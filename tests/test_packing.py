@@ -16,7 +16,7 @@ from bundle.manifest import load_bundle
 from service.config import BundleRef, ServiceSettings
 from service.engine.engine import EngineTable, load_engine
 from service.engine.runner import EncodeJob
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.runtimes.packing import pack, plan_packs
 
 TEXTS = ["yes", "A much longer sentence about the weather in Paris, which was grey and wet all week.",

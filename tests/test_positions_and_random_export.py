@@ -115,7 +115,7 @@ def test_a_model_too_large_for_one_file_publishes_every_graph_with_its_weights_b
     from service.config import BundleRef, ServiceSettings
     from service.engine.engine import EngineTable, load_engine
     from service.engine.runner import EncodeJob
-    from service.engine.service import EncoderService
+    from service.engine.encoder_service import EncoderService
     from tests.families import CORPUS, make_checkpoint
 
     monkeypatch.setattr(onnx_export, "_SINGLE_FILE_LIMIT", 0)

@@ -20,7 +20,7 @@ from export.pipeline import ExportOptions, build_bundle
 from service.config import BundleRef, ServiceSettings
 from service.engine.engine import EngineTable, load_engine
 from service.engine.runner import EncodeJob
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from tests.conftest import deploy
 from tests.families import CORPUS, add_dense, make_checkpoint, make_classifier
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from service import processes
+from service.hosting import processes
 from service.config import DEFAULT_INGRESS, INGRESS_ENV
 from tests.conftest import free_port, wait_until
 
@@ -101,7 +101,7 @@ def test_python_m_service_serves_on_loopback_only_says_what_matters_quietly_and_
     nothing in colour, keeps Ray's messages in its log file, stops on SIGTERM leaving no process behind;
     and every listener of its processes faces loopback: GCS, raylet, agents, metrics, the HTTP and gRPC
     ingress (HAProxy), HAProxy's stats and Prometheus ports, the fallback proxy's gRPC port and each
-    replica's own HTTP and gRPC ports (service/listeners.py moves those Ray binds to every interface)."""
+    replica's own HTTP and gRPC ports (service/hosting/listeners.py moves those Ray binds to every interface)."""
     import numpy as np
     import tritonclient.grpc as triton_grpc
 
@@ -342,7 +342,7 @@ def test_a_haproxy_left_behind_by_a_dead_cluster_is_stopped_before_the_next_star
     """When Ray's processes die all at once, Ray Serve's HAProxy survives and keeps the port; the
     next start would fail with "address in use". python -m service stops such a HAProxy (and only
     a Ray Serve one whose manager is gone), says so, and starts."""
-    from service.listeners import real_haproxy
+    from service.hosting.listeners import real_haproxy
 
     port = free_port()
     config = tmp_path / "haproxy-serve" / "deadnode" / "haproxy.cfg"  # where Ray Serve keeps its configs

@@ -176,7 +176,7 @@ def test_requests_that_shared_a_batch_link_to_its_one_span(ray_serve, default_bu
     ({"OTEL_SDK_DISABLED": "true"}, {"endpoint": "http://127.0.0.1:4317"}, False),
 ])
 def test_tracing_is_off_unless_the_settings_or_the_otel_variables_ask(monkeypatch, env, settings, on):
-    from service import tracing
+    from service.observability import tracing
     from service.config import TracingSettings
 
     for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER",
@@ -202,7 +202,7 @@ def test_the_sampler_decides_and_a_failed_stage_is_an_error_span(receiver):
     """In this process, against the receiver: at ratio 0 a new trace records nothing, a client's sampled
     traceparent is followed (parent-based) and an unsampled one is not; a stage that raised is an error
     span, a 5xx an error request span, and both reach the collector with their times in order."""
-    from service import tracing
+    from service.observability import tracing
     from service.config import TracingSettings
 
     found, endpoint = receiver
@@ -232,7 +232,7 @@ def test_the_sampler_decides_and_a_failed_stage_is_an_error_span(receiver):
 
 def test_spans_that_cannot_be_recorded_never_fail_the_request(receiver, caplog):
     """finish() runs in every traced request's last step: an error there is logged, never raised."""
-    from service import tracing
+    from service.observability import tracing
     from service.config import TracingSettings
 
     _, endpoint = receiver
@@ -252,13 +252,13 @@ def test_spans_that_cannot_be_recorded_never_fail_the_request(receiver, caplog):
 
 
 def test_the_exporter_process_ends_with_tracing_with_its_replica_and_never_holds_requests(receiver, caplog):
-    """Spans leave the replica for an exporter process of its own (service/span_export.py): it exits
+    """Spans leave the replica for an exporter process of its own (service/observability/span_export.py): it exits
     when tracing is turned off, and when its replica dies without a word (SIGKILL, os._exit: its input
     ends); if it is gone, requests still finish and their spans are dropped, said once."""
     import subprocess
     import sys
 
-    from service import tracing
+    from service.observability import tracing
     from service.config import TracingSettings
 
     _, endpoint = receiver
@@ -268,7 +268,7 @@ def test_the_exporter_process_ends_with_tracing_with_its_replica_and_never_holds
     tracing.shutdown()
     assert child.poll() == 0  # exited, having exported what it held
 
-    script = ("import os, sys; from service import tracing; from service.config import TracingSettings; "
+    script = ("import os, sys; from service.observability import tracing; from service.config import TracingSettings; "
               f"tracing.configure(TracingSettings.model_validate_json({settings.model_dump_json()!r})); "
               "print(tracing._on.exporter.child.pid, flush=True); os._exit(0)")
     orphan = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout)
@@ -304,7 +304,7 @@ def test_the_exporters_encoder_makes_the_sdks_message():
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-    from service import span_export
+    from service.observability import span_export
 
     resource = span_export.resource_of({"service_name": "parity"})
     records = [
@@ -331,7 +331,7 @@ def test_spans_go_over_otlp_http_too():
         ExportTraceServiceResponse,
     )
 
-    from service import tracing
+    from service.observability import tracing
     from service.config import TracingSettings
 
     got: list = []
@@ -380,7 +380,7 @@ def test_a_stalled_collector_never_stalls_the_exporters_input(capfd):
     """While an export hangs (a collector slow or away), the exporter process keeps reading the replica's
     frames: spans wait up to OTEL_BSP_MAX_QUEUE_SIZE, past it they are dropped and said once, and what
     waited is exported once the collector answers again."""
-    from service import span_export
+    from service.observability import span_export
 
     release, exported = threading.Event(), []
 
@@ -414,7 +414,7 @@ def test_closing_the_exporter_is_bounded_when_its_process_is_stopped(receiver, m
     import signal
     import time
 
-    from service import tracing
+    from service.observability import tracing
     from service.config import TracingSettings
 
     _, endpoint = receiver

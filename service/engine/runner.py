@@ -25,9 +25,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from bundle.manifest import BundleManifest, ModelInfo
-from service import tracing
+from service.observability import tracing
 from service.config import BatchingSettings, ServiceSettings
-from service.metrics import protocol_of, service_metrics
+from service.observability.metrics import protocol_of, service_metrics
 from service.runtimes import PackedGraph, Runtime
 from service.runtimes.onnxruntime import available_cpus
 from service.runtimes.packing import pack, plan_packs
@@ -48,7 +48,7 @@ class EncodeJob:
     # leading tokens of every text that pooling leaves out: a prompt's, on a model whose Pooling has
     # include_prompt false (sentence-transformers' prompt_length); 0: pooling reads every token
     pool_skip: int = 0
-    trace: Any = None  # the request's OpenTelemetry context while tracing is on (service/tracing.py)
+    trace: Any = None  # the request's OpenTelemetry context while tracing is on (service/observability/tracing.py)
 
     @property
     def n_tokens(self) -> int:

@@ -40,8 +40,8 @@ from pydantic import ValidationError
 from service.engine.engine import shown
 from service.engine.errors import InvalidRequest, ServiceError, Unauthorized
 from service.engine.runner import EncodeJob, EncodeResult
-from service.engine.service import EncoderService
-from service import tracing
+from service.engine.encoder_service import EncoderService
+from service.observability import tracing
 from service.grpc.protocol import METHODS, SERVICE, messages, method_path
 from service.http.app import SERVER_NAME, SERVER_VERSION, describe
 from service.http.context import count
@@ -52,7 +52,7 @@ from service.http.routes.v2 import (
     V2_DATATYPES, V2_EXTENSIONS, V2_KINDS, V2Call, declared_count, select_outputs, v2_head, v2_model_metadata, v2_run,
 )
 from service.http.schemas import V2InferRequest
-from service.metrics import service_metrics, status_class
+from service.observability.metrics import service_metrics, status_class
 
 # our error type -> the status code a gRPC client acts on (service/engine/errors.py names the types)
 GRPC_CODES = {

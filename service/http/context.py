@@ -1,6 +1,6 @@
 """What a route gets, and the HTTP side of a request's steps.
 
-Routes take the replica's EncoderService (service/engine/service.py) as a FastAPI dependency,
+Routes take the replica's EncoderService (service/engine/encoder_service.py) as a FastAPI dependency,
 `svc: EncoderService = Depends(service)`: the deployment sets it when the replica starts
 (`serve_with`). The helpers here add what only HTTP knows: the model named in the request
 (noted for the metrics' model label), the client's own deadline header, and a client that
@@ -18,7 +18,7 @@ from service.engine.engine import Engine
 from service.engine.errors import InvalidRequest
 from service.engine.prompts import prompt_for
 from service.engine.runner import EncodeJob, EncodeResult
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.http.middleware import HEADER_DEADLINE_MARGIN_S, TIMEOUT_HEADER, asked_deadline_s
 
 

@@ -198,7 +198,7 @@ def deadline_message(scope: dict) -> str:
 def count_refusal(protocol: str = "http") -> None:
     """Serve refused a request for want of room: a request, and the failure the overload alert counts
     (its ratio divides by ray_encoder_requests_total, which these never reach otherwise)."""
-    from service.metrics import service_metrics
+    from service.observability.metrics import service_metrics
 
     metrics = service_metrics()
     tags = {"route": ROUTE_REFUSED_BY_SERVE, "model": "", "task": "", "protocol": protocol}
@@ -209,10 +209,10 @@ def count_refusal(protocol: str = "http") -> None:
 def ray_answers_as_json() -> list[Middleware]:
     """The callback Serve imports (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), in its proxy actor and in
     each replica before their ingress servers start: also the moment to move their gRPC ingress off
-    the wildcard address (service/listeners.py), and to cap their gRPC messages at the body limit
+    the wildcard address (service/hosting/listeners.py), and to cap their gRPC messages at the body limit
     (service/grpc/serve_hooks.py; a replica's own settings set it again there)."""
     from service.grpc.serve_hooks import limit_grpc_servers
-    from service.listeners import bind_grpc_ingress_to_node_address
+    from service.hosting.listeners import bind_grpc_ingress_to_node_address
 
     bind_grpc_ingress_to_node_address()
     limit_grpc_servers()

@@ -14,11 +14,11 @@ import os
 import time
 from typing import Any
 
-from service import tracing
+from service.observability import tracing
 from service.config import ServiceSettings
 from service.http.errors import ERROR_STYLES, app_path, error_response
 from service.http.request_ids import REQUEST_ID_HEADER, current_request_id, enable_access_log, log_access, request_id_of
-from service.metrics import service_metrics, status_class
+from service.observability.metrics import service_metrics, status_class
 
 _REASON_BY_STATUS = {401: "unauthorized", 404: "not_found", 413: "too_large", 422: "validation",
                      429: "overloaded", 499: "cancelled", 503: "overloaded"}

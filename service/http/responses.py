@@ -12,7 +12,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from service import tracing
+from service.observability import tracing
 
 JSON_FLOAT_BYTES = 16  # a float32 in JSON, with its separator, at most
 # Responses estimated above this are built and serialised in a worker thread, not on the event loop

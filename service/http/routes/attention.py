@@ -16,7 +16,7 @@ from fastapi import Depends, Request
 from service.engine.analysis import NoExactSplit, Units, check_explainable, contributions, entropy, rollout, to_units, token_units, top_k, word_units
 from service.engine.errors import InvalidRequest, TooLarge
 from service.engine.runner import EncodeJob
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.engine.tokenization import TokenizedText
 from service.http.app import ERROR_RESPONSES, app
 from service.http.context import infer, model_for, service

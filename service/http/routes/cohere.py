@@ -20,7 +20,7 @@ from service.engine.engine import Engine
 from service.engine.errors import BadRequest, EmptyInput
 from service.engine.prompts import check_dimensions, cohere_prompt_name, shortened
 from service.engine.runner import EncodeJob
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.http.app import ERROR_RESPONSES, app
 from service.http.context import infer, model_for, prompt_chars, prompted, service
 from service.http.request_ids import current_request_id

@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse, Response
 
 from service.engine.errors import NotFound
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.http.app import app
 from service.http.context import service
 from service.http.middleware import BearerAuthMiddleware

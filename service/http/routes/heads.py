@@ -16,7 +16,7 @@ from service.engine.engine import Engine
 from service.engine.errors import InvalidRequest
 from service.engine.explain import Occlusions, explanation, occlusions
 from service.engine.runner import EncodeJob
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.engine.tokenization import TokenizedText
 from service.http.app import ERROR_RESPONSES, app
 from service.http.context import infer, infer_all, model_for, service

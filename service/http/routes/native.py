@@ -12,7 +12,7 @@ from fastapi import Depends, Request
 from service.engine.errors import InvalidRequest
 from service.engine.engine import Engine
 from service.engine.runner import EncodeJob, mean_of_chunks
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.engine.tokenization import TokenizedText, char_span, token_list
 from service.http.app import ERROR_RESPONSES, app
 from service.http.context import infer, model_for, normalization, prompted, service

@@ -8,7 +8,7 @@ from datetime import datetime
 from fastapi import Depends, Request
 
 from service.engine.runner import EncodeJob, mean_of_chunks
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.http.app import ERROR_RESPONSES, SERVER_NAME, app
 from service.engine.prompts import check_dimensions, describe, shortened
 from service.http.context import infer, model_for, prompted, service

@@ -6,7 +6,7 @@ No `from __future__ import annotations` (see http/routes/native.py).
 from fastapi import Depends
 
 from service.engine.prompts import describe
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.http.app import ERROR_RESPONSES, app
 from service.http.context import service
 from service.http.middleware import InFlightMiddleware, MetricsMiddleware, serve_config_now

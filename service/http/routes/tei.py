@@ -22,7 +22,7 @@ from service.engine.engine import Engine
 from service.engine.errors import EmptyInput, InvalidRequest, TooLarge
 from service.engine.prompts import check_dimensions, shortened
 from service.engine.runner import EncodeJob
-from service.engine.service import EncoderService, as_list
+from service.engine.encoder_service import EncoderService, as_list
 from service.http.app import app, describe
 from service.http.context import infer, model_for, normalization, prompt_chars, prompted, service
 from service.http.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, respond

@@ -24,11 +24,11 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from service import tracing
+from service.observability import tracing
 from service.engine.engine import Engine, shown
 from service.engine.errors import InvalidRequest, TooLarge
 from service.engine.runner import EncodeJob, EncodeResult
-from service.engine.service import EncoderService
+from service.engine.encoder_service import EncoderService
 from service.engine.tokenization import TokenizedText
 from service.http.app import ERROR_RESPONSES, SERVER_NAME, SERVER_VERSION, app, describe
 from service.http.context import infer, model_for, prompted, service

@@ -25,7 +25,7 @@ import os
 import shutil
 from pathlib import Path
 
-HAPROXY_SHIM = Path(__file__).resolve().parent / "bin" / "haproxy"
+HAPROXY_SHIM = Path(__file__).resolve().parent.parent / "bin" / "haproxy"
 WILDCARD = "[::]:"
 
 

@@ -23,7 +23,7 @@ At full sampling every microsecond counts (the target: at most 5 % of single-tex
 whole replica CPU is about 4 ms a text). So the replica only reads clocks and draws ids: a request's
 spans are `time_ns()` readings on a `RequestSpan`, which become plain records (tuples) when the
 request ends, queued for a writer thread that hands them, marshalled in batches every 0.1 s, to the
-replica's span exporter process (service/span_export.py), which encodes and exports them with the
+replica's span exporter process (service/observability/span_export.py), which encodes and exports them with the
 SDK's OTLP exporter at a lower CPU priority. The SDK's sampler and id
 generator, here, decide and name every span, as its tracer would. What the replica no longer does:
 the SDK's live-span machinery (locks, attribute checks, context attach and detach per span) and the
@@ -47,11 +47,12 @@ import select
 import subprocess
 import sys
 import threading
+from pathlib import Path
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from service import span_export
+from service.observability import span_export
 
 if TYPE_CHECKING:
     from service.config import TracingSettings
@@ -72,9 +73,9 @@ class _Exporter:
     process's stdin in marshalled frames."""
 
     def __init__(self, settings: TracingSettings) -> None:
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # wherever the replica runs
+        package_root = str(Path(__file__).resolve().parents[2])  # the folder holding service/ (where the replica runs)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-        self.child = subprocess.Popen([sys.executable, "-m", "service.span_export", settings.model_dump_json()],
+        self.child = subprocess.Popen([sys.executable, "-m", "service.observability.span_export", settings.model_dump_json()],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.queue: collections.deque[tuple] = collections.deque()
         self.pipe = threading.Lock()  # one writer at a time: the thread, or flush()

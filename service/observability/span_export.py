@@ -1,8 +1,8 @@
 """A tracing replica's span exporter: a process of its own that turns span records into OTLP.
 
-    python -m service.span_export '{"endpoint": ..., "protocol": ..., "service_name": ...}'
+    python -m service.observability.span_export '{"endpoint": ..., "protocol": ..., "service_name": ...}'
 
-service/tracing.py starts one per replica that traces and writes it frames on its stdin: b"S" and a
+service/observability/tracing.py starts one per replica that traces and writes it frames on its stdin: b"S" and a
 marshalled list of span records (their layout below), or b"F" (flush: it exports what it holds and answers
 b"ok" on stdout). Here a thread exports them in batches (`Batches`) with the SDK's OTLP exporter (gRPC or
 HTTP/protobuf, the standard OTEL_* variables read as the SDK reads them). Over gRPC, the default, the

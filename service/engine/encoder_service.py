@@ -16,8 +16,8 @@ from service.engine.engine import Engine, EngineTable
 from service.engine.errors import BackendError, ClientGone, InvalidRequest, NotReady, ServiceError, Timeout, TooLarge
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.tokenization import TokenizedText
-from service import tracing
-from service.metrics import protocol_of, service_metrics
+from service.observability import tracing
+from service.observability.metrics import protocol_of, service_metrics
 
 logger = logging.getLogger("ray.serve")
 

@@ -76,9 +76,9 @@ def local_cluster_ports() -> dict[str, str]:
     ports from 30000 and 40000 (bound with SO_REUSEPORT). Two clusters on one machine, two
     `make run`s or a test suite beside a running service, would share them, and traffic sent to
     one would reach the other's replicas. Its stats and metrics ports also listen on every
-    interface: service/listeners.py puts them on the HTTP host.
+    interface: service/hosting/listeners.py puts them on the HTTP host.
     """
-    from service.listeners import haproxy_on_http_host_env
+    from service.hosting.listeners import haproxy_on_http_host_env
 
     http, grpc = free_port_range(64), free_port_range(64)
     return {
