@@ -21,13 +21,13 @@ def main(argv: list[str]) -> int:
     from service.config import ServiceSettings
     from service.engine.engine import EngineTable, load_engine
     from service.engine.encoder_service import EncoderService
-    from service.http.app import app
-    from service.http.context import serve_with
-    from service.http.middleware import configure
-    from service.http.routes import attention, cohere, explorer, heads, native, openai, ops, tei, v2  # noqa: F401 - they add the routes
+    from service.front.deps import serve_with
+    from service.front.gate import Gate
+    from service.http.server import app, configure
 
     settings = ServiceSettings.model_validate(json.loads(argv[0]))
     svc = EncoderService(settings, EngineTable([load_engine(ref, settings) for ref in settings.bundles]))
+    Gate.configure(settings)
     configure(settings)
     if settings.warmup:
         svc.warm_up()

@@ -65,9 +65,9 @@ STAGES = [
     ("metrics", ("ray/util/metrics.py", "service/observability/metrics.py")),
     ("model", ("onnxruntime_inference_collection", "runtimes/onnxruntime.py")),
     ("tokenize", ("engine/tokenization.py", "tokenizers")),
-    ("serialise", ("http/responses.py", "orjson", "responses.py")),
+    ("serialise", ("front/responses.py", "orjson", "responses.py")),
     ("batch and pool", ("engine/batcher.py", "engine/runner.py", "batching.py", "numpy")),
-    ("parse and validate", ("fastapi/", "pydantic", "starlette/", "http/schemas.py", "json/", "schemas.py")),
+    ("parse and validate", ("fastapi/", "pydantic", "starlette/", "apis/", "json/", "schemas.py")),
     ("routes and engine steps", ("service/",)),
     ("Ray Serve, uvicorn, event loop", ("ray/", "uvicorn", "h11", "asyncio", "anyio", "concurrent/")),
 ]

@@ -77,7 +77,7 @@ async def load_grpc(target: str, batches: list[list[str]], concurrency: int,
 
     import grpc
 
-    from service.grpc.protocol import messages, method_path
+    from service.apis.kserve_v2.messages import messages, method_path
 
     m = messages()
 

@@ -25,7 +25,7 @@ def off_path() -> None:
     with tracing.span("tokenize"):  # engine/encoder_service.py
         pass
     tracing.current()  # the job's trace
-    with tracing.span("serialize"):  # http/responses.py
+    with tracing.span("serialize"):  # front/responses.py
         pass
     tracing.enabled()  # runner: no batch span
 

@@ -155,7 +155,7 @@ def quiet_std_streams(log_path: Path) -> tuple[TextIO, TextIO]:
 def summary(settings: ServiceSettings, http: dict, grpc: dict, info: dict, args: argparse.Namespace, log_path: Path,
             seconds: float) -> list[str]:
     """The start-up lines: what a user needs to call, watch and stop the service."""
-    from service.http.middleware import load_token
+    from service.front.gate import load_token
 
     url = f"http://{http['host']}:{http['port']}"
     scaling = settings.autoscaling
@@ -205,72 +205,62 @@ def one_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.ingress != DEFAULT_INGRESS and args.address != "local":
-        print("service refused to start: --ingress applies to a local cluster; on a running one set the ingress "
-              "in the environment of its Ray processes (docs/serving.md, 'The ingress')", file=sys.stderr)
-        return 2
-    local = args.address == "local"
-    if local:
-        # Ray picks the machine's network address for a local cluster and listens there (a
-        # requested 127.0.0.1 is rewritten to it). This switch, read when ray is imported, makes
-        # it use 127.0.0.1 instead, so GCS, raylet, agents, metrics and the proxy stay on loopback.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        # Ray Serve reads its ingress switch at import, in every Ray process; they inherit it from here.
-        os.environ.update(INGRESS_ENV[args.ingress])
-        # Behind HAProxy a stopping replica stays open 30 s by default so that load balancers
-        # outside the cluster can deregister it; here the whole cluster stops together, and the
-        # node's own HAProxy is reconfigured in well under a second. In-flight requests still drain.
-        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
-        # Ray Serve's fixed ports (HAProxy's stats and metrics, the fallback proxy, replicas' own
-        # ports) made free ones, so two services on one machine never share them.
-        for key, value in processes.local_cluster_ports().items():
-            os.environ.setdefault(key, value)
-    # (set before anything below imports ray)
-    try:
-        settings, http, grpc = load_settings(args)
-        from service.http.middleware import load_token
-        from service.runtimes.cuda import check_cuda
-        from service.runtimes.onnxruntime import check_bundles
+def local_cluster_environment(ingress: str) -> None:
+    """The environment a local cluster's Ray processes inherit, set before anything imports ray."""
+    # Ray picks the machine's network address for a local cluster and listens there (a
+    # requested 127.0.0.1 is rewritten to it). This switch, read when ray is imported, makes
+    # it use 127.0.0.1 instead, so GCS, raylet, agents, metrics and the proxy stay on loopback.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray Serve reads its ingress switch at import, in every Ray process; they inherit it from here.
+    os.environ.update(INGRESS_ENV[ingress])
+    # Behind HAProxy a stopping replica stays open 30 s by default so that load balancers
+    # outside the cluster can deregister it; here the whole cluster stops together, and the
+    # node's own HAProxy is reconfigured in well under a second. In-flight requests still drain.
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+    # Ray Serve's fixed ports (HAProxy's stats and metrics, the fallback proxy, replicas' own
+    # ports) made free ones, so two services on one machine never share them.
+    for key, value in processes.local_cluster_ports().items():
+        os.environ.setdefault(key, value)
 
-        load_token(settings)  # an empty or unreadable token file refuses here
-        if local:
-            # the gRPC message limit of Serve's proxy actor, which has no settings (each replica
-            # takes its own from the settings): the body limit, as HTTP's (service/grpc/serve_hooks.py)
-            os.environ[MAX_MESSAGE_ENV] = str(settings.max_body_bytes)
-        check_bundles(settings)
-        if args.address == "local":
-            if settings.provider == "cuda" and not check_cuda().usable:
-                raise RuntimeError(f"provider 'cuda' was asked for, but CUDA cannot be used: {check_cuda().reason}")
-            for port in [int(http["port"])] + ([int(grpc["port"])] if grpc else []):
-                freed = free_the_port(port)
-                if freed:
-                    print(freed, flush=True)
-            metrics_holders = processes.listening_pids(args.metrics_port)
-            if metrics_holders:  # else Ray's metrics agent dies and ray.init times out, saying nothing of why
-                pid = min(metrics_holders)
-                raise RuntimeError(f"metrics port {args.metrics_port} is in use by pid {pid} "
-                                   f"({' '.join(processes.cmdline(pid))[:80]}); stop it or pass --metrics-port")
-    except (ValidationError, BundleError, OSError, RuntimeError, ValueError, yaml.YAMLError) as exc:
-        reason = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else str(exc).replace("\n", " ")
-        print(f"service refused to start: {reason}", file=sys.stderr)
-        return 1
 
-    log_path = args.log_file or Path(tempfile.gettempdir()) / f"mha-encoder-service-{http['port']}.log"
-    listed = ", ".join(str(ref.path) for ref in settings.bundles)
-    print(f"starting Ray and the service (bundle{'s' if len(settings.bundles) > 1 else ''} {listed}) ...", flush=True)
-    out, err = quiet_std_streams(log_path)
+def preflight(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, Any], dict[str, Any]]:
+    """The settings, checked before Ray starts: the token, the bundles, CUDA when asked for, and (on a
+    local cluster) ports that are free or freed. Raises with the one-line reason to refuse with."""
+    settings, http, grpc = load_settings(args)
+    from service.front.gate import load_token
+    from service.runtimes.cuda import check_cuda
+    from service.runtimes.onnxruntime import check_bundles
 
+    load_token(settings)  # an empty or unreadable token file refuses here
+    if args.address == "local":
+        # the gRPC message limit of Serve's proxy actor, which has no settings (each replica
+        # takes its own from the settings): the body limit, as HTTP's (service/grpc/serve_hooks.py)
+        os.environ[MAX_MESSAGE_ENV] = str(settings.max_body_bytes)
+    check_bundles(settings)
+    if args.address == "local":
+        if settings.provider == "cuda" and not check_cuda().usable:
+            raise RuntimeError(f"provider 'cuda' was asked for, but CUDA cannot be used: {check_cuda().reason}")
+        for port in [int(http["port"])] + ([int(grpc["port"])] if grpc else []):
+            freed = free_the_port(port)
+            if freed:
+                print(freed, flush=True)
+        metrics_holders = processes.listening_pids(args.metrics_port)
+        if metrics_holders:  # else Ray's metrics agent dies and ray.init times out, saying nothing of why
+            pid = min(metrics_holders)
+            raise RuntimeError(f"metrics port {args.metrics_port} is in use by pid {pid} "
+                               f"({' '.join(processes.cmdline(pid))[:80]}); stop it or pass --metrics-port")
+    return settings, http, grpc
+
+
+def start_ray(args: argparse.Namespace, log_path: Path, err: TextIO) -> bool:
+    """Ray started (or joined) with SIGINT ignored by the processes it starts; False, said in one line,
+    when it would not."""
     import ray
-    from ray import serve
 
-    from service.app import build_app
-
-    started = time.perf_counter()
+    local = args.address == "local"
     # Ctrl-C in a terminal signals the whole foreground process group, Ray's raylet and GCS
     # included; if they die first, shutting Serve down hangs. Ray's processes inherit an ignored
-    # SIGINT from here; this process takes SIGINT/SIGTERM back below and stops them in order.
+    # SIGINT from here; this process takes SIGINT/SIGTERM back afterwards and stops them in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ray.init(
@@ -287,7 +277,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"service failed to start: Ray did not start: {one_line(exc)} (details: {log_path})", file=err)
         ray.shutdown()
         processes.stop(processes.descendants(os.getpid()))  # whatever of Ray had started
-        return 1
+        return False
+    return True
+
+
+def serve_until_signalled(settings: ServiceSettings, http: dict, grpc: dict, args: argparse.Namespace,
+                          log_path: Path, out: TextIO, err: TextIO, started: float) -> int:
+    """Deploy the application, print the summary, serve until SIGINT or SIGTERM, then drain and stop
+    Serve, Ray and whatever they left behind. The exit code."""
+    import ray
+    from ray import serve
+
+    from service.app import build_app
+
     # After ray.init: Ray installs its own SIGTERM handler there, which would abort the driver
     # without shutting Serve down. The handler only appends to a list: a handler that takes a
     # lock (threading.Event.set) deadlocks when the signal lands while the main thread holds it.
@@ -324,6 +326,33 @@ def main(argv: list[str] | None = None) -> int:
         left = processes.stop({p for p in spawned if processes.alive(p)})
         if left:
             print(f"stopped {len(left)} process(es) Ray left behind", file=err)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m service: refuse in one line, or start quietly, serve, and stop in order."""
+    args = parse_args(argv)
+    if args.ingress != DEFAULT_INGRESS and args.address != "local":
+        print("service refused to start: --ingress applies to a local cluster; on a running one set the ingress "
+              "in the environment of its Ray processes (docs/serving.md, 'The ingress')", file=sys.stderr)
+        return 2
+    if args.address == "local":
+        local_cluster_environment(args.ingress)  # before anything below imports ray
+    try:
+        settings, http, grpc = preflight(args)
+    except (ValidationError, BundleError, OSError, RuntimeError, ValueError, yaml.YAMLError) as exc:
+        reason = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else str(exc).replace("\n", " ")
+        print(f"service refused to start: {reason}", file=sys.stderr)
+        return 1
+
+    log_path = args.log_file or Path(tempfile.gettempdir()) / f"mha-encoder-service-{http['port']}.log"
+    listed = ", ".join(str(ref.path) for ref in settings.bundles)
+    print(f"starting Ray and the service (bundle{'s' if len(settings.bundles) > 1 else ''} {listed}) ...", flush=True)
+    out, err = quiet_std_streams(log_path)
+    started = time.perf_counter()
+    if not start_ray(args, log_path, err):
+        return 1
+    code = serve_until_signalled(settings, http, grpc, args, log_path, out, err, started)
     print("stopped", file=out)
     return code
 

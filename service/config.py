@@ -18,8 +18,8 @@ ProviderPreference = Literal["auto", "cuda", "cpu"]
 # (on KubeRay, the same variable goes into the pods' env).
 # Ray Serve's own answers (its queue-full 503, its 408, its 404) are plain text; this callback, which
 # Serve calls in its HTTP proxy and in each replica's own HTTP server, rewrites them into the JSON
-# error every route of ours gives (service/http/ingress.py).
-RAY_ANSWERS_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "service.http.ingress.ray_answers_as_json"}
+# error every route of ours gives (service/ingress_callback.py, service/http/ingress.py).
+RAY_ANSWERS_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "service.ingress_callback.before_ingress_starts"}
 INGRESS_ENV: dict[str, dict[str, str]] = {
     "proxy": {"RAY_SERVE_ENABLE_HA_PROXY": "0", **RAY_ANSWERS_ENV},  # Ray Serve's HTTP proxy actor
     "haproxy": {

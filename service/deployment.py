@@ -2,12 +2,15 @@
 and runs the model itself, with no second Ray hop (measured: the hop cost more CPU per
 single-text request than the model).
 
-It composes the three layers and maps Serve's hooks onto them; nothing calls back into it:
+It composes the layers and maps Serve's hooks onto them; nothing calls back into it:
 
-  http/      the FastAPI app, its middlewares and routes (service/http/routes/), which get the
-             replica's EncoderService as a dependency (service/http/context.py)
-  engine/    per model an Engine: tokenizer, batch queue, runner (length-sorted sub-batches)
-  runtimes/  onnxruntime on CUDA or CPU, behind the runner
+  http/, grpc/  the transports: the FastAPI app with every API's routes (service/http/server.py), and
+                every API's gRPC methods, which the deployment inherits (service/grpc/servicer.py)
+  apis/         one folder per client API; its routes get the replica's EncoderService as a
+                dependency (service/front/deps.py, `serve_with`)
+  front/        the call record, the gate (token, in-flight counts), the deadline, the record of a call
+  engine/       per model an Engine: tokenizer, batch queue, runner (length-sorted sub-batches)
+  runtimes/     onnxruntime on CUDA or CPU, OpenVINO, behind the runner
 
 The request path, in order, is in service/__init__.py.
 """
@@ -26,15 +29,12 @@ from service.observability import tracing
 from service.config import BatchingSettings, ServiceSettings
 from service.engine.engine import EngineTable, load_engine, resize_runtimes
 from service.engine.encoder_service import EncoderService
-from service.http.app import app
-from service.http.context import serve_with
-from service.http.middleware import BearerAuthMiddleware, MetricsMiddleware, configure
-# the route modules add their routes to the app when imported: every one, before serve.ingress
-# snapshots the app below
-from service.http.routes import attention, cohere, explorer, heads, native, openai, tei, v2  # noqa: F401
-from service.http.routes.ops import replica_info
+from service.apis.ops.health import replica_info
+from service.front.deps import serve_with
+from service.front.gate import Gate
 from service.grpc import serve_hooks
-from service.grpc.inference import KServeGrpc
+from service.grpc.servicer import grpc_methods
+from service.http.server import app, configure
 from service.hosting.listeners import bind_grpc_ingress_to_node_address, bind_replica_grpc_to_node_address
 from service.observability.metrics import node_metrics_url, refresh_periodically, service_metrics
 from service.runtimes.cuda import ray_gpu_assignment
@@ -47,9 +47,9 @@ TRACING_CLOSE_S = 10.0
 
 @serve.deployment(name="Encoder")
 @serve.ingress(app)
-class Encoder(KServeGrpc):
-    """A replica: the routes of service/http/, the KServe v2 gRPC calls (service/grpc/, inherited), and
-    per served model an engine."""
+class Encoder(grpc_methods()):
+    """A replica: every API's HTTP routes (service/http/server.py) and gRPC methods (inherited), and per
+    served model an engine."""
 
     def __init__(self, settings: ServiceSettings) -> None:
         started = time.perf_counter()
@@ -61,8 +61,9 @@ class Encoder(KServeGrpc):
         self.gpu = ray_gpu_assignment(settings.num_gpus or 0.0)
         self.engines = EngineTable([load_engine(ref, settings, self.gpu) for ref in settings.bundles])
         self.svc = EncoderService(settings, self.engines)
+        Gate.configure(settings)
         configure(settings)
-        if BearerAuthMiddleware.token is None:
+        if Gate.token is None:
             logger.warning("no API token configured (%s / auth_token_file): inference routes are open", settings.auth_token_env)
         if settings.warmup:
             self.svc.warm_up()
@@ -83,7 +84,7 @@ class Encoder(KServeGrpc):
         def refresh() -> None:  # Ray drops gauges that are not set again
             for tags in info_tags:
                 metrics.model_info.set(1, tags=tags)
-            metrics.in_flight.set(MetricsMiddleware.in_flight)
+            metrics.in_flight.set(Gate.in_flight)
             for m in self.engines:
                 metrics.batch_queue.set(m.batcher.queued, tags={"model": m.name})
 

@@ -183,7 +183,7 @@ def test_bench_writes_compact_headlines_between_the_readme_markers(tmp_path):
 
 def request_path(text: str) -> list[str]:
     """The modules a request-path listing names, in order (paths under service/)."""
-    return re.findall(r"(?<![\w/.])((?:[a-z_]+/)*(?:[a-z_]+|<protocol>)\.py)", text)
+    return re.findall(r"(?<![\w/.<>])((?:(?:[a-z_]+|<[a-z]+>)/)*(?:[a-z_]+|<[a-z]+>)\.py)", text)
 
 
 def test_the_request_path_names_real_modules_and_the_docs_page_agrees():
@@ -193,16 +193,16 @@ def test_the_request_path_names_real_modules_and_the_docs_page_agrees():
     listing = doc[doc.index("in order:"):]
     named = request_path(listing)
     for module in named:
-        if "<protocol>" in module:
+        if "<" in module:
             continue
         assert (ROOT / "service" / module).is_file(), f"service/__init__.py names {module}, which does not exist"
-    routes_line = listing[listing.index("http/routes/<protocol>.py"):].split("validated")[0]
-    routes = {p.stem for p in (ROOT / "service" / "http" / "routes").glob("*.py") if p.stem != "__init__"}
-    assert routes <= set(re.findall(r"\w+", routes_line)), f"route modules missing from the request path: {routes}"
+    apis_line = listing[listing.index("apis/<api>/<module>.py"):].split("validated")[0]
+    apis = {p.name for p in (ROOT / "service" / "apis").iterdir() if (p / "__init__.py").is_file()}
+    assert apis <= set(re.findall(r"\w+", apis_line)), f"APIs missing from the request path: {apis}"
     page = (ROOT / "docs" / "serving.md").read_text()
     section = page[page.index("## How a request is served"):]
     block = section[section.index("```"):section.index("```", section.index("```") + 3)]
-    assert request_path(block) == request_path(listing[:listing.index("\nRay Serve's own answers")]), \
+    assert request_path(block) == request_path(listing[:listing.index("\nA gRPC call")]), \
         "docs/serving.md's request path differs from service/__init__.py's"
 
 

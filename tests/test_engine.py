@@ -247,7 +247,7 @@ def test_one_disconnect_from_rays_receive_proxy_cancels_every_job_of_a_request(s
     from ray.serve._private.direct_ingress_http_util import ASGIDIReceiveProxy
     from starlette.requests import Request
 
-    from service.http.context import _disconnected, infer_all
+    from service.front.deps import _disconnected, infer_all
 
     engine = svc.engines.default
     tokenized = asyncio.run(svc.tokenize(engine, TEXTS[:4], True, "/v1/embeddings"))

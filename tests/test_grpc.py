@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as triton_grpc
 from tritonclient.utils import InferenceServerException
 
-from service.grpc.protocol import messages, method_path
+from service.apis.kserve_v2.messages import messages, method_path
 from tests.metrics_scrape import poll, total
 
 MODEL = "all-MiniLM-L6-v2"
@@ -228,7 +228,7 @@ def test_deadline_cancel_and_overload_over_grpc(ray_serve, held, channel, metric
 def test_ray_serves_proxy_actor_answers_the_same_calls(client):
     """The fallback path: HAProxy sends a call to Ray Serve's proxy actor while it has not yet seen a
     new replica healthy, and `--ingress proxy` runs it alone. The proxy hands the request to the
-    replica pickled, so the messages must pickle (service/grpc/protocol.py)."""
+    replica pickled, so the messages must pickle (service/apis/kserve_v2/messages.py)."""
     import os
 
     proxy = triton_grpc.InferenceServerClient(f"127.0.0.1:{os.environ['RAY_SERVE_FALLBACK_PROXY_GRPC_PORT']}")

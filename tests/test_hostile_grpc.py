@@ -25,7 +25,7 @@ import numpy as np
 import psutil
 import pytest
 
-from service.grpc.protocol import messages, method_path
+from service.apis.kserve_v2.messages import messages, method_path
 from tests.conftest import deploy
 from tests.reliability import record
 

@@ -26,11 +26,15 @@ def client(service_url):
            dict(STATUSES), note="no 5xx; every refusal a 4xx JSON error")
 
 
-def error_shape_of(path: str) -> set[str]:
-    """The keys of an error body on `path`: ours, or TEI's or Cohere's on their routes (their clients parse them)."""
-    from service.http.errors import ERROR_STYLES
+def error_shape_of(path: str, method: str = "POST") -> set[str]:
+    """The keys of an error body on `path`: ours, or TEI's or Cohere's on their routes (their clients parse
+    them), as the routes' APIs declare their error styles."""
+    from service.apis import path_policies
+    from service.apis.cohere import cohere_error_body
+    from service.apis.tei import tei_error_body
 
-    return {"tei": {"error", "error_type"}, "cohere": {"id", "message"}}.get(ERROR_STYLES.get(path), {"error"})
+    style = path_policies().of(method, path).error_style
+    return {tei_error_body: {"error", "error_type"}, cohere_error_body: {"id", "message"}}.get(style, {"error"})
 
 
 def check(r: httpx.Response) -> None:
@@ -39,7 +43,7 @@ def check(r: httpx.Response) -> None:
     assert r.headers["content-type"].startswith("application/json"), r.headers
     if r.status_code >= 400:
         body = r.json()
-        assert set(body) == error_shape_of(r.request.url.path), body
+        assert set(body) == error_shape_of(r.request.url.path, r.request.method), body
         if "error_type" in body:  # TEI's
             assert isinstance(body["error"], str) and isinstance(body["error_type"], str)
         elif "id" in body:  # Cohere's
@@ -146,7 +150,7 @@ def test_openapi_fuzzing_finds_no_server_errors(service_url):
                 body = response.json()
                 echoed = headers.get("x-request-id")
                 echoed = echoed[0] if isinstance(echoed, list) else echoed
-                shape = error_shape_of(case.formatted_path)
+                shape = error_shape_of(case.formatted_path, case.method.upper())
                 assert set(body) == shape, (where, body)
                 if shape == {"error"}:
                     assert set(body["error"]) == {"type", "message", "request_id"}, where

@@ -1,7 +1,7 @@
-"""The metrics middleware's status for requests that end without a response: a handler cancelled
+"""The call middleware's status for requests that end without a response: a handler cancelled
 because its client went away is a 499 (nginx's and Envoy's convention), an exception is a 500. The
 service's own end-to-end check of the mid-upload case is in test_metrics.py. Request ids and the
-access log line, which the same middleware writes."""
+access log line, which the same middleware writes (through service/front/finish.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import json
 
 import pytest
 
+from service.front import finish as finish_module
+from service.front.deps import CALL_KEY
 from service.http import middleware
 
 
@@ -24,11 +26,11 @@ async def _send(message: dict) -> None:
 def run_through(monkeypatch, app, headers=()) -> list[int]:
     """The statuses the middleware counts for one request through `app`."""
     counted: list[int] = []
-    real = middleware.status_class
-    monkeypatch.setattr(middleware, "status_class", lambda status: counted.append(status) or real(status))
+    real = finish_module.status_class
+    monkeypatch.setattr(finish_module, "status_class", lambda status: counted.append(status) or real(status))
     scope = {"type": "http", "method": "POST", "path": "/v1/encode", "headers": list(headers)}
     try:
-        asyncio.run(middleware.MetricsMiddleware(app)(scope, _receive, _send))
+        asyncio.run(middleware.CallMiddleware(app)(scope, _receive, _send))
     except (asyncio.CancelledError, RuntimeError):
         pass
     return counted
@@ -134,7 +136,7 @@ def test_each_request_gets_an_id_in_its_error_body_its_header_and_its_access_log
     import logging
 
     from service.http.errors import error_response
-    from service.http.request_ids import access_logger, enable_access_log
+    from service.front.finish import access_logger, enable_access_log
 
     lines: list[dict] = []
 
@@ -143,8 +145,9 @@ def test_each_request_gets_an_id_in_its_error_body_its_header_and_its_access_log
             lines.append(json.loads(record.getMessage()))
 
     async def refused(scope, receive, send):
-        scope.update(route_template="/v1/encode", model="m", texts=2, tokens=9)
-        await error_response(413, "too_large", "too long")(scope, receive, send)
+        call = scope[CALL_KEY]
+        call.route, call.model, call.texts, call.tokens = "/v1/encode", "m", 2, 9
+        await error_response(413, "too_large", "too long", call=call)(scope, receive, send)
 
     def through(headers):
         sent: list[dict] = []
@@ -153,7 +156,7 @@ def test_each_request_gets_an_id_in_its_error_body_its_header_and_its_access_log
             sent.append(message)
 
         scope = {"type": "http", "method": "POST", "path": "/v1/encode", "headers": list(headers)}
-        asyncio.run(middleware.MetricsMiddleware(refused)(scope, _receive, send))
+        asyncio.run(middleware.CallMiddleware(refused)(scope, _receive, send))
         start = next(m for m in sent if m["type"] == "http.response.start")
         body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
         return [v.decode() for k, v in start["headers"] if k.lower() == b"x-request-id"], body["error"]
@@ -161,7 +164,7 @@ def test_each_request_gets_an_id_in_its_error_body_its_header_and_its_access_log
     handler = Collect()
     enable_access_log(True)
     access_logger.addHandler(handler)
-    monkeypatch.setattr(middleware.MetricsMiddleware, "behind_serve", False)
+    monkeypatch.setattr(middleware.CallMiddleware, "behind_serve", False)
     try:
         assert through([(b"x-request-id", b"client-7f3a")]) == (["client-7f3a"], {
             "type": "too_large", "message": "too long", "request_id": "client-7f3a"})
@@ -169,7 +172,7 @@ def test_each_request_gets_an_id_in_its_error_body_its_header_and_its_access_log
         assert len(made) == 1 and len(made[0]) == 32 and error["request_id"] == made[0]
         replaced, error = through([(b"x-request-id", b"two words")])
         assert replaced != ["two words"] and error["request_id"] == replaced[0]
-        monkeypatch.setattr(middleware.MetricsMiddleware, "behind_serve", True)  # Serve echoes it: not twice
+        monkeypatch.setattr(middleware.CallMiddleware, "behind_serve", True)  # Serve echoes it: not twice
         assert through([(b"x-request-id", b"behind-serve")])[0] == []
     finally:
         access_logger.removeHandler(handler)
@@ -190,8 +193,8 @@ def test_serve_never_sees_a_header_it_cannot_decode_and_the_app_refuses_it_with_
     import logging
 
     from service.http.ingress import ServeHeaderGuard
-    from service.http.middleware import UNREADABLE_HEADER
-    from service.http.request_ids import access_logger, enable_access_log
+    from service.http.headers import UNREADABLE_HEADER
+    from service.front.finish import access_logger, enable_access_log
 
     seen: list[list] = []
 
@@ -199,7 +202,7 @@ def test_serve_never_sees_a_header_it_cannot_decode_and_the_app_refuses_it_with_
         seen.append(list(scope["headers"]))
         for name, value in scope["headers"]:
             name.decode("utf-8"), value.decode("utf-8")
-        await middleware.MetricsMiddleware(answers_200)(scope, receive, send)
+        await middleware.CallMiddleware(answers_200)(scope, receive, send)
 
     async def answers_200(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

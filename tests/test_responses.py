@@ -7,7 +7,7 @@ import numpy as np
 import orjson
 import pytest
 
-from service.http.responses import CHUNK_VALUES, array_json, encode_array
+from service.front.responses import CHUNK_VALUES, array_json, encode_array
 
 
 @pytest.mark.parametrize("shape", [(3,), (1, 1), (CHUNK_VALUES + 1,), (5, 7, 300, 300), (6, 12, 256, 256)])

@@ -223,8 +223,8 @@ def test_the_response_size_estimate_is_what_encode_will_write(client, default_bu
     the three times over it that a JSON float per value would be (which refused base64 token
     embeddings at a third of the limit)."""
     from bundle.manifest import load_bundle
-    from service.http.routes.native import encode_size
-    from service.http.schemas import EncodeRequest
+    from service.apis.native.encode import encode_size
+    from service.apis.native.schemas import EncodeRequest
     from service.engine.tokenization import TextTokenizer
 
     payload = {"inputs": TEXTS, "token_embeddings": True, "encoding_format": encoding_format}

@@ -1,7 +1,8 @@
 """What one replica offers its routes: the engines of the models it serves, and the steps every
 request takes through them: check the inputs, tokenize within the limits, queue the job for a
-batch and wait for it within its deadline. No HTTP here (service/http/ maps requests onto these
-steps and errors onto statuses), and nothing of Ray Serve (service/deployment.py builds this).
+batch and wait for it within its deadline. No protocol here (the APIs of service/apis map requests
+onto these steps, service/front errors onto statuses), and nothing of Ray Serve (service/deployment.py
+builds this).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import time
 from bundle.contract import PACKED_POOLINGS
 from service.config import BatchingSettings, ServiceSettings
 from service.engine.engine import Engine, EngineTable
+from service.engine.prompts import prompt_for
 from service.engine.errors import BackendError, ClientGone, InvalidRequest, NotReady, ServiceError, Timeout, TooLarge
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.tokenization import TokenizedText
 from service.observability import tracing
-from service.observability.metrics import protocol_of, service_metrics
+from service.observability.metrics import service_metrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -25,6 +27,14 @@ logger = logging.getLogger("ray.serve")
 # costs more than tokenizing a few sentences does (one sentence: 28 us inline, 196 us of CPU with
 # asyncio.to_thread, measured).
 INLINE_TOKENIZE_CHARS = 2048
+
+
+# What each kind of model serves, for the 422 of a route that does not fit a model's task.
+ROUTES_BY_TASK = {
+    "embedding": "/v1/embeddings, /v1/encode, /v1/similarity, /v1/attention, /v2/models/{name}/infer, /v1/tokenize",
+    "classification": "/v1/classify, /v1/rerank (one label: a cross-encoder), /v2/models/{name}/infer (text, "
+                      "text_pair -> logits, scores), /v1/tokenize",
+}
 
 
 def as_list(inputs: str | list[str]) -> list[str]:
@@ -70,6 +80,43 @@ class EncoderService:
 
     # ---- the steps of a request ----
 
+    def model_for(self, name: str | None, asked_by: str, required: bool = False,
+                  task: str | None = "embedding") -> Engine:
+        """The model a request names (404 naming the served ones). `task`: what the route `asked_by`
+        needs; a model of another task is a 422 that says which routes it serves. Left out, the model is
+        the default, or the first served model of the route's task."""
+        if name is None and task is not None and self.engines.default.model.task != task:
+            name = next((e.name for e in self.engines if e.model.task == task), None)
+        engine = self.engines.get(name, required)
+        if task is not None and engine.model.task != task:
+            raise InvalidRequest(
+                f"model {engine.name!r} is a model of task {engine.model.task}: it serves "
+                f"{ROUTES_BY_TASK[engine.model.task]}; {asked_by} needs a model of task {task} (served: "
+                + ", ".join(f"{e.name!r} ({e.model.task})" for e in self.engines) + ")")
+        return engine
+
+    def prompted(self, engine: Engine, texts: list[str], prompt_name: str | None, input_type: str | None,
+                 pooled_only: bool = True, chunked: bool = False) -> tuple[list[str], int]:
+        """The texts with the request's prompt before each (service/engine/prompts.py), and how many of
+        their first tokens pooling leaves out (EncodeJob.pool_skip). `pooled_only`: the request wants
+        nothing but pooled outputs (no token encodings, no attention)."""
+        prompt = prompt_for(engine.model, engine.name, prompt_name, input_type)
+        if prompt is None:
+            return texts, 0
+        if chunked:
+            raise InvalidRequest(f"chunking with a prompt ({prompt.name!r}) is not supported: a prompt goes before a "
+                                 "whole text, not before each of its windows")
+        if prompt.pool_skip and engine.model.dense_layers:
+            # pooled here without the prompt, a Dense projection inside the graph would be skipped: such a
+            # text must run on a packed row, which pools by weights before the Dense
+            packs = engine.runner.runtime.packed is not None and bool(self.batching.packed_tokens)
+            if not (packs and pooled_only):
+                raise InvalidRequest(f"prompt {prompt.name!r} on model {engine.name!r} (its pooling leaves the prompt "
+                                     "out, then a Dense projection follows) is served for pooled embeddings on packed "
+                                     "rows only" + ("" if packs else ": packing is off on this replica"))
+        return prompt.apply(texts), prompt.pool_skip
+
+
     def texts(self, inputs: str | list[str]) -> list[str]:
         texts = as_list(inputs)
         if len(texts) > self.settings.max_inputs:
@@ -83,7 +130,7 @@ class EncoderService:
                 raise InvalidRequest(f"input {i} is not valid Unicode: {exc.reason} at character {exc.start}") from None
         return texts
 
-    async def _tokenizing(self, engine: Engine, route: str, inline: bool, encode, *args):
+    async def _tokenizing(self, engine: Engine, route: str, protocol: str, inline: bool, encode, *args):
         """One tokenizer call: on the event loop when the request is small (a thread hop costs more),
         else in a worker thread; its time goes to the tokenization stage of the duration metric."""
         started = time.perf_counter()
@@ -91,16 +138,17 @@ class EncoderService:
             result = encode(*args) if inline else await asyncio.to_thread(encode, *args)
         service_metrics().duration.observe(time.perf_counter() - started,
                                            tags={"route": route, "stage": "tokenization", "model": engine.name,
-                                                 "task": engine.model.task, "protocol": protocol_of(route)})
+                                                 "task": engine.model.task, "protocol": protocol})
         return result
 
     async def tokenize(self, engine: Engine, texts: list[str], truncate: bool, route: str,
-                       limit_tokens: bool = True, from_start: bool = False, kept: int = 0) -> list[TokenizedText]:
+                       limit_tokens: bool = True, from_start: bool = False, kept: int = 0,
+                       protocol: str = "http") -> list[TokenizedText]:
         """The whole request in one batch call of the tokenizer; off the event loop when it is large.
         `from_start`: truncation cuts a text's first tokens instead of its last, but not its first `kept`
         characters (the prompt put before every text: TextTokenizer.encode)."""
         inline = sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS
-        tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode, texts, truncate, from_start,
+        tokenized = await self._tokenizing(engine, route, protocol, inline, engine.tokenizer.encode, texts, truncate, from_start,
                                            kept)
         if limit_tokens:
             self.check_tokens(sum(t.n_tokens for t in tokenized), "split it into smaller requests")
@@ -111,7 +159,7 @@ class EncoderService:
         """Each text's tokens, never truncated (TEI's /tokenize), off the event loop when large; a request
         past `max_tokens` (what its response may hold) is a 413, found without tokenizing the texts after."""
         inline = sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS
-        encodings = await self._tokenizing(engine, route, inline, engine.tokenizer.encode_plain, texts,
+        encodings = await self._tokenizing(engine, route, "http", inline, engine.tokenizer.encode_plain, texts,
                                            add_special_tokens, max_tokens)
         total = sum(len(e.ids) for e in encodings)
         if total > max_tokens:
@@ -124,13 +172,13 @@ class EncoderService:
                             route: str) -> list[tuple[str, bool]]:
         """TextTokenizer.cut_to_tokens, off the event loop when the texts are large (Cohere's max_tokens)."""
         inline = sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS
-        return await self._tokenizing(engine, route, inline, engine.tokenizer.cut_to_tokens, texts, tokens, from_start)
+        return await self._tokenizing(engine, route, "http", inline, engine.tokenizer.cut_to_tokens, texts, tokens, from_start)
 
     async def tokenize_pairs(self, engine: Engine, pairs: list[tuple[str, str]], truncate: bool,
-                             route: str, from_start: bool = False) -> list[TokenizedText]:
+                             route: str, from_start: bool = False, protocol: str = "http") -> list[TokenizedText]:
         """Text pairs as the model's tokenizer joins them; the token budget counts every pair."""
         inline = sum(len(a) + len(b) for a, b in pairs) <= INLINE_TOKENIZE_CHARS
-        tokenized = await self._tokenizing(engine, route, inline, engine.tokenizer.encode_pairs, pairs, truncate,
+        tokenized = await self._tokenizing(engine, route, protocol, inline, engine.tokenizer.encode_pairs, pairs, truncate,
                                            from_start)
         self.check_tokens(sum(t.n_tokens for t in tokenized), "send fewer documents")
         return tokenized
@@ -146,12 +194,12 @@ class EncoderService:
                                  f"({engine.tokenizer.special_tokens} of them special): make it smaller")
         # counted first, windowed only within the budget: building the windows of a request past it
         # would cost the memory the budget is there to bound
-        counts = await self._tokenizing(engine, route, False, engine.tokenizer.chunk_counts, texts, tokens, overlap,
+        counts = await self._tokenizing(engine, route, "http", False, engine.tokenizer.chunk_counts, texts, tokens, overlap,
                                         self.batching.max_batch_tokens)
         counted = "" if len(counts) == len(texts) else f" of its first {len(counts)} of {len(texts)} texts"
         self.check_tokens(sum(n for _, n in counts), "split it into smaller requests",
                           f" in {sum(w for w, _ in counts)} chunks{counted}")
-        return await self._tokenizing(engine, route, False, engine.tokenizer.encode_chunks, texts, tokens, overlap)
+        return await self._tokenizing(engine, route, "http", False, engine.tokenizer.encode_chunks, texts, tokens, overlap)
 
     def check_tokens(self, total: int, advice: str, counted: str = "") -> None:
         """A request's tokens against the token budget: the live knob (reconfigure) the batch queue uses."""

@@ -1,5 +1,5 @@
 """Why a request cannot be served, as the engine says it: a type (which doubles as the failure
-reason operators see in metrics) and a message. No HTTP here: service/http/errors.py maps each
+reason operators see in metrics) and a message. No protocol here: service/front/errors.py maps each
 type to its status and renders `{"error": {"type", "message"}}`.
 """
 

@@ -110,3 +110,20 @@ def cohere_prompt_name(model: ModelInfo, model_name: str, input_type: str) -> st
     raise BadRequest(f"input_type {input_type!r}: model {model_name!r} has the prompts "
                      f"{', '.join(repr(p) for p in model.prompts)} and none for it (looked for "
                      f"{' or '.join(repr(c) for c in COHERE_INPUT_TYPES[input_type])})")
+
+
+def prompt_chars(prompted_texts: list[str], texts: list[str]) -> int:
+    """The characters of the prompt put before every text (0 without one): what left truncation keeps
+    (EncoderService.tokenize's `kept`)."""
+    return len(prompted_texts[0]) - len(texts[0])
+
+
+def normalization(asked: bool | None, model: ModelInfo) -> bool:
+    """Whether a request's embeddings are L2-normalised: as asked, else as the model was trained."""
+    normalize = model.normalize if asked is None else asked
+    if model.normalize and not normalize and model.dense_layers:
+        # the raw embedding is re-pooled from the token encodings, which would skip the Dense projection
+        raise InvalidRequest("normalize: false is not available for this model: it normalises after a Dense "
+                             "projection inside its graph, so only the normalised embedding exists")
+    return normalize
+

@@ -27,7 +27,7 @@ import numpy as np
 from bundle.manifest import BundleManifest, ModelInfo
 from service.observability import tracing
 from service.config import BatchingSettings, ServiceSettings
-from service.observability.metrics import protocol_of, service_metrics
+from service.observability.metrics import service_metrics
 from service.runtimes import PackedGraph, Runtime
 from service.runtimes.onnxruntime import available_cpus
 from service.runtimes.packing import pack, plan_packs
@@ -35,7 +35,8 @@ from service.runtimes.packing import pack, plan_packs
 
 @dataclass
 class EncodeJob:
-    """One request's work: token ids per text, and which outputs it needs."""
+    """One request's work: token ids per text, and which outputs it needs. `route` and `protocol` are
+    the metrics' labels of the call it serves, passed in by its API (the engine knows no protocol)."""
 
     route: str
     ids: list[np.ndarray]
@@ -49,6 +50,7 @@ class EncodeJob:
     # include_prompt false (sentence-transformers' prompt_length); 0: pooling reads every token
     pool_skip: int = 0
     trace: Any = None  # the request's OpenTelemetry context while tracing is on (service/observability/tracing.py)
+    protocol: str = "http"
 
     @property
     def n_tokens(self) -> int:
@@ -216,7 +218,7 @@ def pooled_output(model: ModelInfo, normalize: bool) -> Pooled:
     - `normalize` false, the graph normalising: the raw vector is no output of the graph, so it is pooled
       again here from the token encodings, as the graph pools. Such a text needs last_hidden_state, so
       it runs padded, never packed. Past a Dense projection this would skip the Dense: /v1/encode
-      refuses normalize false for such a model (routes/native.py `normalization`) before it queues.
+      refuses normalize false for such a model (engine/prompts.py `normalization`) before it queues.
     """
     if model.task == "classification" or normalize == model.normalize:
         return Pooled.AS_IS
@@ -451,7 +453,7 @@ class BatchRunner:
         for job in jobs:
             self.metrics.duration.observe(started - job.enqueued, tags={"route": job.route, "stage": "queue",
                                                                         "model": self.model_name, "task": self.task,
-                                                                        "protocol": protocol_of(job.route)})
+                                                                        "protocol": job.protocol})
 
     def _count(self, batch: Batch, elapsed: float) -> None:
         """Everything the batch is counted in, from its tally: the metrics, the runner's counters (under
@@ -459,7 +461,7 @@ class BatchRunner:
         tally, m, model = batch.tally, self.metrics, {"model": self.model_name}
         for job in batch.jobs:
             m.duration.observe(elapsed, tags={"route": job.route, "stage": "inference", "task": self.task,
-                                              "protocol": protocol_of(job.route), **model})
+                                              "protocol": job.protocol, **model})
         m.batch_requests.observe(len(batch.jobs), tags=model)
         m.batch_tokens.observe(tally.real, tags=model)
         m.padding_ratio.observe(tally.padding_ratio, tags=model)

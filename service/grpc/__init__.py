@@ -1,8 +1,9 @@
-"""KServe v2 over gRPC: the same models, inputs and outputs as v2 over HTTP (service/http/routes/v2.py),
-answered by the same replicas through Ray Serve's gRPC ingress (docs/serving.md, "gRPC").
+"""The gRPC transport: every API's gRPC service through Ray Serve's gRPC ingress, as HTTP's routes go
+through the HTTP transport (docs/serving.md, "gRPC"); the two never import each other.
 
-  protocol.py   the service definition (kserve_v2.proto), compiled when first used, and the
-                function Serve's gRPC options name to register it
-  inference.py  the six calls, as methods of the deployment, with the limits, auth, metrics,
-                request ids and status codes of HTTP
+  protocol.py     the function Serve's gRPC options name to register the services
+  servicer.py     each call's record, gate, status codes and record when it ends; the methods of the
+                  deployment Serve calls by name
+  serve_hooks.py  what Serve does not hand a replica: the client's deadline, a retry hint on its own
+                  refusals, the message size cap and the token before the message
 """

@@ -1,96 +1,26 @@
-"""The KServe v2 gRPC service definition, compiled from kserve_v2.proto when first used.
-
-Its messages live in a descriptor pool of their own, not protobuf's default one: tritonclient.grpc
-registers the same `inference.*` names (Triton's superset of the protocol) in the default pool, and a
-process that holds both (a test, a client beside the service) would refuse the second. The wire
-format is what the protocol fixes, so either side's messages read the other's.
-
-Ray Serve's gRPC options name `add_inference_servicer_to_server` (SERVICER_FUNCTION) as generated
-code's `add_..._to_server` would be named: every proxy and replica calls it to learn the methods.
-"""
+"""The function Ray Serve's gRPC options name (`grpc_servicer_functions`), as generated code's
+`add_..._to_server` would be named: every proxy and replica calls it to learn the methods. It registers
+every API's gRPC service (service/apis; today KServe v2's, service/apis/kserve_v2/grpc.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import tempfile
-from functools import cache
-from pathlib import Path
-from types import SimpleNamespace
-
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-PROTO = Path(__file__).resolve().parent / "kserve_v2.proto"
-PACKAGE = "inference"
-SERVICE = f"{PACKAGE}.GRPCInferenceService"
 SERVICER_FUNCTION = "service.grpc.protocol:add_inference_servicer_to_server"
-# method -> (request message, response message), all unary
-METHODS = {
-    "ServerLive": ("ServerLiveRequest", "ServerLiveResponse"),
-    "ServerReady": ("ServerReadyRequest", "ServerReadyResponse"),
-    "ModelReady": ("ModelReadyRequest", "ModelReadyResponse"),
-    "ServerMetadata": ("ServerMetadataRequest", "ServerMetadataResponse"),
-    "ModelMetadata": ("ModelMetadataRequest", "ModelMetadataResponse"),
-    "ModelInfer": ("ModelInferRequest", "ModelInferResponse"),
-}
-
-
-def method_path(method: str) -> str:
-    """The call's full name on the wire, as clients and Ray's metrics write it."""
-    return f"/{SERVICE}/{method}"
-
-
-MESSAGES = sorted({name for pair in METHODS.values() for name in pair} | {"InferParameter", "InferTensorContents"})
-
-
-@cache
-def messages() -> SimpleNamespace:
-    """Every message class of the service, by name (ModelInferRequest, InferParameter, ...)."""
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(_compiled())
-    classes = {}
-    for name in MESSAGES:
-        cls = message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{PACKAGE}.{name}"))
-        # importable by name, so that a message pickles: Serve's proxy actor hands a request it routes
-        # to a replica pickled (module __getattr__ below finds the class again there)
-        cls.__module__, cls.__qualname__ = __name__, name
-        classes[name] = cls
-    return SimpleNamespace(**classes)
-
-
-def __getattr__(name: str):
-    """`service.grpc.protocol.ModelInferRequest` and the others, compiled when first asked for."""
-    if name in MESSAGES:
-        return getattr(messages(), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _compiled() -> descriptor_pb2.FileDescriptorProto:
-    """kserve_v2.proto as protoc reads it (grpcio-tools' protoc, run as a child process: its in-process
-    entry point registers into the default pool, which is what this module avoids)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "kserve_v2.pb"
-        run = subprocess.run(
-            [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO.parent}", f"--descriptor_set_out={out}", PROTO.name],
-            capture_output=True, text=True, check=False,
-        )
-        if run.returncode != 0:
-            raise RuntimeError(f"protoc could not compile {PROTO}: {run.stderr.strip() or run.stdout.strip()}")
-        files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
-    (proto,) = files.file
-    return proto
 
 
 def add_inference_servicer_to_server(servicer, server) -> None:
-    """Register the service's six unary methods of `servicer` on `server` (Serve passes its own)."""
-    m = messages()
-    handlers = {
-        method: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, method),
-            request_deserializer=getattr(m, request).FromString,
-            response_serializer=getattr(m, response).SerializeToString,
-        )
-        for method, (request, response) in METHODS.items()
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    """Register the unary methods of every API's gRPC service, answered by `servicer` (Serve passes its
+    own), on `server`."""
+    from service.grpc.servicer import grpc_services
+
+    for service in grpc_services():
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(
+                getattr(servicer, name),
+                request_deserializer=method.request.FromString,
+                response_serializer=method.response.SerializeToString,
+            )
+            for name, method in service.methods.items()
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.name, handlers),))

@@ -2,7 +2,7 @@
 
 - The client's deadline: Serve gives the method a copy of the call's context (RayServegRPCContext)
   without the real one's `time_remaining()`; the copy now keeps it (`encoder_time_remaining`),
-  read when Serve makes it, so a call's deadline is the client's (service/grpc/inference.py).
+  read when Serve makes it, so a call's deadline is the client's (service/grpc/servicer.py).
 - A retry hint on Serve's own refusal: when a replica's slots and queue are full, Serve answers
   RESOURCE_EXHAUSTED itself, before any method runs; the answer now carries `retry-after` in its
   trailing metadata (the settings' retry_after_s, as HTTP's 503 carries Retry-After), and the
@@ -14,7 +14,7 @@
   looked at. The servers are now built with the body limit as their receive limit (gRPC refuses a
   larger message from its length prefix, RESOURCE_EXHAUSTED, before reading it) and with an
   interceptor that refuses a ModelInfer without the bearer token from its metadata alone, before
-  its message is read (service/grpc/inference.py, `refuse_before_reading`). The send limit stays
+  its message is read (service/grpc/servicer.py, `refusal_before_reading`). The send limit stays
   Serve's: responses are bounded by max_response_bytes before inference.
 
 Each hook checks that what it wraps is there, and says so in the replica's log when it is not (a
@@ -29,8 +29,9 @@ from typing import Any
 
 import grpc
 
+from service.front.errors import RETRY_AFTER_KEY
+
 logger = logging.getLogger("ray.serve")
-RETRY_AFTER_KEY = "retry-after"
 # The receive limit of a process that has no settings (Serve's proxy actor): python -m service sets
 # it from max_body_bytes for every Ray process, the KubeRay manifests for the pods; unset, the
 # settings' default body limit applies.
@@ -96,10 +97,11 @@ class TokenBeforeMessage(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         if not self.in_replica:
             return await continuation(handler_call_details)
-        from service.grpc.inference import needs_refusal, refuse_before_reading
+        from service.grpc.servicer import needs_refusal, refusal_before_reading
 
         if needs_refusal(handler_call_details.method, handler_call_details.invocation_metadata):
-            return grpc.stream_unary_rpc_method_handler(refuse_before_reading, response_serializer=_serialized)
+            return grpc.stream_unary_rpc_method_handler(refusal_before_reading(handler_call_details.method),
+                                                        response_serializer=_serialized)
         return await continuation(handler_call_details)
 
 
@@ -139,9 +141,9 @@ def _hint_retry_on_refusal(retry_after_s: int) -> None:
     def set_code_and_details(context, status) -> None:
         if status.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not context.code():
             context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_after_s)),))
-            from service.http.ingress import count_refusal
+            from service.front.finish import count_serve_refusal
 
-            count_refusal(protocol="grpc")
+            count_serve_refusal(protocol="grpc")
         original(context, status)
 
     set_code_and_details.hints_retry = True  # type: ignore[attr-defined]

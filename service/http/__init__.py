@@ -1,12 +1,11 @@
-"""The HTTP layer: the FastAPI app and what only HTTP knows.
+"""The HTTP transport: every API's routes in one FastAPI app, and what only HTTP knows.
 
-  app.py         the app, its middlewares, the mapping of every failure to the JSON error body
-  middleware.py  metrics, bearer auth, in-flight count, body limit (pure ASGI)
-  context.py     what a route gets (the replica's EncoderService), deadline header, disconnects
-  routes/        one module per protocol: native, openai, v2 (KServe), attention, heads (rerank,
-                 classify), explorer, ops
-  schemas.py     request and response bodies (pydantic)
-  responses.py   JSON bodies written fast and, when large, off the event loop
-  errors.py      error type -> status, Retry-After, the JSON error body
-  ingress.py     Ray Serve's own plain-text answers (queue full, 408, 404) as our JSON errors
+  server.py      the app: every API's router mounted and checked against its declaration, every
+                 failure answered as a JSON error in the style of the route's API
+  middleware.py  the request's call record, the gate (token, in-flight count), its record when it
+                 ends; the body limit (pure ASGI)
+  headers.py     the headers it reads: X-Request-Id, X-Request-Timeout-Seconds, the unreadable mark
+  errors.py      an error as an HTTP answer: status, Retry-After, the API's error body
+  ingress.py     Ray Serve's own plain-text answers (queue full, 408, 404) as our JSON errors, and
+                 the headers Serve cannot decode taken out before its code runs
 """

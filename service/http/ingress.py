@@ -5,21 +5,21 @@ full (backpressure), its 408 when X-Request-Timeout-Seconds passes, its 404 for 
 application serves, its 500 when a replica dies. Serve writes them as plain text. Serve calls
 the function named by RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH (service/config.py, INGRESS_ENV)
 in its HTTP proxy and in each replica's own HTTP server (the one HAProxy sends to), and wraps
-their ASGI apps in the middlewares it returns: this one rewrites those answers into
+their ASGI apps in the middlewares it returns (service/ingress_callback.py): this one rewrites those answers into
 `{"error": {"type", "message", "request_id"}}`, keeps their status and headers (Retry-After), and counts
 Serve's refusals in ray_encoder_request_failures_total{reason="overloaded"}, where the
 overload alert looks. Our own answers are JSON already and pass through untouched.
 
 Serve's 408 is the client's deadline passing on Serve's clock, a moment before ours: it becomes the
 503 `timeout` with Retry-After that the service answers for the same deadline, so which clock fired
-first never shows. The replica's MetricsMiddleware counts it (Serve cancels the handler there).
+first never shows. The replica's CallMiddleware counts it (Serve cancels the handler there).
 
 Before any of Serve's code, `ServeHeaderGuard` makes the headers safe for it: Serve decodes some
 header values as UTF-8 (the request id, X-Request-Timeout-Seconds, the multiplexed model id, the
 session id, traceparent) in its proxy and in each replica's HTTP server, and bytes that are not UTF-8
 made it answer a plain-text 500 with no log line. Such a header is taken out and named in
 UNREADABLE_HEADER, and the app refuses the request with a JSON 400 that has an id, an access log line,
-metrics and a span (MetricsMiddleware). It also keeps one X-Request-Id (service/http/request_ids.py).
+metrics and a span (CallMiddleware). It also keeps one X-Request-Id (service/http/headers.py).
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import json
 import logging
 from typing import Any
 
-from starlette.middleware import Middleware
-
-from service.http.errors import app_path, error_body
-from service.http.middleware import TIMEOUT_HEADER, UNREADABLE_HEADER, asked_deadline_s
-from service.http.request_ids import REQUEST_ID_HEADER, is_valid_request_id
+from service.apis import path_policies
+from service.front.finish import count_serve_refusal
+from service.front.request_ids import is_valid_request_id
+from service.http.headers import REQUEST_ID_HEADER, TIMEOUT_HEADER, UNREADABLE_HEADER, app_path, asked_deadline_s, timeout_header
 
 logger = logging.getLogger("ray.serve")
 
@@ -40,7 +39,6 @@ logger = logging.getLogger("ray.serve")
 RAY_ANSWER_TYPES = {404: "not_found", 408: "timeout", 413: "too_large", 500: "backend", 503: "unavailable"}
 SERVE_TIMEOUT = 408  # Serve's answer when X-Request-Timeout-Seconds passes; ours is 503 `timeout`
 BACKPRESSURE = "backpressure"  # in Serve's text for a refusal by max_queued_requests (both ingresses)
-ROUTE_REFUSED_BY_SERVE = "serve_queue"  # route label of those refusals: no app route matched them yet
 
 
 def error_type(status: int, text: str) -> str:
@@ -52,7 +50,7 @@ def error_type(status: int, text: str) -> str:
 class RayAnswersAsJson:
     """ASGI middleware: an error answer that is not JSON becomes our JSON error body."""
 
-    retry_after_s = 1  # on a deadline that passed; a replica sets its retry_after_s (middleware.configure)
+    retry_after_s = 1  # on a deadline that passed; a replica sets its retry_after_s (http/server.py configure)
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -91,15 +89,15 @@ class RayAnswersAsJson:
             request_id = dict(scope.get("headers") or []).get(REQUEST_ID_HEADER.encode())
             # Serve's RequestIdMiddleware, outside this one, has put the client's id or its own; TEI's and
             # Cohere's routes get their clients' body (in an application mounted at the root)
-            status, error = error_body(status, type_, message, request_id.decode("ascii", "replace") if request_id else None,
-                                       app_path(scope))
+            style = path_policies().of(scope.get("method", ""), app_path(scope)).error_style
+            status, error = style(status, type_, message, request_id.decode("ascii", "replace") if request_id else None)
             payload = json.dumps(error).encode()
             await send({"type": "http.response.start", "status": status,
                         "headers": kept + [(b"content-type", b"application/json"),
                                            (b"content-length", str(len(payload)).encode())]})
             await send({"type": "http.response.body", "body": payload})
             if type_ == "overloaded":
-                count_refusal()
+                count_serve_refusal()
 
         await self.app(scope, receive, rewriting_send)
 
@@ -190,30 +188,6 @@ class ServeHeaderGuard:
 def deadline_message(scope: dict) -> str:
     """What Serve's 408 means, in the words of the service's own timeout (Serve's text names
     its request_timeout_s, not the client's header)."""
-    asked = asked_deadline_s(scope)
+    asked = asked_deadline_s(timeout_header(scope.get("headers") or []))
     within = f"the client's deadline ({TIMEOUT_HEADER}: {asked:g}s)" if asked is not None else "the request timeout"
     return f"the request did not finish within {within}"
-
-
-def count_refusal(protocol: str = "http") -> None:
-    """Serve refused a request for want of room: a request, and the failure the overload alert counts
-    (its ratio divides by ray_encoder_requests_total, which these never reach otherwise)."""
-    from service.observability.metrics import service_metrics
-
-    metrics = service_metrics()
-    tags = {"route": ROUTE_REFUSED_BY_SERVE, "model": "", "task": "", "protocol": protocol}
-    metrics.requests.inc(tags={**tags, "status_class": "5xx"})
-    metrics.failures.inc(tags={**tags, "reason": "overloaded"})
-
-
-def ray_answers_as_json() -> list[Middleware]:
-    """The callback Serve imports (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), in its proxy actor and in
-    each replica before their ingress servers start: also the moment to move their gRPC ingress off
-    the wildcard address (service/hosting/listeners.py), and to cap their gRPC messages at the body limit
-    (service/grpc/serve_hooks.py; a replica's own settings set it again there)."""
-    from service.grpc.serve_hooks import limit_grpc_servers
-    from service.hosting.listeners import bind_grpc_ingress_to_node_address
-
-    bind_grpc_ingress_to_node_address()
-    limit_grpc_servers()
-    return [Middleware(RayAnswersAsJson), Middleware(ServeHeaderGuard)]  # the last is the outermost

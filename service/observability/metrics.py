@@ -45,15 +45,6 @@ FAILURE_REASONS = ("bad_request", "validation", "too_large", "not_found", "unaut
                    "cancelled", "backend")
 
 
-# The protocol label: every request's families carry it; a gRPC call's route is its method's full
-# name (/inference.GRPCInferenceService/ModelInfer), so the engine, which knows only the route, can tell.
-GRPC_ROUTE_PREFIX = "/inference."
-
-
-def protocol_of(route: str) -> str:
-    return "grpc" if route.startswith(GRPC_ROUTE_PREFIX) else "http"
-
-
 # Every family of a request or a batch carries the served model's name (empty on routes that run
 # no model: /info, /health, the explorer page, unknown paths).
 MODEL = ("model",)

@@ -1,19 +1,22 @@
 """What operators and probes ask: GET /health and GET /info.
 
-No `from __future__ import annotations` (see http/routes/native.py).
+No `from __future__ import annotations` (see service/apis/native/encode.py).
 """
 
 from fastapi import Depends
 
 from service.engine.prompts import describe
 from service.engine.encoder_service import EncoderService
-from service.http.app import ERROR_RESPONSES, app
-from service.http.context import service
-from service.http.middleware import InFlightMiddleware, MetricsMiddleware, serve_config_now
-from service.http.responses import JSONResponse
+from service.front.deps import api_router, service
+from service.front.gate import Gate
+from service.front.replica import serve_config_now
+from service.front.responses import JSONResponse
+from service.front.schemas import ERROR_RESPONSES
+
+router = api_router()
 
 
-@app.get("/health", responses=ERROR_RESPONSES)
+@router.get("/health", responses=ERROR_RESPONSES)
 async def health(svc: EncoderService = Depends(service)) -> JSONResponse:
     """Ready when this replica's sessions (every model's) passed their last health check: 200, else 503."""
     svc.check_ready()
@@ -22,7 +25,7 @@ async def health(svc: EncoderService = Depends(service)) -> JSONResponse:
                          "provider": default.runtime.provider})
 
 
-@app.get("/info")
+@router.get("/info")
 async def info_route(svc: EncoderService = Depends(service)) -> JSONResponse:
     """Every served model (dims, pooling, where it runs, its bundle and parity report), how requests
     are batched and limited, where the metrics are, and what the replica that answered has done.
@@ -63,9 +66,9 @@ def replica_info(svc: EncoderService) -> dict:
         **svc.describe(svc.engines.default),  # the default model's, at the top as before several were served
         "batching": svc.batching.model_dump(),
         "load": {
-            "requests_in_flight": MetricsMiddleware.in_flight,
-            "inference_requests": InFlightMiddleware.pending,
-            "inference_requests_admitted": InFlightMiddleware.admitted,
+            "requests_in_flight": Gate.in_flight,
+            "inference_requests": Gate.pending,
+            "inference_requests_admitted": Gate.admitted,
             "batches_running": sum(m.runner.running for m in svc.engines),
             "requests_queued": sum(m.batcher.queued for m in svc.engines),
         },

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 import orjson
-from fastapi import Request
 from fastapi.responses import Response
 
+from service.front.call import Call
 from service.observability import tracing
 
 JSON_FLOAT_BYTES = 16  # a float32 in JSON, with its separator, at most
@@ -93,6 +93,6 @@ class KindCounter:
         self.bytes[kind] = self.bytes.get(kind, 0) + len(raw)
         return orjson.Fragment(raw)
 
-    def report(self, request: Request) -> None:
-        """Hand the sizes to the metrics middleware; it adds the envelope as kind 'other'."""
-        request.scope["response_kinds"] = self.bytes
+    def report(self, call: Call) -> None:
+        """Note the sizes on the call (service/front/finish.py adds the envelope as kind 'other')."""
+        call.response_kinds = self.bytes

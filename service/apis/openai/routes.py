@@ -1,6 +1,6 @@
 """OpenAI's embeddings API, POST /v1/embeddings: works with the official `openai` client.
 
-No `from __future__ import annotations` (see http/routes/native.py).
+No `from __future__ import annotations` (see service/apis/native/encode.py).
 """
 
 from datetime import datetime
@@ -9,19 +9,22 @@ from fastapi import Depends, Request
 
 from service.engine.runner import EncodeJob, mean_of_chunks
 from service.engine.encoder_service import EncoderService
-from service.http.app import ERROR_RESPONSES, SERVER_NAME, app
 from service.engine.prompts import check_dimensions, describe, shortened
-from service.http.context import infer, model_for, prompted, service
-from service.http.responses import JSONResponse, KindCounter, encode_array
-from service.http.schemas import OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
+from service.front.deps import api_router, call_of, infer, model_for, service
+from service.front.identity import SERVER_NAME
+from service.front.responses import JSONResponse, KindCounter, encode_array
+from service.front.schemas import ERROR_RESPONSES
+from service.apis.openai.schemas import OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
+
+router = api_router()
 
 
-@app.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=ERROR_RESPONSES)
 async def embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """OpenAI's embeddings API: works with the official `openai` client."""
     engine = model_for(svc, body.model, request, required=True)
     check_dimensions(engine.model, engine.name, body.dimensions)
-    texts, skip = prompted(svc, engine, svc.texts(body.input), body.prompt_name, body.input_type,
+    texts, skip = svc.prompted(engine, svc.texts(body.input), body.prompt_name, body.input_type,
                            chunked=body.chunking is not None)
     if body.chunking is not None:  # each text the normalised mean of its chunks' embeddings
         chunks = await svc.tokenize_chunks(engine, texts, body.chunking.tokens, body.chunking.overlap, "/v1/embeddings")
@@ -44,14 +47,14 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: Encode
         }
         for i, v in enumerate(vectors)
     ]
-    kinds.report(request)
+    kinds.report(call_of(request))
     tokens = sum(t.n_tokens for t in tokenized)
     return JSONResponse(
         {"object": "list", "data": data, "model": engine.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     )
 
 
-@app.get("/v1/models")
+@router.get("/v1/models")
 async def models_list(svc: EncoderService = Depends(service)) -> JSONResponse:
     """The served models, in OpenAI's list format (`client.models.list()` works unchanged)."""
     return JSONResponse({"object": "list", "data": [
@@ -61,7 +64,7 @@ async def models_list(svc: EncoderService = Depends(service)) -> JSONResponse:
     ]})
 
 
-@app.get("/v1/models/{name}", responses=ERROR_RESPONSES)
+@router.get("/v1/models/{name}", responses=ERROR_RESPONSES)
 async def model_retrieve(name: str, svc: EncoderService = Depends(service)) -> JSONResponse:
     """One served model (OpenAI's `client.models.retrieve`)."""
     m = svc.engines.get(name)

@@ -1,39 +1,32 @@
-"""The Open Inference Protocol v2 (KServe / Triton): server and model metadata, health, and
-inference with JSON or binary tensors (the binary tensor data extension `tritonclient` uses).
+"""The Open Inference Protocol v2's semantics, once for both transports: which outputs a task has and a
+request selects, each input's texts read within its declared count, the model's metadata, and one
+inference request through the model's task (`v2_run`). service/apis/kserve_v2/http.py reads requests
+from HTTP bodies (JSON, binary tensors), service/apis/kserve_v2/grpc.py from gRPC messages.
 
-An inference request is read in three steps, the same for every task: the body is split into its
-JSON header and binary tail (`_parse_v2_body`), the outputs to return are chosen with their binary
-flags (`select_outputs`), and each input's texts are read from JSON data or from its own slice of
-the tail (`_v2_texts`). Then `_v2_embed` or `_v2_classify` runs the model, and `_v2_response` writes
-JSON or binary outputs.
-
-No `from __future__ import annotations` (see http/routes/native.py).
+An inference request is read in three steps, the same for every task: the outputs to return are chosen
+with their binary flags (`select_outputs`), each input's texts are read from JSON data or from its own
+slice of the binary tail (`v2_texts`), then `_v2_embed` or `_v2_classify` runs the model.
 """
 
-import asyncio
+from __future__ import annotations
+
 import math
 import struct
-from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
 import numpy as np
-import orjson
-from fastapi import Depends, Request
-from fastapi.responses import Response
-from pydantic import ValidationError
 
-from service.observability import tracing
+from service.apis.kserve_v2.schemas import V2InferRequest, V2Tensor
+from service.engine.encoder_service import EncoderService
 from service.engine.engine import Engine, shown
 from service.engine.errors import InvalidRequest, TooLarge
 from service.engine.runner import EncodeJob, EncodeResult
-from service.engine.encoder_service import EncoderService
+from service.engine.scoring import classification_job, read_logits
 from service.engine.tokenization import TokenizedText
-from service.http.app import ERROR_RESPONSES, SERVER_NAME, SERVER_VERSION, app, describe
-from service.http.context import infer, model_for, prompted, service
-from service.http.responses import JSON_FLOAT_BYTES, OFF_LOOP_BYTES, JSONResponse, KindCounter
-from service.http.schemas import V2InferRequest, V2ModelMetadata, V2Tensor
+from service.front.responses import JSON_FLOAT_BYTES
 
 V2_ROUTE = "/v2/models/{name}/infer"
 V2_INPUT = "text"
@@ -61,20 +54,6 @@ OUTPUTS_BY_TASK = {
 }
 
 
-def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, bytes]:
-    """Split a v2 body into its JSON header and binary tail (binary tensor data extension)."""
-    if header_len is not None:
-        if not header_len.isdigit() or int(header_len) > len(raw):
-            raise InvalidRequest(f"Inference-Header-Content-Length {shown(header_len)} does not fit a {len(raw)}-byte body")
-        json_part, binary = raw[: int(header_len)], raw[int(header_len) :]
-    else:
-        json_part, binary = raw, b""
-    try:
-        return V2InferRequest.model_validate_json(json_part), binary
-    except ValidationError as exc:
-        raise InvalidRequest(describe(list(exc.errors()))) from None
-
-
 def select_outputs(req: V2InferRequest, task: str) -> dict[str, bool]:
     """The outputs to return, in the order asked, each with whether it goes as binary data: the
     output's own `binary_data` when it says, else the request's `binary_data_output`."""
@@ -90,7 +69,7 @@ def select_outputs(req: V2InferRequest, task: str) -> dict[str, bool]:
     return selected
 
 
-def _v2_texts(req: V2InferRequest, binary: bytes, max_inputs: int, names: tuple[str, ...] = (V2_INPUT,),
+def v2_texts(req: V2InferRequest, binary: bytes, max_inputs: int, names: tuple[str, ...] = (V2_INPUT,),
               optional: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """The texts of each BYTES input, by name, from its JSON data or its slice of the binary tail. Each
     input's shape is checked against the limit first, and no more elements are read than it declares
@@ -180,7 +159,7 @@ def _input_texts(tensor: V2Tensor, count: int, part: memoryview | None) -> list[
     return texts
 
 
-def _v2_tensors(result: EncodeResult, tokenized: list[TokenizedText], requested: list[str], T: int) -> dict[str, np.ndarray]:
+def v2_tensors(result: EncodeResult, tokenized: list[TokenizedText], requested: list[str], T: int) -> dict[str, np.ndarray]:
     """Rectangular tensors for the v2 response: token-level outputs zero-padded to the longest input."""
     n = len(tokenized)
     out: dict[str, np.ndarray] = {}
@@ -213,58 +192,7 @@ V2_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
 V2_KINDS = {"sentence_embedding": "embedding", "last_hidden_state": "token_embeddings", "attentions": "attention"}
 
 
-def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[str, bool], request: Request) -> Response:
-    outputs, tail = [], []
-    kinds = KindCounter()
-    for name, array in tensors.items():
-        entry: dict[str, Any] = {"name": name, "datatype": V2_DATATYPES[array.dtype], "shape": list(array.shape)}
-        kind = V2_KINDS.get(name, "other")
-        if binary_out.get(name):
-            data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False)).tobytes()
-            entry["parameters"] = {"binary_data_size": len(data)}
-            kinds.bytes[kind] = kinds.bytes.get(kind, 0) + len(data)
-            tail.append(data)
-        else:
-            entry["data"] = kinds.array(kind, array.reshape(-1), "float", "float32") if array.dtype == np.float32 \
-                else kinds.fragment(kind, array.reshape(-1))
-        outputs.append(entry)
-    kinds.report(request)
-    header = orjson.dumps({**head, "outputs": outputs}, option=orjson.OPT_SERIALIZE_NUMPY)
-    if not tail:
-        return Response(header, media_type="application/json")
-    return Response(
-        header + b"".join(tail),
-        media_type="application/octet-stream",
-        headers={"Inference-Header-Content-Length": str(len(header))},
-    )
-
-
 V2_EXTENSIONS = ["binary_tensor_data"]
-
-
-@app.get("/v2")
-async def v2_server() -> JSONResponse:
-    return JSONResponse({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": V2_EXTENSIONS})
-
-
-@app.get("/v2/health/live")
-async def v2_live() -> JSONResponse:
-    """Liveness: a replica answers. (While none is up, Serve's own /-/healthz tells whether the
-    ingress is alive; see docs/serving.md, "Liveness and readiness".)"""
-    return JSONResponse({"live": True})
-
-
-@app.get("/v2/health/ready", responses=ERROR_RESPONSES)
-async def v2_ready(svc: EncoderService = Depends(service)) -> JSONResponse:
-    """Ready: a replica whose sessions passed their last health check answers."""
-    svc.check_ready()
-    return JSONResponse({"ready": True})
-
-
-@app.get("/v2/models/{name}", response_model=V2ModelMetadata, responses=ERROR_RESPONSES)
-@app.get("/v2/models/{name}/versions/{version}", include_in_schema=False)
-async def v2_metadata(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
-    return JSONResponse(v2_model_metadata(model_for(svc, name, request, task=None)))
 
 
 def v2_model_metadata(engine: Engine) -> dict[str, Any]:
@@ -294,50 +222,13 @@ def v2_model_metadata(engine: Engine) -> dict[str, Any]:
     }
 
 
-@app.get("/v2/models/{name}/ready", responses=ERROR_RESPONSES)
-@app.get("/v2/models/{name}/versions/{version}/ready", include_in_schema=False)
-async def v2_model_ready(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
-    engine = model_for(svc, name, request, task=None)
-    svc.check_ready()
-    return JSONResponse({"name": engine.name, "ready": True})
-
-
-@app.post("/v2/repository/index")
-async def v2_repository_index(svc: EncoderService = Depends(service)) -> JSONResponse:
-    """The model repository extension's index: every served model, all loaded and ready."""
-    return JSONResponse([{"name": m.name, "version": "1", "state": "READY", "reason": ""} for m in svc.engines])
-
-
-@app.post("/v2/models/{name}/infer", responses=ERROR_RESPONSES)
-@app.post("/v2/models/{name}/versions/{version}/infer", include_in_schema=False)
-async def v2_infer(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> Response:
-    """KServe/Triton inference: a BYTES tensor of texts in, the requested tensors out.
-
-    Supports the binary tensor data extension that tritonclient uses by default.
-    """
-    engine = model_for(svc, name, request, task=None)
-    raw, header_len = await request.body(), request.headers.get("inference-header-content-length")
-    # a large body's JSON is parsed in a worker thread: its data may hold millions of elements, and
-    # their count is known only once it is parsed
-    req, binary = (_parse_v2_body(raw, header_len) if len(raw) <= OFF_LOOP_BYTES
-                   else await asyncio.to_thread(_parse_v2_body, raw, header_len))
-    outputs = select_outputs(req, engine.model.task)
-    ran = await v2_run(svc, engine, req, binary, outputs, V2Call(V2_ROUTE, lambda job: infer(svc, engine, job, request)))
-
-    def build() -> Response:
-        with tracing.span("serialize"):
-            return _v2_response(v2_head(engine, req), ran.tensors(), outputs, request)
-
-    # a large response is built in a worker thread, not on the event loop other requests wait on
-    return build() if ran.estimate <= OFF_LOOP_BYTES else await asyncio.to_thread(build)
-
-
 @dataclass(frozen=True)
 class V2Call:
-    """What a v2 inference takes from the protocol it came in on (HTTP here, gRPC in
-    service/grpc/inference.py): its route label, and how a job runs (deadline, client gone)."""
+    """What a v2 inference takes from the transport it came in on (http.py, grpc.py): its route and
+    protocol (the metrics' labels), and how a job runs (the call's deadline, a client that leaves)."""
 
     route: str
+    protocol: str
     infer: Callable[[EncodeJob], Awaitable[EncodeResult]]
 
 
@@ -366,9 +257,9 @@ async def _v2_embed(svc: EncoderService, engine: Engine, req: V2InferRequest, bi
     """An embedding model on v2: `text` in; the sentence embedding, token states, mask and attentions
     out, as `outputs` selects them, after the response's size is checked."""
     pooled_only = not ({"last_hidden_state", "attentions"} & set(outputs))
-    texts, skip = prompted(svc, engine, svc.texts(_v2_texts(req, binary, svc.settings.max_inputs)[V2_INPUT]), req.parameters.prompt_name,
-                           req.parameters.input_type, pooled_only)
-    tokenized = await svc.tokenize(engine, texts, req.parameters.truncate, call.route)
+    texts, skip = svc.prompted(engine, svc.texts(v2_texts(req, binary, svc.settings.max_inputs)[V2_INPUT]),
+                               req.parameters.prompt_name, req.parameters.input_type, pooled_only)
+    tokenized = await svc.tokenize(engine, texts, req.parameters.truncate, call.route, protocol=call.protocol)
     n, T = len(tokenized), max(t.n_tokens for t in tokenized)
     d, L, H = engine.model.hidden_size, engine.model.num_layers, engine.model.num_heads
     if "attentions" in outputs:
@@ -378,6 +269,7 @@ async def _v2_embed(svc: EncoderService, engine: Engine, req: V2InferRequest, bi
     svc.check_response_size(estimate)
     job = EncodeJob(
         route=call.route,
+        protocol=call.protocol,
         ids=[t.ids for t in tokenized],
         normalize=engine.model.normalize,
         want_hidden="last_hidden_state" in outputs,
@@ -385,27 +277,24 @@ async def _v2_embed(svc: EncoderService, engine: Engine, req: V2InferRequest, bi
         pool_skip=skip,
     )
     result = await call.infer(job)
-    return V2Ran(lambda: _v2_tensors(result, tokenized, list(outputs), T), estimate)
+    return V2Ran(lambda: v2_tensors(result, tokenized, list(outputs), T), estimate)
 
 
 async def _v2_classify(svc: EncoderService, engine: Engine, req: V2InferRequest, binary: bytes,
                        outputs: dict[str, bool], call: V2Call) -> V2Ran:
     """A classification model on v2: `text` (and `text_pair` for query-document pairs, one each) in;
     `logits` and `scores` out, scores read as /v1/classify reads them (the checkpoint's problem_type)."""
-    from service.http.routes.heads import read_logits
-
-    inputs = _v2_texts(req, binary, svc.settings.max_inputs, (V2_INPUT, V2_PAIR_INPUT), optional=(V2_PAIR_INPUT,))
+    inputs = v2_texts(req, binary, svc.settings.max_inputs, (V2_INPUT, V2_PAIR_INPUT), optional=(V2_PAIR_INPUT,))
     texts, truncate = svc.texts(inputs[V2_INPUT]), req.parameters.truncate
     if V2_PAIR_INPUT in inputs:
         pairs = svc.texts(inputs[V2_PAIR_INPUT])
         if len(pairs) != len(texts):
             raise InvalidRequest(f"{V2_PAIR_INPUT!r} has {len(pairs)} elements, {V2_INPUT!r} {len(texts)}: one pair each")
-        tokenized = await svc.tokenize_pairs(engine, list(zip(texts, pairs, strict=True)), truncate, call.route)
-        types = [t.type_ids for t in tokenized]
+        tokenized = await svc.tokenize_pairs(engine, list(zip(texts, pairs, strict=True)), truncate, call.route,
+                                             protocol=call.protocol)
     else:
-        tokenized, types = await svc.tokenize(engine, texts, truncate, call.route), None
-    job = EncodeJob(route=call.route, ids=[t.ids for t in tokenized], normalize=False, type_ids=types)
-    result = await call.infer(job)
+        tokenized = await svc.tokenize(engine, texts, truncate, call.route, protocol=call.protocol)
+    result = await call.infer(classification_job(call.route, tokenized, V2_PAIR_INPUT in inputs, call.protocol))
     logits = np.ascontiguousarray(result.embeddings, dtype=np.float32)
     computed = {"logits": logits,
                 "scores": np.ascontiguousarray(read_logits(logits, engine.model.problem_type), dtype=np.float32)}

@@ -4,7 +4,7 @@ the explorer's script and stylesheet. Everything ships with the service: no CDN,
 The pages call the service's own JSON API (/info, /v1/attention, /v1/similarity; the rerank
 explorer at /explorer/rerank, /v1/rerank). Links are
 written with the request's root path, so the pages work under a Serve route prefix too.
-No `from __future__ import annotations` (see http/routes/native.py).
+No `from __future__ import annotations` (see service/apis/native/encode.py).
 """
 
 import html
@@ -15,10 +15,9 @@ from fastapi.responses import HTMLResponse, Response
 
 from service.engine.errors import NotFound
 from service.engine.encoder_service import EncoderService
-from service.http.app import app
-from service.http.context import service
-from service.http.middleware import BearerAuthMiddleware
-from service.http.responses import JSONResponse
+from service.front.deps import api_router, service
+from service.front.gate import Gate
+from service.front.responses import JSONResponse
 
 EXPLORER_DIR = Path(__file__).resolve().parents[2] / "explorer"  # service/explorer/
 # The only files GET /explorer/assets/{name} serves, with their content types.
@@ -29,6 +28,8 @@ ASSETS = {
 }
 # The page may talk to its own origin only; a script or style from anywhere else is refused by
 # the browser, so a stray CDN link fails loudly in the browser test instead of working online.
+router = api_router()
+
 EXPLORER_CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
     "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
@@ -70,7 +71,7 @@ def landing_page(root: str, model: str) -> str:
 """
 
 
-@app.get("/", include_in_schema=False)
+@router.get("/", include_in_schema=False)
 async def landing(request: Request, svc: EncoderService = Depends(service)) -> Response:
     """A browser gets a page with links to the explorer, the API docs and /info; any other client
     the same links as JSON."""
@@ -88,19 +89,19 @@ async def landing(request: Request, svc: EncoderService = Depends(service)) -> R
     )
 
 
-@app.get("/explorer", include_in_schema=False)
+@router.get("/explorer", include_in_schema=False)
 async def explorer(request: Request, svc: EncoderService = Depends(service)) -> HTMLResponse:
     """The attention explorer; `?text=...&text=...` opens with those texts analysed."""
     page = (
         read_explorer_file("index.html")
         .replace("{{root}}", html.escape(root_path(request), quote=True))
-        .replace("{{auth}}", "required" if BearerAuthMiddleware.token is not None else "off")
+        .replace("{{auth}}", "required" if Gate.token is not None else "off")
         .replace("{{model}}", html.escape(svc.engines.default.name))
     )
     return HTMLResponse(page, headers={"Content-Security-Policy": EXPLORER_CSP, **NO_CACHE})
 
 
-@app.get("/explorer/rerank", include_in_schema=False)
+@router.get("/explorer/rerank", include_in_schema=False)
 async def rerank_explorer(request: Request) -> HTMLResponse:
     """The rerank explorer: a query and documents ranked by a served cross-encoder, each word coloured
     by its attribution; `?query=...&doc=...&doc=...` opens with them ranked."""
@@ -108,7 +109,7 @@ async def rerank_explorer(request: Request) -> HTMLResponse:
     return HTMLResponse(page, headers={"Content-Security-Policy": EXPLORER_CSP, **NO_CACHE})
 
 
-@app.get("/explorer/assets/{name}", include_in_schema=False)
+@router.get("/explorer/assets/{name}", include_in_schema=False)
 async def explorer_asset(name: str) -> Response:
     """The explorer's script and stylesheet; nothing else is served from here."""
     media_type = ASSETS.get(name)

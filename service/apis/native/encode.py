@@ -1,5 +1,5 @@
-"""The native routes: /v1/encode (embeddings, token encodings, tokens, attention weights) and
-/v1/tokenize.
+"""The native API's /v1/encode (embeddings, token encodings, tokens, attention weights; long texts
+chunked on request) and /v1/tokenize.
 
 No `from __future__ import annotations` in route modules: FastAPI must see real annotation
 objects in the route functions' signatures.
@@ -14,10 +14,13 @@ from service.engine.engine import Engine
 from service.engine.runner import EncodeJob, mean_of_chunks
 from service.engine.encoder_service import EncoderService
 from service.engine.tokenization import TokenizedText, char_span, token_list
-from service.http.app import ERROR_RESPONSES, app
-from service.http.context import infer, model_for, normalization, prompted, service
-from service.http.responses import JSONResponse, KindCounter, respond, value_bytes
-from service.http.schemas import EncodeRequest, EncodeResponse, TokenizeRequest, TokenizeResponse
+from service.engine.prompts import normalization
+from service.front.deps import api_router, call_of, infer, model_for, service
+from service.front.responses import JSONResponse, KindCounter, respond, value_bytes
+from service.front.schemas import ERROR_RESPONSES
+from service.apis.native.schemas import EncodeRequest, EncodeResponse, TokenizeRequest, TokenizeResponse
+
+router = api_router()
 
 
 def encode_size(body: EncodeRequest, tokenized: list[TokenizedText], attention, hidden_size: int,
@@ -37,12 +40,12 @@ def encode_size(body: EncodeRequest, tokenized: list[TokenizedText], attention, 
     return size
 
 
-@app.post("/v1/encode", response_model=EncodeResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/encode", response_model=EncodeResponse, responses=ERROR_RESPONSES)
 async def encode(body: EncodeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Embeddings, token encodings, tokens with offsets, attention weights."""
     engine = model_for(svc, body.model, request)
     pooled_only = not (body.token_embeddings or body.attention is not None)
-    texts, skip = prompted(svc, engine, svc.texts(body.inputs), body.prompt_name, body.input_type, pooled_only,
+    texts, skip = svc.prompted(engine, svc.texts(body.inputs), body.prompt_name, body.input_type, pooled_only,
                            chunked=body.chunking is not None)
     if body.chunking is not None:
         return await encode_chunked(body, engine, texts, request, svc)
@@ -57,7 +60,7 @@ async def encode(body: EncodeRequest, request: Request, svc: EncoderService = De
         svc.check_attention_size(engine, tokenized)
     estimate = encode_size(body, tokenized, attention, engine.model.hidden_size, engine.model.sentence_dim)
     svc.check_response_size(estimate)
-    normalize = normalization(body.normalize, engine)
+    normalize = normalization(body.normalize, engine.model)
     job = EncodeJob(
         route="/v1/encode",
         ids=[t.ids for t in tokenized],
@@ -95,11 +98,11 @@ async def encode(body: EncodeRequest, request: Request, svc: EncoderService = De
         return {"model": engine.name, "data": data, "usage": {"tokens": sum(t.n_tokens for t in tokenized)}}
 
     response = await respond(build, estimate)
-    kinds.report(request)
+    kinds.report(call_of(request))
     return response
 
 
-@app.post("/v1/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Tokens, ids and character offsets, exactly as /v1/encode sees them."""
     engine = model_for(svc, body.model, request, task=None)  # every model has a tokenizer
@@ -110,7 +113,7 @@ async def tokenize(body: TokenizeRequest, request: Request, svc: EncoderService 
         {"index": i, "tokens": kinds.fragment("tokens", token_list(t.encoding)), "truncated": t.truncated}
         for i, t in enumerate(tokenized)
     ]
-    kinds.report(request)
+    kinds.report(call_of(request))
     return JSONResponse({"model": engine.name, "data": data})
 
 
@@ -126,7 +129,7 @@ async def encode_chunked(body: EncodeRequest, engine: Engine, texts: list[str], 
     flat = [c for text in chunks for c in text]
     estimate = int((len(flat) + len(texts)) * engine.model.sentence_dim * value_bytes(body.encoding_format, "float32"))
     svc.check_response_size(estimate + 100 * (len(flat) + len(texts)))
-    job = EncodeJob(route="/v1/encode", ids=[c.ids for c in flat], normalize=normalization(body.normalize, engine))
+    job = EncodeJob(route="/v1/encode", ids=[c.ids for c in flat], normalize=normalization(body.normalize, engine.model))
     result = await infer(svc, engine, job, request)
     means = mean_of_chunks(result.embeddings, [len(c) for c in chunks])
     kinds = KindCounter()
@@ -145,5 +148,5 @@ async def encode_chunked(body: EncodeRequest, engine: Engine, texts: list[str], 
         return {"model": engine.name, "data": data, "usage": {"tokens": sum(c.n_tokens for c in flat)}}
 
     response = await respond(build, estimate)
-    kinds.report(request)
+    kinds.report(call_of(request))
     return response

@@ -6,7 +6,7 @@ models through a bundle's `aliases` setting; its input types map onto the model'
 Thin routes over the same engine calls as ours, with the same limits, auth and metrics. Errors carry
 Cohere's body, `{"id", "message"}` (the id is the request's X-Request-Id), with our statuses.
 
-No `from __future__ import annotations` (see http/routes/native.py).
+No `from __future__ import annotations` (see service/apis/native/encode.py).
 """
 
 import base64
@@ -18,15 +18,17 @@ from fastapi import Depends, Request
 
 from service.engine.engine import Engine
 from service.engine.errors import BadRequest, EmptyInput
-from service.engine.prompts import check_dimensions, cohere_prompt_name, shortened
+from service.engine.prompts import check_dimensions, cohere_prompt_name, prompt_chars, shortened
 from service.engine.runner import EncodeJob
 from service.engine.encoder_service import EncoderService
-from service.http.app import ERROR_RESPONSES, app
-from service.http.context import infer, model_for, prompt_chars, prompted, service
-from service.http.request_ids import current_request_id
-from service.http.responses import JSONResponse, KindCounter
-from service.http.routes.heads import best_first, relevance, rerank_pairs, reranker
-from service.http.schemas import CohereEmbedRequest, CohereEmbedResponse, CohereRerankRequest, CohereRerankResponse
+from service.engine.scoring import best_first, relevance, rerank_pairs
+from service.front.deps import api_router, call_of, infer, model_for, reranker, runs, service
+from service.front.request_ids import current_request_id
+from service.front.responses import JSONResponse, KindCounter
+from service.front.schemas import ERROR_RESPONSES
+from service.apis.cohere.schemas import CohereEmbedRequest, CohereEmbedResponse, CohereRerankRequest, CohereRerankResponse
+
+router = api_router()
 
 API_VERSION = {"version": "2"}
 DEFAULT_MAX_TOKENS_PER_DOC = 4096  # Cohere's default for rerank's max_tokens_per_doc
@@ -74,7 +76,7 @@ async def cut(svc: EncoderService, engine: Engine, texts: list[str], tokens: int
     return out
 
 
-@app.post("/v2/embed", response_model=CohereEmbedResponse, responses=ERROR_RESPONSES, tags=["Cohere"])
+@router.post("/v2/embed", response_model=CohereEmbedResponse, responses=ERROR_RESPONSES, tags=["Cohere"])
 async def embed(body: CohereEmbedRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Cohere's embed (v2): the texts' embeddings in each requested type (`embeddings_by_type`)."""
     engine = model_for(svc, body.model, request, required=True)
@@ -92,7 +94,7 @@ async def embed(body: CohereEmbedRequest, request: Request, svc: EncoderService 
     refuse, from_start = body.truncate == "NONE", body.truncate == "START"
     if body.max_tokens is not None:
         raw = await cut(svc, engine, raw, body.max_tokens, from_start, refuse, "max_tokens", "/v2/embed")
-    texts, skip = prompted(svc, engine, raw, prompt_name, None)
+    texts, skip = svc.prompted(engine, raw, prompt_name, None)
     # truncate START cuts the text's start, never the prompt before it
     tokenized = await svc.tokenize(engine, texts, not refuse, "/v2/embed", from_start=from_start,
                                    kept=prompt_chars(texts, raw))
@@ -103,14 +105,14 @@ async def embed(body: CohereEmbedRequest, request: Request, svc: EncoderService 
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     kinds = KindCounter()
     embeddings = by_type(vectors, body.embedding_types, kinds)
-    kinds.report(request)
+    kinds.report(call_of(request))
     tokens = sum(t.n_tokens for t in tokenized)
     return JSONResponse({"id": response_id(), "response_type": "embeddings_by_type", "embeddings": embeddings,
                          "texts": body.texts, "meta": {"api_version": API_VERSION, "billed_units": {"input_tokens": tokens},
                                                        "tokens": {"input_tokens": tokens}}})
 
 
-@app.post("/v2/rerank", response_model=CohereRerankResponse, responses=ERROR_RESPONSES, tags=["Cohere"])
+@router.post("/v2/rerank", response_model=CohereRerankResponse, responses=ERROR_RESPONSES, tags=["Cohere"])
 async def rerank(body: CohereRerankRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Cohere's rerank (v2): the documents' indexes by relevance to the query, most relevant first; the
     score is CrossEncoder.predict's (the logit through the model's saved activation)."""
@@ -120,7 +122,8 @@ async def rerank(body: CohereRerankRequest, request: Request, svc: EncoderServic
     documents = svc.texts(body.documents)
     documents = await cut(svc, engine, documents, body.max_tokens_per_doc or DEFAULT_MAX_TOKENS_PER_DOC, False, False,
                           "max_tokens_per_doc", "/v2/rerank")
-    logits, tokenized, _ = await rerank_pairs(svc, engine, body.query, documents, True, "/v2/rerank", request)
+    logits, tokenized, _ = await rerank_pairs(svc, engine, body.query, documents, True, "/v2/rerank",
+                                              runs(svc, engine, request))
     scores = relevance(engine, False)(logits)
     order = best_first(scores, body.top_n)
     tokens = sum(t.n_tokens for t in tokenized)

@@ -4,12 +4,12 @@ beside it) post here. POST /embed, /embed_all, /rerank, /predict, /tokenize, /de
 root: /embed or /predict by the default model's task; also the `{"inputs", "parameters"}` body of the
 Hugging Face Inference API, which huggingface_hub's text_classification sends).
 
-Thin routes over the same engine calls as ours (tokenize, the batch queue, the heads), with the same
-limits, auth and metrics (the route label is the path). Errors in TEI's body, `{"error", "error_type"}`,
-with its statuses (service/http/errors.py TEI_ERRORS). Where TEI's routes share a path with ours
-(`/info`, `/health`), ours answer.
+Thin routes over the same engine calls as ours (tokenize, the batch queue, service/engine/scoring.py),
+with the same limits, auth and metrics (the route label is the path). Errors in TEI's body,
+`{"error", "error_type"}`, with its statuses (service/apis/tei/__init__.py). Where TEI's routes share a
+path with ours (`/info`, `/health`), ours answer.
 
-No `from __future__ import annotations` (see http/routes/native.py).
+No `from __future__ import annotations` (see service/apis/native/encode.py).
 """
 
 from typing import Any
@@ -20,17 +20,18 @@ from pydantic import BaseModel, ValidationError
 
 from service.engine.engine import Engine
 from service.engine.errors import EmptyInput, InvalidRequest, TooLarge
-from service.engine.prompts import check_dimensions, shortened
+from service.engine.prompts import check_dimensions, normalization, prompt_chars, shortened
 from service.engine.runner import EncodeJob
 from service.engine.encoder_service import EncoderService, as_list
-from service.http.app import app, describe
-from service.http.context import infer, model_for, normalization, prompt_chars, prompted, service
-from service.http.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, respond
-from service.http.routes.heads import (SCORE_ACTIVATIONS, best_first, ranked, read_logits, relevance, rerank_pairs,
-                                      reranker)
-from service.http.schemas import (TEIDecodeRequest, TEIEmbedAllRequest, TEIEmbedRequest, TEIError, TEILabelScore,
-                                  TEIPredictRequest, TEIRerankRequest, TEIRerankResult, TEIToken, TEITokenizeRequest,
-                                  InferenceAPIClassifyRequest)
+from service.engine.scoring import applied, best_first, classification_job, label_scores, ranked, relevance, rerank_pairs
+from service.front.deps import api_router, call_of, infer, model_for, reranker, runs, service
+from service.front.errors import describe
+from service.front.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, respond
+from service.apis.tei.schemas import (TEIDecodeRequest, TEIEmbedAllRequest, TEIEmbedRequest, TEIError, TEILabelScore,
+                                      TEIPredictRequest, TEIRerankRequest, TEIRerankResult, TEIToken, TEITokenizeRequest,
+                                      InferenceAPIClassifyRequest)
+
+router = api_router()
 
 TEI_ERROR_RESPONSES = {code: {"model": TEIError} for code in (400, 401, 413, 422, 424, 429, 503)}
 # One /tokenize token in JSON but its text, `{"id":2054,"text":"","special":false,"start":12345,"stop":12350},`
@@ -56,10 +57,10 @@ async def embeddings(body: TEIEmbedRequest, request: Request, svc: EncoderServic
     engine = model_for(svc, body.model, request)
     raw = texts_of(svc, body.inputs)
     check_dimensions(engine.model, engine.name, body.dimensions)
-    texts, skip = prompted(svc, engine, raw, body.prompt_name, None)
+    texts, skip = svc.prompted(engine, raw, body.prompt_name, None)
     truncate, from_start = truncation(body.truncate, body.truncation_direction)
     tokenized = await svc.tokenize(engine, texts, truncate, route, from_start=from_start, kept=prompt_chars(texts, raw))
-    normalize = normalization(body.normalize, engine)
+    normalize = normalization(body.normalize, engine.model)
     result = await infer(svc, engine, EncodeJob(route=route, ids=[t.ids for t in tokenized], normalize=normalize,
                                                 pool_skip=skip), request)
     vectors = result.embeddings
@@ -67,22 +68,22 @@ async def embeddings(body: TEIEmbedRequest, request: Request, svc: EncoderServic
         vectors = shortened(vectors, body.dimensions, body.normalize)
     kinds = KindCounter()
     content = kinds.array("embedding", np.ascontiguousarray(vectors, dtype=np.float32), "float", "float32")
-    kinds.report(request)
+    kinds.report(call_of(request))
     return JSONResponse(content)
 
 
-@app.post("/embed", response_model=list[list[float]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+@router.post("/embed", response_model=list[list[float]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
 async def embed(body: TEIEmbedRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's /embed: the pooled embedding of every input."""
     return await embeddings(body, request, svc, "/embed")
 
 
-@app.post("/embed_all", response_model=list[list[list[float]]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+@router.post("/embed_all", response_model=list[list[list[float]]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
 async def embed_all(body: TEIEmbedAllRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's /embed_all: every token's encoding (the last hidden state), per input."""
     engine = model_for(svc, body.model, request)
     raw = texts_of(svc, body.inputs)
-    texts, _ = prompted(svc, engine, raw, body.prompt_name, None, pooled_only=False)
+    texts, _ = svc.prompted(engine, raw, body.prompt_name, None, pooled_only=False)
     truncate, from_start = truncation(body.truncate, body.truncation_direction)
     tokenized = await svc.tokenize(engine, texts, truncate, "/embed_all", from_start=from_start,
                                    kept=prompt_chars(texts, raw))
@@ -95,11 +96,11 @@ async def embed_all(body: TEIEmbedAllRequest, request: Request, svc: EncoderServ
     # up to the response limit of floats: built in a worker thread when large, as /v1/encode's
     response = await respond(lambda: [kinds.array("token_embeddings", h, "float", "float32") for h in result.hidden],
                              estimate)
-    kinds.report(request)
+    kinds.report(call_of(request))
     return response
 
 
-@app.post("/rerank", response_model=list[TEIRerankResult], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+@router.post("/rerank", response_model=list[TEIRerankResult], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
 async def rerank(body: TEIRerankRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's /rerank: every text's score for the query, best first: CrossEncoder.predict's (the logit
     through the model's saved activation, a sigmoid unless it saved another), or the logit (raw_scores)."""
@@ -107,8 +108,8 @@ async def rerank(body: TEIRerankRequest, request: Request, svc: EncoderService =
     if not body.texts:
         raise EmptyInput("`texts` cannot be empty")
     truncate, from_start = truncation(body.truncate, body.truncation_direction)
-    logits, _, _ = await rerank_pairs(svc, engine, body.query, body.texts, truncate, "/rerank", request,
-                                      from_start=from_start)
+    logits, _, _ = await rerank_pairs(svc, engine, body.query, body.texts, truncate, "/rerank",
+                                      runs(svc, engine, request), from_start=from_start)
     scores = relevance(engine, body.raw_scores)(logits)
     return JSONResponse([{"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
                          for i in best_first(scores)])
@@ -133,16 +134,6 @@ def predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[tupl
     return [tuple(item) for item in inputs], False
 
 
-def label_scores(engine: Engine, logits: np.ndarray, raw_scores: bool) -> np.ndarray:
-    """Each input's score per label: a cross-encoder's (one label) as CrossEncoder.predict gives it, a
-    classifier's as its problem_type reads the logits (softmax, sigmoid per label, the value); or the logits."""
-    if raw_scores:
-        return logits.astype(np.float64)
-    if logits.shape[1] == 1:
-        return relevance(engine, False)(logits)[:, None]
-    return read_logits(logits, engine.model.problem_type)
-
-
 async def classify(inputs: list[tuple[str, ...]], truncate: bool, from_start: bool, request: Request,
                    svc: EncoderService, route: str, model: str | None = None) -> tuple[Engine, np.ndarray]:
     """The logits of texts and text pairs (one job: a pair's second text gets its token type)."""
@@ -163,26 +154,24 @@ async def classify(inputs: list[tuple[str, ...]], truncate: bool, from_start: bo
                                                         from_start), strict=True):
             tokenized[i] = t
     svc.check_tokens(sum(t.n_tokens for t in tokenized), "send fewer inputs")
-    job = EncodeJob(route=route, ids=[t.ids for t in tokenized], normalize=False,
-                    type_ids=[t.type_ids for t in tokenized] if pairs else None)
-    return engine, (await infer(svc, engine, job, request)).embeddings
+    return engine, (await infer(svc, engine, classification_job(route, tokenized, bool(pairs)), request)).embeddings
 
 
-@app.post("/predict", response_model=list[TEILabelScore] | list[list[TEILabelScore]], responses=TEI_ERROR_RESPONSES,
+@router.post("/predict", response_model=list[TEILabelScore] | list[list[TEILabelScore]], responses=TEI_ERROR_RESPONSES,
           tags=["TEI"])
 async def predict(body: TEIPredictRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's /predict: every label with its score, best first; one input answers one list, a batch a list
     of them."""
     inputs, single = predict_inputs(body.inputs)
     truncate, from_start = truncation(body.truncate, body.truncation_direction)
-    route = request.scope.get("route_template", "/predict")
+    route = call_of(request).route if call_of(request).route != "unmatched" else "/predict"
     engine, logits = await classify(inputs, truncate, from_start, request, svc, route, body.model)
     scores = label_scores(engine, logits, body.raw_scores)
     answers = [ranked(engine.model.labels, row) for row in scores]
     return JSONResponse(answers[0] if single else answers)
 
 
-@app.post("/tokenize", response_model=list[list[TEIToken]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+@router.post("/tokenize", response_model=list[list[TEIToken]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
 async def tokenize(body: TEITokenizeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's /tokenize: each input's tokens (the whole text, never truncated, as TEI), with character
     offsets; within the response limit, its tokens counted before any is listed (a 413 past it), and
@@ -190,7 +179,7 @@ async def tokenize(body: TEITokenizeRequest, request: Request, svc: EncoderServi
     engine = model_for(svc, body.model, request, task=None)
     texts = texts_of(svc, body.inputs)
     if body.prompt_name is not None:
-        texts, _ = prompted(svc, engine, texts, body.prompt_name, None)
+        texts, _ = svc.prompted(engine, texts, body.prompt_name, None)
     limit = svc.settings.max_response_bytes
     text_bytes = sum(len(t) for t in texts)  # each token's `text` is its span of the text: about once over
     encodings = await svc.tokenize_whole(engine, texts, body.add_special_tokens, "/tokenize",
@@ -207,11 +196,11 @@ async def tokenize(body: TEITokenizeRequest, request: Request, svc: EncoderServi
 
     response = await respond(build, estimate)
     svc.check_response_size(len(response.body))  # the estimate is one: the limit holds on what was written
-    kinds.report(request)
+    kinds.report(call_of(request))
     return response
 
 
-@app.post("/decode", response_model=list[str], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+@router.post("/decode", response_model=list[str], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
 async def decode(body: TEIDecodeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's /decode: token ids back to text, one string per list of ids."""
     engine = model_for(svc, body.model, request, task=None)
@@ -233,18 +222,7 @@ def parsed(model: type[BaseModel], body: dict) -> Any:
         raise InvalidRequest(describe(list(exc.errors()))) from None
 
 
-def inference_api_scores(engine: Engine, logits: np.ndarray, function: str | None) -> np.ndarray:
-    """The Inference API's `function_to_apply` over the logits; left out, as /predict reads them."""
-    if function == "softmax":
-        return read_logits(logits, "single_label_classification")
-    if function == "sigmoid":
-        return SCORE_ACTIVATIONS["sigmoid"](logits)
-    if function == "none":
-        return logits.astype(np.float64)
-    return label_scores(engine, logits, False)
-
-
-@app.post("/", responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+@router.post("/", responses=TEI_ERROR_RESPONSES, tags=["TEI"])
 async def root(request: Request, body: dict[str, Any] = Body(examples=[{"inputs": "The cat sat on the mat."}]),
                svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's root route: /embed for an embedding model, /predict for a classifier (the task of the model
@@ -269,5 +247,5 @@ async def root(request: Request, body: dict[str, Any] = Body(examples=[{"inputs"
         raise EmptyInput("`inputs` cannot be empty")
     engine, logits = await classify([(t,) for t in texts], asked.truncate is None or asked.truncate, False, request,
                                     svc, "/", name)
-    scores = inference_api_scores(engine, logits, asked.function_to_apply)
+    scores = applied(engine, logits, asked.function_to_apply)
     return JSONResponse([ranked(engine.model.labels, row, asked.top_k) for row in scores])

@@ -4,7 +4,7 @@ format) and POST /v1/similarity (cosine, with each token's exact share of it).
 The summaries are computed in the replica that ran the model, from the full graph's attention
 probabilities (analysis.py), so only what the client asked for crosses the network.
 
-No `from __future__ import annotations` in route modules (see http/routes/native.py).
+No `from __future__ import annotations` in route modules (see encode.py).
 """
 
 import asyncio
@@ -18,10 +18,12 @@ from service.engine.errors import InvalidRequest, TooLarge
 from service.engine.runner import EncodeJob
 from service.engine.encoder_service import EncoderService
 from service.engine.tokenization import TokenizedText
-from service.http.app import ERROR_RESPONSES, app
-from service.http.context import infer, model_for, service
-from service.http.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, respond, value_bytes
-from service.http.schemas import AttentionRequest, AttentionResponse, SimilarityRequest, SimilarityResponse
+from service.front.deps import api_router, call_of, infer, model_for, service
+from service.front.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, respond, value_bytes
+from service.front.schemas import ERROR_RESPONSES
+from service.apis.native.schemas import AttentionRequest, AttentionResponse, SimilarityRequest, SimilarityResponse
+
+router = api_router()
 
 # Analyses of more values than this run in a worker thread, off the replica's event loop.
 INLINE_ANALYSIS_VALUES = 200_000
@@ -69,7 +71,7 @@ def analyse(body: AttentionRequest, attention: np.ndarray, units: Units) -> dict
     return out
 
 
-@app.post("/v1/attention", response_model=AttentionResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/attention", response_model=AttentionResponse, responses=ERROR_RESPONSES)
 async def attention(body: AttentionRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Attention rollout, per-head entropy and top-k per unit (token or word); weights on request."""
     engine = model_for(svc, body.model, request)
@@ -115,11 +117,11 @@ async def attention(body: AttentionRequest, request: Request, svc: EncoderServic
                 "data": data, "usage": {"tokens": sum(t.n_tokens for t in tokenized)}}
 
     response = await respond(build, estimate)
-    kinds.report(request)
+    kinds.report(call_of(request))
     return response
 
 
-@app.post("/v1/similarity", response_model=SimilarityResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/similarity", response_model=SimilarityResponse, responses=ERROR_RESPONSES)
 async def similarity(body: SimilarityRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Cosine similarity of text pairs; with explain, each token's (or word's) exact share of it."""
     engine = model_for(svc, body.model, request)
@@ -157,7 +159,7 @@ async def similarity(body: SimilarityRequest, request: Request, svc: EncoderServ
                 for unit, group in zip(units.units, units.groups, strict=True)
             ]})
         data.append({"index": p, "score": score, "texts": kinds.fragment("contributions", explained)})
-    kinds.report(request)
+    kinds.report(call_of(request))
     note = None
     if pooling == "cls":
         note = "the model pools with cls: the embedding is the first token's, so each text's whole score is on its first token"

@@ -1,0 +1,133 @@
+"""The Open Inference Protocol v2 over HTTP (KServe / Triton): server and model metadata, health, and
+inference with JSON or binary tensors (the binary tensor data extension `tritonclient` uses). The body
+is split into its JSON header and binary tail here, then read and run by semantics.py, as gRPC's are.
+
+No `from __future__ import annotations` (see service/apis/native/encode.py).
+"""
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import Depends, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from service.apis.kserve_v2.schemas import V2InferRequest, V2ModelMetadata
+from service.apis.kserve_v2.semantics import (V2_DATATYPES, V2_EXTENSIONS, V2_KINDS, V2_ROUTE, V2Call, select_outputs,
+                                              v2_head, v2_model_metadata, v2_run)
+from service.engine.encoder_service import EncoderService
+from service.engine.engine import shown
+from service.engine.errors import InvalidRequest
+from service.front.deps import api_router, call_of, infer, model_for, service
+from service.front.errors import describe
+from service.front.identity import SERVER_NAME, SERVER_VERSION
+from service.front.responses import OFF_LOOP_BYTES, JSONResponse, KindCounter
+from service.front.schemas import ERROR_RESPONSES
+from service.observability import tracing
+
+router = api_router()
+
+
+def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, bytes]:
+    """Split a v2 body into its JSON header and binary tail (binary tensor data extension)."""
+    if header_len is not None:
+        if not header_len.isdigit() or int(header_len) > len(raw):
+            raise InvalidRequest(f"Inference-Header-Content-Length {shown(header_len)} does not fit a {len(raw)}-byte body")
+        json_part, binary = raw[: int(header_len)], raw[int(header_len) :]
+    else:
+        json_part, binary = raw, b""
+    try:
+        return V2InferRequest.model_validate_json(json_part), binary
+    except ValidationError as exc:
+        raise InvalidRequest(describe(list(exc.errors()))) from None
+
+
+def _v2_response(head: dict, tensors: dict[str, np.ndarray], binary_out: dict[str, bool], request: Request) -> Response:
+    outputs, tail = [], []
+    kinds = KindCounter()
+    for name, array in tensors.items():
+        entry: dict[str, Any] = {"name": name, "datatype": V2_DATATYPES[array.dtype], "shape": list(array.shape)}
+        kind = V2_KINDS.get(name, "other")
+        if binary_out.get(name):
+            data = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False)).tobytes()
+            entry["parameters"] = {"binary_data_size": len(data)}
+            kinds.bytes[kind] = kinds.bytes.get(kind, 0) + len(data)
+            tail.append(data)
+        else:
+            entry["data"] = kinds.array(kind, array.reshape(-1), "float", "float32") if array.dtype == np.float32 \
+                else kinds.fragment(kind, array.reshape(-1))
+        outputs.append(entry)
+    kinds.report(call_of(request))
+    header = orjson.dumps({**head, "outputs": outputs}, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not tail:
+        return Response(header, media_type="application/json")
+    return Response(
+        header + b"".join(tail),
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+
+
+@router.get("/v2")
+async def v2_server() -> JSONResponse:
+    return JSONResponse({"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": V2_EXTENSIONS})
+
+
+@router.get("/v2/health/live")
+async def v2_live() -> JSONResponse:
+    """Liveness: a replica answers. (While none is up, Serve's own /-/healthz tells whether the
+    ingress is alive; see docs/serving.md, "Liveness and readiness".)"""
+    return JSONResponse({"live": True})
+
+
+@router.get("/v2/health/ready", responses=ERROR_RESPONSES)
+async def v2_ready(svc: EncoderService = Depends(service)) -> JSONResponse:
+    """Ready: a replica whose sessions passed their last health check answers."""
+    svc.check_ready()
+    return JSONResponse({"ready": True})
+
+
+@router.get("/v2/models/{name}", response_model=V2ModelMetadata, responses=ERROR_RESPONSES)
+@router.get("/v2/models/{name}/versions/{version}", include_in_schema=False)
+async def v2_metadata(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
+    return JSONResponse(v2_model_metadata(model_for(svc, name, request, task=None)))
+
+
+@router.get("/v2/models/{name}/ready", responses=ERROR_RESPONSES)
+@router.get("/v2/models/{name}/versions/{version}/ready", include_in_schema=False)
+async def v2_model_ready(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
+    engine = model_for(svc, name, request, task=None)
+    svc.check_ready()
+    return JSONResponse({"name": engine.name, "ready": True})
+
+
+@router.post("/v2/repository/index")
+async def v2_repository_index(svc: EncoderService = Depends(service)) -> JSONResponse:
+    """The model repository extension's index: every served model, all loaded and ready."""
+    return JSONResponse([{"name": m.name, "version": "1", "state": "READY", "reason": ""} for m in svc.engines])
+
+
+@router.post("/v2/models/{name}/infer", responses=ERROR_RESPONSES)
+@router.post("/v2/models/{name}/versions/{version}/infer", include_in_schema=False)
+async def v2_infer(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> Response:
+    """KServe/Triton inference: a BYTES tensor of texts in, the requested tensors out.
+
+    Supports the binary tensor data extension that tritonclient uses by default.
+    """
+    engine = model_for(svc, name, request, task=None)
+    raw, header_len = await request.body(), request.headers.get("inference-header-content-length")
+    # a large body's JSON is parsed in a worker thread: its data may hold millions of elements, and
+    # their count is known only once it is parsed
+    req, binary = (_parse_v2_body(raw, header_len) if len(raw) <= OFF_LOOP_BYTES
+                   else await asyncio.to_thread(_parse_v2_body, raw, header_len))
+    outputs = select_outputs(req, engine.model.task)
+    ran = await v2_run(svc, engine, req, binary, outputs, V2Call(V2_ROUTE, "http", lambda job: infer(svc, engine, job, request)))
+
+    def build() -> Response:
+        with tracing.span("serialize"):
+            return _v2_response(v2_head(engine, req), ran.tensors(), outputs, request)
+
+    # a large response is built in a worker thread, not on the event loop other requests wait on
+    return build() if ran.estimate <= OFF_LOOP_BYTES else await asyncio.to_thread(build)

@@ -1,0 +1,120 @@
+"""What an API's HTTP route gets, as FastAPI dependencies and helpers: the replica's EncoderService
+(the deployment sets it when the replica starts: `serve_with`), the call record the HTTP transport
+made for the request, and the call's jobs run within its deadline, cancelled when its client leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request
+
+from service.engine.encoder_service import EncoderService
+from service.engine.engine import Engine
+from service.engine.runner import EncodeJob, EncodeResult
+from service.engine.scoring import Run
+from service.front.call import Call
+from service.front.request_ids import new_request_id
+from service.front.responses import JSONResponse
+
+CALL_KEY = "encoder.call"  # where the HTTP transport keeps a request's Call in its ASGI scope
+
+_current: list[EncoderService] = []  # this replica's, once it has started
+
+
+def serve_with(svc: EncoderService) -> None:
+    """The deployment's part: the service every route of this replica uses from now on."""
+    _current[:] = [svc]
+
+
+async def service() -> EncoderService:
+    """The FastAPI dependency of every route that runs a model or describes one. Async: FastAPI runs
+    a plain `def` dependency in a thread pool, a thread hop per request (0.4 ms of the replica's CPU
+    per single text, `make profile`)."""
+    if not _current:
+        raise RuntimeError("no EncoderService: the deployment sets one when the replica starts (serve_with)")
+    return _current[0]
+
+
+async def record_route(request: Request) -> None:
+    """Every route's first dependency: the call's route template (templates, not paths, so label values
+    stay few). Async: FastAPI runs a plain `def` dependency in a thread pool, a thread hop per request."""
+    note_route(request)
+
+
+def note_route(request: Request) -> None:
+    route = request.scope.get("route")
+    if route is not None:
+        call_of(request).route = getattr(route, "path", "unmatched")
+
+
+def api_router() -> APIRouter:
+    """The router an API's module adds its routes to: each route notes its template on the call, and
+    answers with our JSON (orjson) unless it says otherwise."""
+    return APIRouter(dependencies=[Depends(record_route)], default_response_class=JSONResponse)
+
+
+def call_of(request: Request) -> Call:
+    """The request's call record (made by the HTTP transport; a bare one where no transport stands in
+    front, as in a unit test of a route)."""
+    call = request.scope.get(CALL_KEY)
+    if call is None:
+        call = request.scope[CALL_KEY] = Call(new_request_id(), "http", request.method, path=request.url.path)
+    return call
+
+
+def model_for(svc: EncoderService, name: str | None, request: Request, required: bool = False,
+              task: str | None = "embedding") -> Engine:
+    """The model a request names (EncoderService.model_for), noted on its call for the metrics."""
+    return call_of(request).serves(svc.model_for(name, request.url.path, required, task))
+
+
+def reranker(svc: EncoderService, name: str | None, request: Request) -> Engine:
+    """The cross-encoder a rerank request names (engine/scoring.py reranker), noted on its call."""
+    from service.engine.scoring import reranker as find
+
+    return call_of(request).serves(find(svc, name, request.url.path))
+
+
+async def infer(svc: EncoderService, engine: Engine, job: EncodeJob, request: Request) -> EncodeResult:
+    """The job through the engine within the call's deadline. Ray's proxy actor cancels the handler of
+    a client that left; HAProxy closes the connection to the replica only for some of them, so the
+    disconnect is also watched for here."""
+    call = call_of(request)
+    timeout = call.deadline(svc.settings.request_timeout_s)
+    call.count([job])
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        return await svc.infer(engine, job, timeout, gone)
+    finally:
+        gone.cancel()
+
+
+async def infer_all(svc: EncoderService, engine: Engine, jobs: list[EncodeJob], request: Request) -> list[EncodeResult]:
+    """Several jobs of one request at once (EncoderService.infer_all), with one disconnect watcher
+    for all of them: `receive()` hands the one `http.disconnect` message to one caller, so a watcher
+    per job could leave the others computing for a client that left."""
+    call = call_of(request)
+    timeout = call.deadline(svc.settings.request_timeout_s)
+    call.count(jobs)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        return await svc.infer_all(engine, jobs, timeout, gone)
+    finally:
+        gone.cancel()
+
+
+def runs(svc: EncoderService, engine: Engine, request: Request) -> Run:
+    """How engine/scoring.py runs this request's jobs: one alone (infer), several at once (infer_all)."""
+    async def run(jobs: list[EncodeJob]) -> list[EncodeResult]:
+        if len(jobs) == 1:
+            return [await infer(svc, engine, jobs[0], request)]
+        return await infer_all(svc, engine, jobs, request)
+
+    return run
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the request's body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
