@@ -6,7 +6,8 @@ Every tensor must land somewhere and every parameter must be filled: a silently 
 or missing weight produces a model that runs and answers wrong.
 
 Families (config.json's model_type) and how each maps onto export/encoder.py's modules are
-the rows of export/families.py (FAMILIES) and of docs/families.md; this module reads the files.
+the rows of export/families/ (FAMILIES, one module per family) and of docs/families.md; this
+module reads the files.
 
 A `*ForSequenceClassification` checkpoint (config.json's architectures) loads as a SequenceClassifier
 (export/heads.py): the same encoder plus the family's classification head, with its labels and
