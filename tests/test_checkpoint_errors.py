@@ -120,7 +120,7 @@ def _edit_config(directory: Path, **changes) -> None:
                                              ("gemma3", "sliding_window_pattern")])
 @pytest.mark.parametrize("value", [0, -2, 1.5, "3"])
 def test_a_layer_pattern_of_zero_or_not_a_count_is_refused_by_name(family, key, value, tmp_path):
-    """A period of 0 divided by zero in export/families.py (ZeroDivisionError) instead of a refusal."""
+    """A period of 0 divided by zero in export/families/ (ZeroDivisionError) instead of a refusal."""
     from tests.families import make_checkpoint
 
     directory = make_checkpoint(family, tmp_path / family)
