@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from service.engine.encoder_service import EncoderService
 from service.engine.engine import Engine
 from service.engine.runner import EncodeJob, EncodeResult
-from service.engine.scoring import Run
+from service.engine.scoring import Run, reranker as find_reranker
 from service.front.call import Call
 from service.front.request_ids import new_request_id
 from service.front.responses import JSONResponse
@@ -71,9 +71,7 @@ def model_for(svc: EncoderService, name: str | None, request: Request, required:
 
 def reranker(svc: EncoderService, name: str | None, request: Request) -> Engine:
     """The cross-encoder a rerank request names (engine/scoring.py reranker), noted on its call."""
-    from service.engine.scoring import reranker as find
-
-    return call_of(request).serves(find(svc, name, request.url.path))
+    return call_of(request).serves(find_reranker(svc, name, request.url.path))
 
 
 async def infer(svc: EncoderService, engine: Engine, job: EncodeJob, request: Request) -> EncodeResult:

@@ -30,16 +30,12 @@ from service.front.policy import GrpcMethod, GrpcService
 from service.observability import tracing
 
 
-async def _live() -> Any:
-    return messages().ServerLiveResponse(live=True)
-
-
-async def _ready(svc: EncoderService) -> Any:
+def _ready(svc: EncoderService) -> bool:
     try:
         svc.check_ready()
     except ServiceError:
-        return messages().ServerReadyResponse(ready=False)
-    return messages().ServerReadyResponse(ready=True)
+        return False
+    return True
 
 
 def _engine(svc: EncoderService, name: str, call: Call):
@@ -47,16 +43,24 @@ def _engine(svc: EncoderService, name: str, call: Call):
     return call.serves(svc.engines.get(name or None, False))
 
 
-async def _model_ready(svc: EncoderService, request: Any, call: Call) -> Any:
+async def server_live(svc: EncoderService, request: Any, call: Call) -> Any:
+    return messages().ServerLiveResponse(live=True)
+
+
+async def server_ready(svc: EncoderService, request: Any, call: Call) -> Any:
+    return messages().ServerReadyResponse(ready=_ready(svc))
+
+
+async def model_ready(svc: EncoderService, request: Any, call: Call) -> Any:
     _engine(svc, request.name, call)
-    return await _ready(svc)
+    return messages().ModelReadyResponse(ready=_ready(svc))
 
 
-async def _server_metadata() -> Any:
+async def server_metadata(svc: EncoderService, request: Any, call: Call) -> Any:
     return messages().ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=V2_EXTENSIONS)
 
 
-async def _model_metadata(svc: EncoderService, request: Any, call: Call) -> Any:
+async def model_metadata(svc: EncoderService, request: Any, call: Call) -> Any:
     described = v2_model_metadata(_engine(svc, request.name, call))
     m = messages()
     tensors = m.ModelMetadataResponse.TensorMetadata
@@ -67,7 +71,7 @@ async def _model_metadata(svc: EncoderService, request: Any, call: Call) -> Any:
     )
 
 
-async def _infer(svc: EncoderService, request: Any, call: Call) -> Any:
+async def model_infer(svc: EncoderService, request: Any, call: Call) -> Any:
     engine = _engine(svc, request.model_name, call)
     req, binary = v2_request(request, svc.settings.max_inputs)
     outputs = select_outputs(req, engine.model.task)
@@ -146,20 +150,8 @@ def _response(head: dict[str, str], tensors: dict[str, np.ndarray], call: Call) 
 
 
 
-async def server_live(svc: EncoderService, request: Any, call: Call) -> Any:
-    return await _live()
-
-
-async def server_ready(svc: EncoderService, request: Any, call: Call) -> Any:
-    return await _ready(svc)
-
-
-async def server_metadata(svc: EncoderService, request: Any, call: Call) -> Any:
-    return await _server_metadata()
-
-
-_ANSWERS = {"ServerLive": server_live, "ServerReady": server_ready, "ModelReady": _model_ready,
-            "ServerMetadata": server_metadata, "ModelMetadata": _model_metadata, "ModelInfer": _infer}
+_ANSWERS = {"ServerLive": server_live, "ServerReady": server_ready, "ModelReady": model_ready,
+            "ServerMetadata": server_metadata, "ModelMetadata": model_metadata, "ModelInfer": model_infer}
 
 
 def _service() -> GrpcService:

@@ -164,7 +164,7 @@ async def predict(body: TEIPredictRequest, request: Request, svc: EncoderService
     of them."""
     inputs, single = predict_inputs(body.inputs)
     truncate, from_start = truncation(body.truncate, body.truncation_direction)
-    route = call_of(request).route if call_of(request).route != "unmatched" else "/predict"
+    route = call_of(request).route  # /predict, or / when the root route hands a classifier's body here
     engine, logits = await classify(inputs, truncate, from_start, request, svc, route, body.model)
     scores = label_scores(engine, logits, body.raw_scores)
     answers = [ranked(engine.model.labels, row) for row in scores]
