@@ -126,8 +126,9 @@ class PathPolicies:
         if not by_method:
             return UNROUTED
         policy = by_method.get(method)
-        if policy is None:  # 405: the path's API answers it, in its clients' shape
-            return RoutePolicy(next(iter(by_method.values())).api, False, next(iter(by_method.values())).error_style)
+        if policy is None:  # 405: the path's API answers it, in its clients' shape; nothing runs
+            served = next(iter(by_method.values()))
+            return RoutePolicy(served.api, False, served.error_style)
         return policy
 
     @classmethod
