@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
 from service.config import DEFAULT_INGRESS, INGRESS_ENV
 from service.hosting.processes import free_port, local_cluster_ports  # noqa: F401 - the tests import free_port from here
 from tests.waiting import wait_until  # noqa: F401 - the tests import it from here
+
+# Under pytest-xdist (`make test` runs two workers), each worker takes only its own share of the ports
+# free_port() picks from: the ports it hands out are marked taken in the other workers' share, so two
+# workers never choose the same port in the seconds before its server binds it.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER:
+    _index, _count = int(_WORKER.removeprefix("gw")), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _ports = sys.modules[free_port.__module__]
+    _ports._taken.update(p for p in range(1024, 65536) if p % _count != _index)
 
 # The test cluster runs as `make run` does: HAProxy in front (the default ingress), every Ray
 # process on loopback, and a short drain window for stopping replicas (python -m service sets the
@@ -32,14 +43,62 @@ def checkpoint():
     return load_checkpoint("default")
 
 
+def shared_dir(tmp_path_factory, name: str) -> Path:
+    """A directory every worker of this run sees (pytest-xdist's workers share their base temp's
+    parent), for what is made once per run: `make test`'s two workers export the default model once."""
+    root = tmp_path_factory.getbasetemp()
+    if _WORKER:
+        root = root.parent
+    (root / name).mkdir(exist_ok=True)
+    return root / name
+
+
+def exported_once(out: Path, export) -> Path:
+    """`export(out)` unless an earlier worker published `out` (build_bundle renames a whole bundle
+    into place, so one with bundle.json is complete); one worker at a time, under a lock."""
+    with FileLock(str(out) + ".lock"):
+        if not (out / "bundle.json").exists():
+            export(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def default_bundle(tmp_path_factory) -> Path:
-    """The default model exported once, by the same pipeline `make run` uses."""
+    """The default model exported once per run, by the same pipeline `make run` uses."""
     from export.pipeline import ExportOptions, build_bundle
 
-    out = tmp_path_factory.mktemp("bundles") / "all-MiniLM-L6-v2"
-    build_bundle(ExportOptions("default", out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL), progress=lambda _: None)
-    return out
+    return exported_once(shared_dir(tmp_path_factory, "bundles") / "all-MiniLM-L6-v2", lambda out: build_bundle(
+        ExportOptions("default", out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL), progress=lambda _: None))
+
+
+# The small classifiers several files serve (tests/families.py): name -> (family, labels). The same
+# checkpoint (make_classifier is seeded) exported by the same pipeline under the same name, so one
+# export serves them all.
+CLASSIFIERS = {"ranker": ("bert", 1), "sentiment": ("roberta", 3)}
+
+
+@pytest.fixture(scope="session")
+def exported_classifier(tmp_path_factory):
+    """`exported_classifier(name)` -> (checkpoint dir, bundle dir) of one of CLASSIFIERS, made and
+    exported once per run, when a test first asks (test_drop_in_clients, test_examples,
+    test_heads_service and test_v2_parameters each exported the ranker of their own)."""
+    from export.pipeline import ExportOptions, build_bundle
+    from tests.families import make_classifier
+
+    root = shared_dir(tmp_path_factory, "classifiers")
+
+    def exported(name: str) -> tuple[Path, Path]:
+        family, labels = CLASSIFIERS[name]
+        checkpoint = root / f"{name}-ckpt"
+
+        def export(out: Path) -> None:
+            make_classifier(family, checkpoint, labels)
+            build_bundle(ExportOptions(str(checkpoint), out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name=name),
+                         progress=lambda _: None)
+
+        return checkpoint, exported_once(root / name, export)
+
+    return exported
 
 
 @dataclass(frozen=True)
@@ -60,9 +119,12 @@ def ray_serve(default_bundle):
     port, metrics_port, grpc_port = free_port(), free_port(), free_port()
     # 8 logical CPUs: scheduling slots only, so that the extra apps (tight limits, two replicas)
     # fit beside the main one on a 2-core machine. Metrics are flushed every second (10 s by
-    # default) so tests that read them wait less.
+    # default) so tests that read them wait less. The replicas' output is not forwarded to this
+    # process (log_to_driver): their access log, a JSON line per request, flooded the test output
+    # between the progress dots; it stays in each worker's log file, where the tests that assert on
+    # it read it (tests/access_log.py).
     ray.init(
-        address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
+        address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
         _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000},
     )
     try:

@@ -19,9 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
-from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
 from tests.conftest import deploy
-from tests.families import classifier_labels, make_classifier
+from tests.families import classifier_labels
 
 os.environ.setdefault("HAYSTACK_TELEMETRY_ENABLED", "False")  # no phoning home from a test
 
@@ -33,21 +32,16 @@ LONG = " ".join(f"word{i} is here" for i in range(300))  # past the model's 256 
 
 
 @pytest.fixture(scope="module")
-def dropin(ray_serve, default_bundle, tmp_path_factory):
-    """(base URL of /dropin, of /dropin-classify, the classifiers' checkpoints)."""
-    from export.pipeline import ExportOptions, build_bundle
-
-    root = tmp_path_factory.mktemp("dropin")
-    checkpoints = {"ranker": make_classifier("bert", root / "ranker-ckpt", 1), "sentiment":
-                   make_classifier("roberta", root / "sentiment-ckpt", 3)}
-    for name, checkpoint in checkpoints.items():
-        build_bundle(ExportOptions(str(checkpoint), root / name, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name=name),
-                     progress=lambda _: None)
+def dropin(ray_serve, default_bundle, exported_classifier):
+    """(base URL of /dropin, of /dropin-classify, the classifiers' checkpoints): a BERT ranker and a
+    three-label RoBERTa classifier (the session's exports, tests/conftest.py)."""
+    (ranker, ranker_bundle), (sentiment, sentiment_bundle) = map(exported_classifier, ("ranker", "sentiment"))
+    checkpoints = {"ranker": ranker, "sentiment": sentiment}
     deploy({"bundles": [{"path": str(default_bundle), "aliases": ["embed-english-v3.0"]},
-                        {"path": str(root / "ranker"), "name": "ranker", "aliases": ["rerank-v3.5"]},
-                        {"path": str(root / "sentiment"), "name": "sentiment"}], "num_cpus": 0.5, "precision": "fp32"},
+                        {"path": str(ranker_bundle), "name": "ranker", "aliases": ["rerank-v3.5"]},
+                        {"path": str(sentiment_bundle), "name": "sentiment"}], "num_cpus": 0.5, "precision": "fp32"},
            "dropin", "/dropin", default_bundle)
-    deploy({"bundles": [{"path": str(root / "sentiment"), "name": "sentiment"}], "num_cpus": 0.5, "precision": "fp32"},
+    deploy({"bundles": [{"path": str(sentiment_bundle), "name": "sentiment"}], "num_cpus": 0.5, "precision": "fp32"},
            "dropin-classify", "/dropin-classify", default_bundle)
     try:
         yield f"{ray_serve.url}/dropin", f"{ray_serve.url}/dropin-classify", checkpoints

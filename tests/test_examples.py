@@ -18,9 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
 from tests.conftest import deploy
-from tests.families import make_classifier
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "examples-token"
@@ -38,16 +36,12 @@ def run_example(script: str, *args: str, token: str | None = None, timeout: floa
 
 
 @pytest.fixture(scope="module")
-def secured_with_ranker(ray_serve, default_bundle, tmp_path_factory):
-    from export.pipeline import ExportOptions, build_bundle
-
-    root = tmp_path_factory.mktemp("examples")
-    checkpoint = make_classifier("bert", root / "ranker-ckpt", 1)
-    build_bundle(ExportOptions(str(checkpoint), root / "ranker", DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name="ranker"),
-                 progress=lambda _: None)
-    token_file = root / "token"
+def secured_with_ranker(ray_serve, default_bundle, exported_classifier, tmp_path_factory):
+    """The default model and a BERT ranker (the session's export, tests/conftest.py) behind a token."""
+    checkpoint, ranker = exported_classifier("ranker")
+    token_file = tmp_path_factory.mktemp("examples") / "token"
     token_file.write_text(TOKEN + "\n")
-    deploy({"bundles": [{"path": str(default_bundle)}, {"path": str(root / "ranker"), "name": "ranker"}],
+    deploy({"bundles": [{"path": str(default_bundle)}, {"path": str(ranker), "name": "ranker"}],
             "auth_token_file": str(token_file), "num_cpus": 0.5, "max_ongoing_requests": 2,
             "max_queued_requests": 1, "retry_after_s": 1}, "examples", PREFIX, default_bundle)
     try:

@@ -34,20 +34,21 @@ def make_msmarco_like(out):
 
 
 @pytest.fixture(scope="module")
-def heads(ray_serve, default_bundle, tmp_path_factory):
-    """The app: the default embedding model first, then a BERT cross-encoder, a RoBERTa classifier and
-    an MS MARCO-like cross-encoder (512 tokens, Identity as its saved activation)."""
+def heads(ray_serve, default_bundle, exported_classifier, tmp_path_factory):
+    """The app: the default embedding model first, then a BERT cross-encoder, a RoBERTa classifier (the
+    session's exports, tests/conftest.py) and an MS MARCO-like cross-encoder (512 tokens, Identity as
+    its saved activation)."""
     from export.pipeline import ExportOptions, build_bundle
 
     root = tmp_path_factory.mktemp("heads")
-    checkpoints = {"ranker": make_classifier("bert", root / "ranker-ckpt", 1),
-                   "sentiment": make_classifier("roberta", root / "sentiment-ckpt", 3),
-                   "msmarco": make_msmarco_like(root / "msmarco-ckpt")}
-    bundles = []
-    for name, checkpoint in checkpoints.items():
-        build_bundle(ExportOptions(str(checkpoint), root / name, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name=name),
-                     progress=lambda _: None)
-        bundles.append({"path": str(root / name), "name": name})
+    checkpoints, bundles = {}, []
+    for name in ("ranker", "sentiment"):
+        checkpoints[name], bundle = exported_classifier(name)
+        bundles.append({"path": str(bundle), "name": name})
+    checkpoints["msmarco"] = make_msmarco_like(root / "msmarco-ckpt")
+    build_bundle(ExportOptions(str(checkpoints["msmarco"]), root / "msmarco", DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL,
+                               name="msmarco"), progress=lambda _: None)
+    bundles.append({"path": str(root / "msmarco"), "name": "msmarco"})
     deploy({"bundles": [{"path": str(default_bundle)}, *bundles], "num_cpus": 0.5}, "heads", PREFIX, default_bundle)
     try:
         with httpx.Client(base_url=ray_serve.url + PREFIX, timeout=60) as client:

@@ -12,9 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
 from tests.conftest import deploy
-from tests.families import make_classifier
 
 INFER = "/v2/models/all-MiniLM-L6-v2/infer"
 TEXTS = ["the first text", "a second, longer text than the first one"]
@@ -33,15 +31,11 @@ def client(service_url):
 
 
 @pytest.fixture(scope="module")
-def ranker(ray_serve, default_bundle, tmp_path_factory):
-    """A one-label BERT cross-encoder (tests/families.py), exported and served alone at PREFIX."""
-    from export.pipeline import ExportOptions, build_bundle
-
-    root = tmp_path_factory.mktemp("v2params")
-    checkpoint = make_classifier("bert", root / "ranker-ckpt", 1)
-    build_bundle(ExportOptions(str(checkpoint), root / "ranker", DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name="ranker"),
-                 progress=lambda _: None)
-    deploy({"bundles": [{"path": str(root / "ranker"), "name": "ranker"}], "num_cpus": 0.5}, "v2params", PREFIX,
+def ranker(ray_serve, default_bundle, exported_classifier):
+    """A one-label BERT cross-encoder (tests/families.py; the session's export, tests/conftest.py),
+    served alone at PREFIX."""
+    _, bundle = exported_classifier("ranker")
+    deploy({"bundles": [{"path": str(bundle), "name": "ranker"}], "num_cpus": 0.5}, "v2params", PREFIX,
            default_bundle)
     try:
         with httpx.Client(base_url=ray_serve.url + PREFIX, timeout=60) as c:
