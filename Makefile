@@ -133,8 +133,13 @@ prometheus:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	else echo "the metrics and alert tests need the Debian package prometheus (prometheus, promtool): apt-get install prometheus" >&2; exit 1; fi
 
+# pytest-xdist workers for make test, each given whole files: much of the suite waits on Ray, services
+# and exports starting, so two share a 2-core machine well; each starts at most one Ray Serve session
+# and they share the exported bundles (tests/conftest.py). TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) browser prometheus
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The CPU image from deploy/Dockerfile with podman or docker, its size and build time, then a smoke test
 # of it (docs/images.md). Where no base image can be pulled, the bases are made from Debian's packages

@@ -32,7 +32,10 @@ for _key, _value in INGRESS_ENV[DEFAULT_INGRESS].items():
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 for _key, _value in local_cluster_ports().items():  # never Ray Serve's fixed ports (a service may run beside)
-    os.environ.setdefault(_key, _value)
+    if _WORKER:  # each worker its own: a worker inherits the ports the xdist controller chose for itself
+        os.environ[_key] = _value
+    else:
+        os.environ.setdefault(_key, _value)
 
 
 @pytest.fixture(scope="session")
