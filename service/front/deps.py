@@ -6,6 +6,8 @@ made for the request, and the call's jobs run within its deadline, cancelled whe
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
@@ -74,32 +76,31 @@ def reranker(svc: EncoderService, name: str | None, request: Request) -> Engine:
     return call_of(request).serves(find_reranker(svc, name, request.url.path))
 
 
-async def infer(svc: EncoderService, engine: Engine, job: EncodeJob, request: Request) -> EncodeResult:
-    """The job through the engine within the call's deadline. Ray's proxy actor cancels the handler of
-    a client that left; HAProxy closes the connection to the replica only for some of them, so the
-    disconnect is also watched for here."""
+async def _within_call(svc: EncoderService, request: Request, jobs: list[EncodeJob],
+                       run: Callable[[float, asyncio.Future], Awaitable[Any]]) -> Any:
+    """`run(timeout, gone)` for the call's jobs: counted on the call, within its deadline, with one
+    watcher of the client's disconnect. Ray's proxy actor cancels the handler of a client that left;
+    HAProxy closes the connection to the replica only for some of them, so it is watched for here."""
     call = call_of(request)
     timeout = call.deadline(svc.settings.request_timeout_s)
-    call.count([job])
+    call.count(jobs)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        return await svc.infer(engine, job, timeout, gone)
+        return await run(timeout, gone)
     finally:
         gone.cancel()
+
+
+async def infer(svc: EncoderService, engine: Engine, job: EncodeJob, request: Request) -> EncodeResult:
+    """The job through the engine within the call's deadline, cancelled when its client leaves."""
+    return await _within_call(svc, request, [job], lambda timeout, gone: svc.infer(engine, job, timeout, gone))
 
 
 async def infer_all(svc: EncoderService, engine: Engine, jobs: list[EncodeJob], request: Request) -> list[EncodeResult]:
     """Several jobs of one request at once (EncoderService.infer_all), with one disconnect watcher
     for all of them: `receive()` hands the one `http.disconnect` message to one caller, so a watcher
     per job could leave the others computing for a client that left."""
-    call = call_of(request)
-    timeout = call.deadline(svc.settings.request_timeout_s)
-    call.count(jobs)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        return await svc.infer_all(engine, jobs, timeout, gone)
-    finally:
-        gone.cancel()
+    return await _within_call(svc, request, jobs, lambda timeout, gone: svc.infer_all(engine, jobs, timeout, gone))
 
 
 def runs(svc: EncoderService, engine: Engine, request: Request) -> Run:

@@ -29,6 +29,11 @@ class RoutePolicy:
     inference: bool
     error_style: ErrorStyle = our_error_body
 
+    def needs_token(self, method: str) -> bool:
+        """Whether a request of this route must carry the token: an inference route's, or a write to a
+        path no route serves."""
+        return self.inference or (self is UNROUTED and method not in ("GET", "HEAD", "OPTIONS"))
+
 
 # A path no route serves: refused by the app (404, 405) in our error body; a write to it needs the token
 # when authentication is on, so that nothing answers a write without one, whatever is added later.
@@ -143,6 +148,5 @@ class PathPolicies:
         return table
 
     def needs_token(self, method: str, path: str) -> bool:
-        """Whether a request must carry the token: an inference route's, or a write no route serves."""
-        policy = self.of(method, path)
-        return policy.inference or (policy is UNROUTED and method not in ("GET", "HEAD", "OPTIONS"))
+        """Whether a request must carry the token (RoutePolicy.needs_token of its route)."""
+        return self.of(method, path).needs_token(method)

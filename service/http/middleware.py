@@ -113,7 +113,7 @@ class CallMiddleware:
         unreadable = next((v for k, v in headers if k == _UNREADABLE_NAME), None)
         if unreadable is not None:
             return refusal_of_unreadable(unreadable.decode("latin-1"), call), False
-        if Gate.token is not None and path_policies().needs_token(call.method, call.path):
+        if Gate.token is not None and call.policy.needs_token(call.method):
             refusal = Gate.refusal(next((v for k, v in headers if k == _AUTHORIZATION), None))
             if refusal is not None:
                 return refusal_of_token(refusal, call), False
