@@ -30,9 +30,19 @@ from bundle.contract import (
 # 4: the packed graph (several texts in one row, no padding)
 # 5: a classifier's score activation (CrossEncoder.predict's); schema 3 and 4 embedding bundles are still read,
 #    a classifier of schema 3 or 4 must be exported again (its rerank scores assumed a sigmoid)
-SCHEMA_VERSION = 6
-# sentence-transformers 6's pooling modes (its Pooling module), one per model
-Pooling = Literal["mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
+# 7: a model's sparse and multi-vector representations (ModelInfo.sparse, .multivector) and their gates
+SCHEMA_VERSION = 7
+# sentence-transformers 6's pooling modes (its Pooling module), one per model; splade_max and splade_sum are
+# SparseEncoder's SpladePooling (the masked-LM head's logits per token, log(1 + relu), max or sum over real
+# tokens): the graph's pooled output is then one weight per vocabulary entry
+Pooling = Literal["mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", "splade_max",
+                  "splade_sum"]
+SPLADE_POOLINGS = ("splade_max", "splade_sum")
+# what a model can return for a text: one pooled vector, one weight per vocabulary entry, one vector per token
+Representation = Literal["dense", "sparse", "multivector"]
+REPRESENTATIONS: tuple[str, ...] = ("dense", "sparse", "multivector")
+# the arrays of the token-level heads the service applies to last_hidden_state (numpy, bundle/representations.py)
+HEADS_FILE = "representations.npz"
 Precision = Literal["fp32", "int8", "fp16", "bf16"]
 RuntimeName = Literal["onnxruntime", "openvino"]
 Task = Literal["embedding", "classification"]
@@ -98,6 +108,18 @@ def parity_lines(report: ParityReport) -> list[str]:
     return lines
 
 
+class RepresentationGate(_Strict):
+    """One lossy gate of a sparse or multi-vector output against fp32 PyTorch: a sparse vector's cosine and
+    the overlap of its top terms; a multi-vector's MaxSim scores (their relative error and the order they
+    give each query's documents)."""
+
+    representation: Representation
+    metric: str = Field(description="what was measured, in words")
+    value: float
+    required: float
+    passed: bool
+
+
 class QualityGate(_Strict):
     """The gate of a lossy variant: embeddings close to fp32 PyTorch, and retrieval unchanged.
 
@@ -120,6 +142,8 @@ class QualityGate(_Strict):
     reference_hits: int = Field(ge=0, description="queries the reference ranks the labelled document first")
     candidate_hits: int = Field(ge=0, description="queries the candidate ranks the labelled document first")
     problems: list[str] = Field(default_factory=list)
+    representations: list[RepresentationGate] = Field(
+        default_factory=list, description="the gates of the sparse and multi-vector outputs of this variant")
 
 
 def quality_line(precision: str, gate: QualityGate) -> str:
@@ -129,6 +153,8 @@ def quality_line(precision: str, gate: QualityGate) -> str:
         f"min {gate.min_cosine:.5f} (>= {gate.min_cosine_floor:g}) over {gate.texts} texts; retrieval top-1 agreement "
         f"{gate.top1_agreement}/{gate.queries}, labelled hits {gate.candidate_hits} vs {gate.reference_hits}: "
         f"{'PASS' if gate.passed else 'FAIL'}" + "".join(f"; {p}" for p in gate.problems)
+        + "".join(f"; {g.representation} {g.metric} {g.value:.5f} (required {g.required:g}): "
+                  f"{'PASS' if g.passed else 'FAIL'}" for g in gate.representations)
     )
 
 
@@ -179,6 +205,49 @@ class PackedInfo(_Strict):
         return self.parity.passed
 
 
+class SparseInfo(_Strict):
+    """How a model gives one weight per vocabulary entry.
+
+    - splade: the graph's pooled output (sentence_embedding, vocab_size wide) is the vector; zeros are
+      left out by the service.
+    - bge-m3: relu(last_hidden_state @ sparse.weight.T + sparse.bias) per token (HEADS_FILE), the largest
+      weight per token id, the ids of `skip_ids` (its special tokens) left out (FlagEmbedding's BGEM3).
+    """
+
+    kind: Literal["splade", "bge-m3"]
+    skip_ids: list[int] = Field(default_factory=list, description="token ids never given a weight (bge-m3)")
+
+
+class MultiVectorInfo(_Strict):
+    """How a model gives one vector per token (late interaction, scored by MaxSim).
+
+    Each kept token's vector is last_hidden_state @ multivector.weight.T (+ multivector.bias, where
+    HEADS_FILE has one), L2-normalised when `normalize`.
+
+    - bge-m3: every token but the first `skip_leading` (its CLS), padding left out (FlagEmbedding's BGEM3).
+    - colbert (PyLate's ColBERT.tokenize and encode): a text is cut to `query_length` - 1 tokens (a query)
+      or `document_length` - 1 (a document), special tokens included; the marker's id is put after the
+      first token; a query with `do_query_expansion` is padded with `expansion_token_id` to
+      `query_length`, those tokens attended to only when `attend_to_expansion_tokens` (their vectors are
+      kept either way); a document's tokens whose id is in `skip_ids` (its punctuation) are left out.
+    """
+
+    kind: Literal["colbert", "bge-m3"]
+    dim: int = Field(gt=0, description="width of one token's vector")
+    normalize: bool = True
+    skip_leading: int = Field(0, ge=0, description="leading tokens never returned (bge-m3: its CLS)")
+    query_prefix_id: int | None = Field(None, ge=0, description="ColBERT's query marker token ([Q] ), put second")
+    document_prefix_id: int | None = Field(None, ge=0, description="ColBERT's document marker token ([D] ), put second")
+    query_length: int | None = Field(None, gt=1, description="a query's length in tokens, marker included")
+    document_length: int | None = Field(None, gt=1, description="a document's longest length, marker included")
+    do_query_expansion: bool = Field(False, description="queries padded to query_length with expansion tokens")
+    expansion_token_id: int | None = Field(None, ge=0, description="what a query is padded with ([MASK])")
+    attend_to_expansion_tokens: bool = Field(False, description="false: expansion tokens are not attended to "
+                                             "(their attention mask is 0); their vectors are returned either way")
+    skip_ids: list[int] = Field(default_factory=list, description="a document's token ids left out (PyLate's "
+                                "skiplist: punctuation)")
+
+
 class ModelInfo(_Strict):
     name: str = Field(min_length=1, description="served model name (OpenAI `model`, v2 `{name}`)")
     architecture: str
@@ -221,6 +290,38 @@ class ModelInfo(_Strict):
     matryoshka: bool = Field(False, description="trained to be cut: `dimensions` may shorten the embedding")
     matryoshka_dimensions: list[int] | None = Field(
         None, description="the sizes it may be cut to, largest first; null: any size (when matryoshka)")
+    dense: bool = Field(True, description="the pooled output is a dense embedding clients may ask for (false for a "
+                        "SPLADE model, whose pooled output is its sparse vector, and for a ColBERT, whose graph "
+                        "pools nothing it was trained for)")
+    sparse: SparseInfo | None = Field(None, description="the sparse representation, where the model has one")
+    multivector: MultiVectorInfo | None = Field(None, description="the multi-vector representation, where the model "
+                                                "has one")
+
+    @property
+    def representations(self) -> list[str]:
+        """What the model gives: dense, sparse, multivector, in that order."""
+        return [name for name, has in (("dense", self.dense and self.task == "embedding"),
+                                       ("sparse", self.sparse is not None),
+                                       ("multivector", self.multivector is not None)) if has]
+
+    @property
+    def needs_heads(self) -> bool:
+        """Whether the service applies token-level heads from HEADS_FILE (bge-m3's sparse, any multi-vector)."""
+        return self.multivector is not None or (self.sparse is not None and self.sparse.kind == "bge-m3")
+
+    @model_validator(mode="after")
+    def _representations(self) -> ModelInfo:
+        """A SPLADE sparse output is the pooled vocabulary vector; representations belong to embedding models."""
+        splade = self.pooling in SPLADE_POOLINGS
+        if splade != (self.sparse is not None and self.sparse.kind == "splade"):
+            raise ValueError(f"pooling {self.pooling!r} with sparse {self.sparse!r}: SPLADE pooling and a splade sparse "
+                             "output go together")
+        if splade and (self.dense or self.sentence_dim != self.vocab_size):
+            raise ValueError("a SPLADE model's pooled output is its sparse vector: dense false, and one weight per "
+                             f"vocabulary entry ({self.vocab_size}), not {self.sentence_dim}")
+        if (self.sparse or self.multivector) and self.task != "embedding":
+            raise ValueError("sparse and multi-vector representations belong to embedding models, not classifiers")
+        return self
 
     @model_validator(mode="after")
     def _sentence_conventions(self) -> ModelInfo:
@@ -261,7 +362,7 @@ class GraphInfo(_Strict):
 
 
 class BundleManifest(_Strict):
-    schema_version: Literal[3, 4, 5, 6] = SCHEMA_VERSION
+    schema_version: Literal[3, 4, 5, 6, 7] = SCHEMA_VERSION
     model: ModelInfo
     graph: GraphInfo = Field(description="the full graph: every output, attention weights included")
     tokenizer: str
@@ -503,6 +604,9 @@ def load_bundle(root: str | Path) -> Bundle:
         raise BundleError(f"{manifest_path}: the fp32 encodings graph has no strict parity report")
     if task == "classification":
         _check_classifier(manifest, manifest_path)
+    if manifest.model.needs_heads and HEADS_FILE not in manifest.files:
+        raise BundleError(f"{manifest_path}: the model's token-level heads (sparse {manifest.model.sparse}, multivector "
+                          f"{manifest.model.multivector}) need {HEADS_FILE}, which 'files' does not list")
     if (packed := manifest.packed) is not None:
         if tuple(packed.inputs) != PACKED_INPUT_NAMES or tuple(packed.outputs) != packed_output_names(task):
             raise BundleError(f"{manifest_path}: packed graph I/O {packed.inputs} -> {packed.outputs} is not the contract "
