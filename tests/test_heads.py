@@ -334,7 +334,7 @@ def classifier_bundle(classifiers, tmp_path_factory) -> Path:
     (lambda m: m["model"].update(task="embedding"), "a classifier has all three, an embedding model none"),
     (lambda m: m["model"].update(score_activation="softplus"), "score_activation"),
     (lambda m: m.update(schema_version=4) or m["model"].pop("score_activation"),
-     "manifest schema 4, this service reads 6; export the bundle again"),
+     "manifest schema 4, this service reads 7; export the bundle again"),
     (lambda m: m["graph"].update(outputs=["last_hidden_state", "sentence_embedding", "attentions"]),
      "is not the contract .* of a classification model"),
     (lambda m: m["variants"].update(int8=m["variants"]["fp32"] | {"precision": "int8"}),

@@ -11,11 +11,15 @@ import asyncio
 import logging
 import time
 
+import numpy as np
+
 from bundle.contract import PACKED_POOLINGS
+from bundle.representations import colbert_cut, colbert_ids
 from service.config import BatchingSettings, ServiceSettings
 from service.engine.engine import Engine, EngineTable
 from service.engine.prompts import prompt_for
-from service.engine.errors import BackendError, ClientGone, InvalidRequest, NotReady, ServiceError, Timeout, TooLarge
+from service.engine.errors import (BackendError, BadRequest, ClientGone, InvalidRequest, NotReady, ServiceError,
+                                   Timeout, TooLarge)
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.tokenization import TokenizedText
 from service.observability import tracing
@@ -31,7 +35,8 @@ INLINE_TOKENIZE_CHARS = 2048
 
 # What each kind of model serves, for the 422 of a route that does not fit a model's task.
 ROUTES_BY_TASK = {
-    "embedding": "/v1/embeddings, /v1/encode, /v1/similarity, /v1/attention, /v2/models/{name}/infer, /v1/tokenize",
+    "embedding": "/v1/embeddings, /v1/encode, /v1/similarity, /v1/attention, /v2/models/{name}/infer, /v1/tokenize; "
+                 "/v1/rerank on a late-interaction model (ColBERT, BGE-M3)",
     "classification": "/v1/classify, /v1/rerank (one label: a cross-encoder), /v2/models/{name}/infer (text, "
                       "text_pair -> logits, scores), /v1/tokenize",
 }
@@ -116,6 +121,35 @@ class EncoderService:
                                      "rows only" + ("" if packs else ": packing is off on this replica"))
         return prompt.apply(texts), prompt.pool_skip
 
+
+    @staticmethod
+    def check_representations(engine: Engine, asked: list[str]) -> None:
+        """A representation the model does not give is a 400 that says which it gives."""
+        has = engine.model.representations
+        if missing := [r for r in asked if r not in has]:
+            raise BadRequest(f"model {engine.name!r} gives {', '.join(has) or 'no representation'}, not "
+                             f"{', '.join(missing)} (the bundle's manifest says which: GET /info)")
+
+    async def tokenize_for_model(self, engine: Engine, texts: list[str], truncate: bool, route: str, is_query: bool,
+                                 protocol: str = "http", from_start: bool = False,
+                                 kept: int = 0) -> tuple[list[TokenizedText], list[np.ndarray], list[int] | None]:
+        """The texts' tokens and the ids they run with: the tokenizer's, or a ColBERT's (PyLate's tokenize:
+        cut to its query or document length, its marker put second, a query padded with expansion tokens),
+        with how many leading tokens of each are attended to (None: all)."""
+        multivector = engine.model.multivector
+        if multivector is None or multivector.kind != "colbert":
+            tokenized = await self.tokenize(engine, texts, truncate, route, from_start=from_start, kept=kept,
+                                            protocol=protocol)
+            return tokenized, [t.ids for t in tokenized], None
+        limit = colbert_cut(multivector, is_query) or engine.model.max_tokens
+        what = "query" if is_query else "document"
+        inline = sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS
+        tokenized = await self._tokenizing(engine, route, protocol, inline, engine.tokenizer.encode_within, texts, limit,
+                                           truncate, what)
+        made = [colbert_ids(t.ids, multivector, is_query) for t in tokenized]
+        ids, attended = [m[0] for m in made], [m[1] for m in made]
+        self.check_tokens(sum(len(i) for i in ids), "split it into smaller requests")
+        return tokenized, ids, attended if any(a < len(i) for a, i in zip(attended, ids, strict=True)) else None
 
     def texts(self, inputs: str | list[str]) -> list[str]:
         texts = as_list(inputs)

@@ -12,7 +12,8 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
-from bundle.manifest import BundleManifest, ModelInfo, load_bundle
+from bundle.manifest import HEADS_FILE, BundleError, BundleManifest, ModelInfo, load_bundle
+from bundle.representations import Heads, HeadsError, load_heads
 from service.engine.batcher import Batcher
 from service.engine.runner import BatchRunner, EncodeJob, EncodeResult, intra_op_threads
 from service.config import BatchingSettings, BundleRef, ServiceSettings
@@ -87,7 +88,7 @@ def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | 
     name = ref.name or bundle.manifest.model.name
     runtime = load_runtime(bundle, settings, intra_op_threads(settings), gpu or GpuAssignment(),
                            streams=settings.batching.max_concurrent_batches)
-    runner = BatchRunner(runtime, bundle.manifest, settings.batching, name)
+    runner = BatchRunner(runtime, bundle.manifest, settings.batching, name, heads=read_heads(bundle.root, bundle.manifest))
     engine: Engine
 
     async def compute(jobs: list[EncodeJob]) -> list[EncodeResult]:
@@ -105,6 +106,18 @@ def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | 
         aliases=tuple(ref.aliases),
     )
     return engine
+
+
+def read_heads(root: Path, manifest: BundleManifest) -> Heads | None:
+    """The token-level heads of the model's sparse and multi-vector outputs, where it has them (checked
+    against the manifest when the bundle loads, so a request never meets a head that does not fit)."""
+    model = manifest.model
+    if not model.needs_heads:
+        return None
+    try:
+        return load_heads(root / HEADS_FILE, model.hidden_size, model.sparse, model.multivector)
+    except HeadsError as exc:
+        raise BundleError(str(exc)) from None
 
 
 async def resize_runtimes(engines: EngineTable, settings: ServiceSettings) -> None:

@@ -78,7 +78,21 @@ def describe(model: ModelInfo) -> dict:
     """The conventions of a model for /info and /v1/models."""
     return {"prompts": dict(model.prompts), "default_prompt_name": model.default_prompt_name,
             "include_prompt": model.include_prompt,
-            "dimensions": (model.matryoshka_dimensions or "any") if model.matryoshka else None}
+            "dimensions": (model.matryoshka_dimensions or "any") if model.matryoshka else None,
+            "representations": model.representations, **representation_details(model)}
+
+
+def representation_details(model: ModelInfo) -> dict:
+    """How a model's sparse and multi-vector outputs are made, for clients that index them: the kind
+    (splade, bge-m3, colbert), a token vector's width, a ColBERT's query and document lengths."""
+    details: dict = {}
+    if model.sparse is not None:
+        details["sparse"] = {"kind": model.sparse.kind, "vocab_size": model.vocab_size}
+    if (mv := model.multivector) is not None:
+        details["multivector"] = {"kind": mv.kind, "dim": mv.dim, "normalized": mv.normalize,
+                                  "similarity": "maxsim" if mv.kind == "colbert" else "maxsim (mean over query tokens)",
+                                  "query_length": mv.query_length, "document_length": mv.document_length}
+    return details
 
 
 # Cohere's input types, each onto the model's prompts: a prompt of its own name first, else the name

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from bundle.manifest import BundleManifest, ModelInfo
+from bundle.representations import Heads, bge_m3_terms, kept_tokens, splade_terms, token_vectors
 from service.observability import tracing
 from service.config import BatchingSettings, ServiceSettings
 from service.observability.metrics import service_metrics
@@ -51,6 +52,12 @@ class EncodeJob:
     pool_skip: int = 0
     trace: Any = None  # the request's OpenTelemetry context while tracing is on (service/observability/tracing.py)
     protocol: str = "http"
+    sparse: bool = False  # each text's sparse vector (the model's SparseInfo says how it is made)
+    multivector: bool = False  # each text's token vectors (the model's MultiVectorInfo)
+    is_query: bool = False  # a ColBERT text is a query (its tokens all kept) or a document (its skiplist left out)
+    # per text, how many leading tokens are attended to; the rest (a ColBERT query's expansion tokens) are
+    # computed and returned but masked as keys. None: every token is attended to
+    attended: list[int] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -66,7 +73,8 @@ class EncodeJob:
     def texts(self, start: int, end: int) -> EncodeJob:
         """The same work for texts start..end-1 only (a job too large for one batch, cut)."""
         return replace(self, ids=self.ids[start:end],
-                       type_ids=self.type_ids[start:end] if self.type_ids is not None else None)
+                       type_ids=self.type_ids[start:end] if self.type_ids is not None else None,
+                       attended=self.attended[start:end] if self.attended is not None else None)
 
     def cost(self, batching: BatchingSettings) -> int:
         """Its share of a batch's budget: its tokens, plus its attention weights at the rate that makes
@@ -83,6 +91,8 @@ class EncodeResult:
     hidden: list[np.ndarray] | None = None  # per text (n_tokens, hidden)
     attentions: list[np.ndarray] | None = None  # per text (layers, heads, n_tokens, n_tokens)
     stats: dict = field(default_factory=dict)
+    sparse: list[tuple[np.ndarray, np.ndarray]] | None = None  # per text (indices, values), in index order
+    multivectors: list[np.ndarray] | None = None  # per text (kept tokens, dim)
 
 
 def replica_cpus(settings: ServiceSettings) -> int:
@@ -141,14 +151,17 @@ def pad_types(types: list[np.ndarray | None], longest: int) -> np.ndarray:
     return out
 
 
-def pad(ids: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad token id arrays into (batch, longest) ids and attention mask."""
+def pad(ids: list[np.ndarray], pad_id: int, attended: list[int | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token id arrays into (batch, longest) ids and attention mask. `attended`: per text, the
+    leading tokens the mask lets be attended to (None: all of them); the tokens after are computed like
+    padding, which is what a ColBERT query's unattended expansion tokens are."""
     longest = max(int(a.shape[0]) for a in ids)
     input_ids = np.full((len(ids), longest), pad_id, dtype=np.int64)
     mask = np.zeros((len(ids), longest), dtype=np.int64)
     for row, a in enumerate(ids):
         input_ids[row, : a.shape[0]] = a
-        mask[row, : a.shape[0]] = 1
+        seen = a.shape[0] if attended is None or attended[row] is None else attended[row]
+        mask[row, :seen] = 1
     return input_ids, mask
 
 
@@ -233,7 +246,8 @@ class Needs(NamedTuple):
     the cheap ones never pay for the big outputs (and only texts that need nothing more run packed)."""
 
     attention: bool  # attention weights: the full graph
-    hidden: bool  # token encodings: the job wants them, or its pooled output is REPOOLED from them
+    hidden: bool  # token encodings: the job wants them, its pooled output is REPOOLED from them, or its
+    # sparse or multi-vector output is made from them
 
 
 @dataclass
@@ -265,6 +279,7 @@ class Batch:
     pooled: list[Pooled]  # per job: how its texts' pooled outputs are made (pooled_output)
     runtime: Runtime
     batching: BatchingSettings
+    model: ModelInfo
     tally: Tally = field(default_factory=Tally)
 
     @property
@@ -282,7 +297,14 @@ class Batch:
         # its token encodings (the graph's own pooled row read the prompt)
         padded = not self.packs or job.attention is not None or job.want_hidden
         repool = self.pooled[j] is Pooled.REPOOLED or (job.pool_skip > 0 and padded)
-        return Needs(attention=job.attention is not None, hidden=job.want_hidden or repool)
+        return Needs(attention=job.attention is not None,
+                     hidden=job.want_hidden or repool or self.token_level(job) or job.attended is not None)
+
+    def token_level(self, job: EncodeJob) -> bool:
+        """Whether the job's sparse or multi-vector output is made from token encodings (a SPLADE sparse
+        vector is the graph's pooled output)."""
+        sparse = self.model.sparse
+        return job.multivector or (job.sparse and sparse is not None and sparse.kind == "bge-m3")
 
     def ids(self, text: TextRef) -> np.ndarray:
         j, t = text
@@ -293,6 +315,11 @@ class Batch:
         types = self.jobs[j].type_ids
         return types[t] if types else None
 
+    def attended(self, text: TextRef) -> int | None:
+        j, t = text
+        attended = self.jobs[j].attended
+        return attended[t] if attended else None
+
 
 class BatchRunner:
     """Computes one batch of jobs on a replica's onnxruntime sessions, and counts what it did.
@@ -302,8 +329,9 @@ class BatchRunner:
     """
 
     def __init__(self, runtime: Runtime, manifest: BundleManifest, batching: BatchingSettings,
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, heads: Heads | None = None) -> None:
         self.runtime = runtime
+        self.heads = heads  # the token-level heads of sparse and multi-vector outputs (bundle/representations.py)
         self.model_name = model_name or manifest.model.name  # the served name: the metrics' model label
         self.manifest = manifest
         self.batching = batching
@@ -368,11 +396,13 @@ class BatchRunner:
                 embeddings=np.zeros((len(job.ids), self.pooled_width), dtype=np.float32),
                 hidden=[None] * len(job.ids) if job.want_hidden else None,  # type: ignore[list-item]
                 attentions=[None] * len(job.ids) if job.attention is not None else None,  # type: ignore[list-item]
+                sparse=[None] * len(job.ids) if job.sparse else None,  # type: ignore[list-item]
+                multivectors=[None] * len(job.ids) if job.multivector else None,  # type: ignore[list-item]
             )
             for job in jobs
         ]
         pooled = [pooled_output(self.manifest.model, job.normalize) for job in jobs]
-        return Batch(jobs, results, pooled, self.runtime, self.batching)
+        return Batch(jobs, results, pooled, self.runtime, self.batching, self.manifest.model)
 
     @staticmethod
     def _group(batch: Batch) -> dict[Needs, list[TextRef]]:
@@ -400,6 +430,7 @@ class BatchRunner:
             batch.tally.add(packed.label, sum(lengths[i] for i in row), width)
             for (j, t), vector in zip(members, pooled, strict=True):
                 batch.results[j].embeddings[t] = batch.pooled[j].make(vector, None, self.manifest.model.pooling)
+                self._representations(batch, (j, t), None)
 
     def _run_packed(self, packed: PackedGraph, ids: list[np.ndarray], types: list[np.ndarray | None] | None,
                     skip: list[int] | None = None) -> tuple[np.ndarray, int]:
@@ -420,19 +451,21 @@ class BatchRunner:
         for group in plan_sub_batches(lengths, settings.sub_batch_tokens, settings.max_sub_batch_size,
                                       settings.max_padding):
             members = [texts[i] for i in group]
-            input_ids, mask = pad([batch.ids(m) for m in members], self.manifest.model.pad_token_id)
+            attended = [batch.attended(m) for m in members]
+            input_ids, mask = pad([batch.ids(m) for m in members], self.manifest.model.pad_token_id,
+                                  attended if any(a is not None for a in attended) else None)
             types = None
             if any(batch.jobs[j].type_ids is not None for j, _ in members):
                 types = pad_types([batch.type_ids(m) for m in members], input_ids.shape[1])
             out = graph.run(input_ids, mask, outputs, types)
-            batch.tally.add(graph.label, int(mask.sum()), int(mask.size))
-            self._scatter(batch, members, mask, out)
+            batch.tally.add(graph.label, sum(lengths[i] for i in group), int(mask.size))
+            self._scatter(batch, members, out)
 
-    def _scatter(self, batch: Batch, members: list[TextRef], mask: np.ndarray, out: dict[str, np.ndarray]) -> None:
+    def _scatter(self, batch: Batch, members: list[TextRef], out: dict[str, np.ndarray]) -> None:
         """Copy each text's slice of a sub-batch's outputs (its real tokens only) into its job's result."""
         for row, (j, t) in enumerate(members):
             job, result = batch.jobs[j], batch.results[j]
-            n = int(mask[row].sum())
+            n = int(batch.ids((j, t)).shape[0])
             encodings = out["last_hidden_state"][row, :n] if "last_hidden_state" in out else None
             if job.pool_skip:  # its prompt left out of pooling: pooled here (no Dense: the routes see to it)
                 vector = pool_skipping(encodings, self.manifest.model.pooling, job.pool_skip)
@@ -440,12 +473,27 @@ class BatchRunner:
             else:
                 result.embeddings[t] = batch.pooled[j].make(out[self.pooled][row], encodings,
                                                             self.manifest.model.pooling)
+            self._representations(batch, (j, t), encodings)
             if job.want_hidden:
                 result.hidden[t] = np.ascontiguousarray(encodings)
             if job.attention is not None:
                 layers, heads = job.attention
                 a = out["attentions"][:, row]  # (layers, heads, T, T)
                 result.attentions[t] = np.ascontiguousarray(a[np.ix_(layers, heads)][:, :, :n, :n])
+
+    def _representations(self, batch: Batch, text: TextRef, encodings: np.ndarray | None) -> None:
+        """A text's sparse and multi-vector outputs, made here in the batch's worker thread (never on the
+        event loop) from its pooled output (SPLADE) or its token encodings (bundle/representations.py)."""
+        j, t = text
+        job, result, model = batch.jobs[j], batch.results[j], batch.model
+        if job.sparse:
+            if model.sparse.kind == "splade":
+                result.sparse[t] = splade_terms(result.embeddings[t])
+            else:
+                result.sparse[t] = bge_m3_terms(encodings, batch.ids(text), self.heads, model.sparse.skip_ids)
+        if job.multivector:
+            keep = kept_tokens(batch.ids(text), model.multivector, job.is_query)
+            result.multivectors[t] = token_vectors(encodings, self.heads, model.multivector, keep)
 
     def _observe_queue(self, jobs: list[EncodeJob], started: float) -> None:
         """Each job's time in the batch queue, until its batch started (observed first: a batch that

@@ -142,8 +142,13 @@ async def run_classifier(svc: EncoderService, engine: Engine, tokenized: list[To
 
 
 def reranker(svc: EncoderService, name: str | None, asked_by: str) -> Engine:
-    """The cross-encoder a rerank request names (or the first served classifier): one label, else a 422
-    that points to /v1/classify."""
+    """The model a rerank request names, or the first served one that reranks: a cross-encoder (a
+    one-label classifier), else a late-interaction model (a ColBERT or BGE-M3: engine/late_interaction.py).
+    Any other model is a 422 that says what reranks."""
+    if name is None and not any(e.model.task == "classification" for e in svc.engines):
+        name = next((e.name for e in svc.engines if e.model.multivector is not None), None)
+    if name is not None and svc.engines.get(name).model.multivector is not None:
+        return svc.engines.get(name)
     engine = svc.model_for(name, asked_by, task="classification")
     labels = engine.model.labels or []
     if len(labels) != 1:

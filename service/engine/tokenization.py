@@ -48,6 +48,7 @@ class TextTokenizer:
         self._truncating_left.enable_truncation(max_tokens, direction="left")
         self._windowing: OrderedDict[tuple[int, int], Tokenizer] = OrderedDict()  # by (tokens, overlap), a few
         self._windowing_lock = threading.Lock()
+        self._capped: dict[int, Tokenizer] = {}  # by limit (encode_within)
         self.special_tokens = self._whole.num_special_tokens_to_add(False)  # per single text ([CLS] ... [SEP])
 
     def encode(self, texts: list[str], truncate: bool, from_start: bool = False, kept: int = 0) -> list[TokenizedText]:
@@ -78,6 +79,26 @@ class TextTokenizer:
         encodings = self._truncating.encode_batch(joined)
         return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=was_cut or bool(e.overflowing))
                 for e, was_cut in zip(encodings, cut, strict=True)]
+
+    def encode_within(self, texts: list[str], limit: int, truncate: bool, what: str) -> list[TokenizedText]:
+        """Texts cut at `limit` tokens (special tokens included) instead of the model's limit, or with
+        truncate=False a 413 naming the first one past it: a ColBERT query's or document's length before
+        its marker goes in (PyLate cuts with the tokenizer, as this does)."""
+        limit = min(limit, self.max_tokens)
+        if not truncate:
+            encodings = self._whole.encode_batch(texts)
+            for i, e in enumerate(encodings):
+                if len(e.ids) > limit:
+                    raise TooLarge(f"input {i} has {len(e.ids)} tokens; the model's limit for a {what} is {limit} "
+                                   "(send truncate=true to cut it)")
+            return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=False) for e in encodings]
+        with self._windowing_lock:  # a few limits per model: a query's and a document's
+            tokenizer = self._capped.get(limit)
+            if tokenizer is None:
+                tokenizer = self._capped[limit] = Tokenizer.from_str(self._truncating.to_str())
+                tokenizer.enable_truncation(limit)
+        return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=bool(e.overflowing))
+                for e in tokenizer.encode_batch(texts)]
 
     def encode_pairs(self, pairs: list[tuple[str, str]], truncate: bool, from_start: bool = False) -> list[TokenizedText]:
         """Text pairs (query, document) as the checkpoint's tokenizer joins them: its separators and
@@ -112,6 +133,10 @@ class TextTokenizer:
             if total > stop_above:
                 break
         return encodings
+
+    def tokens_of(self, ids: np.ndarray) -> list[str]:
+        """Each vocabulary id's token string (a sparse vector's terms)."""
+        return [self._whole.id_to_token(int(i)) or "" for i in ids]
 
     def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
         """Token ids back to text; an id past the vocabulary is a 422 naming it."""

@@ -11,6 +11,7 @@ import numpy as np
 from fastapi import Depends, Request
 
 from service.engine.encoder_service import EncoderService
+from service.engine.late_interaction import is_late_interaction, late_interaction_scores
 from service.engine.scoring import best_first, ranked, read_logits, relevance, rerank_pairs, run_classifier
 from service.front.deps import api_router, model_for, reranker, runs, service
 from service.front.responses import JSONResponse
@@ -27,17 +28,22 @@ async def rerank(body: RerankRequest, request: Request, svc: EncoderService = De
     manifest's score_activation: a sigmoid unless the model says otherwise); raw_scores: the logit."""
     engine = reranker(svc, body.model, request)
     documents = body.documents
-    logits, tokenized, explaining = await rerank_pairs(svc, engine, body.query, documents, body.truncate,
-                                                       "/v1/rerank", runs(svc, engine, request), body.explain)
-    score = relevance(engine, body.raw_scores)
-    scores = score(logits)
-    explained = explaining.words(scores, score) if explaining else None
+    if is_late_interaction(engine):  # a ColBERT or BGE-M3: MaxSim over token vectors (engine/late_interaction.py)
+        late = await late_interaction_scores(svc, engine, body.query, documents, body.truncate, "/v1/rerank",
+                                             runs(svc, engine, request), body.explain)
+        scores, explained, tokens = late.scores, late.explanations, late.tokens
+    else:
+        logits, tokenized, explaining = await rerank_pairs(svc, engine, body.query, documents, body.truncate,
+                                                           "/v1/rerank", runs(svc, engine, request), body.explain)
+        score = relevance(engine, body.raw_scores)
+        scores = score(logits)
+        explained = [{"words": words} for words in explaining.words(scores, score)] if explaining else None
+        tokens = sum(t.n_tokens for t in tokenized)
     order = best_first(scores, body.top_n)
     results = [{"index": i, "relevance_score": float(scores[i]),
                 **({"document": {"text": documents[i]}} if body.return_documents else {}),
-                **({"explanation": {"words": explained[i]}} if explained else {})} for i in order]
-    return JSONResponse({"model": engine.name, "results": results,
-                         "usage": {"total_tokens": sum(t.n_tokens for t in tokenized)}})
+                **({"explanation": explained[i]} if explained else {})} for i in order]
+    return JSONResponse({"model": engine.name, "results": results, "usage": {"total_tokens": tokens}})
 
 
 @router.post("/v1/classify", response_model=ClassifyResponse, responses=ERROR_RESPONSES)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from service.front.schemas import (INPUT_TYPE, PROMPT_NAME, SCHEMA_MAX_INDEXES, SCHEMA_MAX_INPUTS, Chunking, OpenAIUsage, StrictRequest, Texts, check_text_list, strings_only)
+from service.front.schemas import (PROMPT_NAME, SCHEMA_MAX_INDEXES, SCHEMA_MAX_INPUTS, Chunking, OpenAIUsage, StrictRequest, Texts, check_text_list, strings_only)
 
 
 class AttentionSpec(StrictRequest):
@@ -29,10 +29,19 @@ class EncodeRequest(StrictRequest):
     model: str | None = Field(None, description="which served model (GET /v1/models); default: the first listed")
     inputs: Texts = Field(description="a text or a list of texts", examples=["The cat sat on the mat."])
     prompt_name: str | None = PROMPT_NAME
-    input_type: Literal["query", "document"] | None = INPUT_TYPE
+    input_type: Literal["query", "document"] | None = Field(
+        None, description="query or document (Cohere's convention): the model's prompt of that name, where it has one "
+        "(prompt_name wins); on a ColBERT model, its query or document marker and a query's expansion (null: "
+        "document)")
     truncate: bool = Field(True, description="cut texts at the model's limit; false: refuse longer texts (413)")
     normalize: bool | None = Field(None, description="L2-normalise the embedding; null: as the model was trained")
-    embedding: bool = Field(True, description="return the pooled sentence embedding")
+    embedding: bool | None = Field(None, description="return the pooled sentence embedding; null: where the model "
+                                   "has one (a SPLADE or ColBERT model has none)")
+    sparse: bool = Field(False, description="return the sparse vector (SPLADE, BGE-M3): vocabulary ids and weights, "
+                         "zeros left out, from the same forward pass")
+    sparse_tokens: bool = Field(False, description="with sparse: the token string of each index")
+    top_k: int | None = Field(None, ge=1, description="with sparse: only the k largest weights (in index order)")
+    multivector: bool = Field(False, description="return one vector per kept token (ColBERT, BGE-M3), for MaxSim")
     token_embeddings: bool = Field(False, description="return one vector per real token")
     tokens: bool = Field(False, description="return tokens with ids and character offsets")
     attention: AttentionSpec | None = Field(None, description="return attention weights (trimmed to real tokens)")
@@ -86,6 +95,18 @@ class Chunk(BaseModel):
     embedding: list[float] | str = Field(description="floats, or base64 (encoding_format)")
 
 
+class SparseVector(BaseModel):
+    indices: list[int] = Field(description="vocabulary ids, ascending")
+    values: list[float] = Field(description="their weights (none is 0)")
+    tokens: list[str] | None = Field(None, description="with sparse_tokens: each id's token")
+
+
+class MultiVector(BaseModel):
+    shape: list[int] = Field(description="[kept tokens, dim]")
+    data: list[list[float]] | str = Field(description="one vector per kept token: floats, or base64 of little-endian "
+                                          "float32 in C order (encoding_format)")
+
+
 class EncodeItem(BaseModel):
     index: int
     n_tokens: int
@@ -94,6 +115,8 @@ class EncodeItem(BaseModel):
     tokens: list[Token] | None = None
     attention: AttentionOut | None = None
     chunks: list[Chunk] | None = Field(None, description="with chunking: each chunk, in text order")
+    sparse: SparseVector | None = None
+    multivector: MultiVector | None = None
 
 
 class Usage(BaseModel):
@@ -270,8 +293,13 @@ class RerankResult(BaseModel):
     index: int
     relevance_score: float = Field(description="what sentence-transformers' CrossEncoder.predict gives: the logit "
                                    "through the activation saved with the model (score_activation in GET /info), "
-                                   "or the logit itself with raw_scores")
+                                   "or the logit itself with raw_scores; on a ColBERT, PyLate's MaxSim; on BGE-M3, "
+                                   "FlagEmbedding's colbert+sparse+dense")
     document: RerankDocument | None = None
+    explanation: dict[str, Any] | None = Field(
+        None, description="with explain: a cross-encoder's words (occlusion, rollout); a late-interaction model's "
+        "maxsim (each query token's best document token, its similarity and share), and for BGE-M3 its three "
+        "scores, their weights and the terms query and document share")
 
 
 class RerankUsage(BaseModel):
