@@ -28,6 +28,7 @@ from export.encoder import POOLINGS, Encoder, sinusoidal_positions
 from export.errors import CheckpointError
 from export.families import FAMILIES, SUPPORTED_MODEL_TYPES, Family, config_value, family_of  # noqa: F401 (re-exported)
 from export.heads import HEAD_ACTIVATIONS, SequenceClassifier
+from export.token_heads import TokenHeads, pylate_dense, read_bge_m3, read_pylate
 
 DEFAULT_CHECKPOINT = "default"
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -63,6 +64,8 @@ class Checkpoint:
     family: str  # Family.name: BERT, RoBERTa, ...
     classifier: ClassifierConfig | None = None  # the head's labels and problem_type, for a classifier
     conventions: SentenceConventions = field(default_factory=lambda: SentenceConventions())
+    # BGE-M3's sparse and multi-vector heads, or a PyLate ColBERT's projection (export/token_heads.py)
+    token_heads: TokenHeads | None = None
 
     @property
     def task(self) -> str:
@@ -161,8 +164,8 @@ def _sentence_modules(directory: Path) -> SentenceModules:
     if "Pooling" not in map(_module_kind, modules):
         raise CheckpointError(
             f"{modules_path}: no sentence-transformers Pooling module ({[m.get('type') for m in modules]}): a "
-            "token-level (multi-vector) model, such as a PyLate ColBERT, gives one vector per token, which is not "
-            "served yet; the export serves one pooled vector per text only")
+            "token-level (multi-vector) model is served as a PyLate ColBERT (a Transformer and a pylate.models.Dense "
+            "module, as PyLate saves it); this layout is neither a pooled embedder nor that")
     found = SentenceModules()
     seen: list[str] = []
     for module in modules:
@@ -569,7 +572,9 @@ def load_checkpoint(spec: str | Path, name: str | None = None,
     if classifies and (family := family_of(raw.get("model_type"), directory / "config.json")).head is None:
         raise CheckpointError(f"{directory / 'config.json'}: {raw['architectures'][0]} is not supported: the "
                               f"{family.name} family loads as an embedding model only")
-    modules = _cross_encoder_modules(directory, raw, family) if classifies else _sentence_modules(directory)
+    colbert_dense = None if classifies else _pylate_layout(directory)
+    modules = _cross_encoder_modules(directory, raw, family) if classifies else \
+        SentenceModules() if colbert_dense is not None else _sentence_modules(directory)
     config, architecture, family = _read_config(directory, modules.pooling, modules.normalize, modules.dense)
     head = _classifier_config(raw, family, directory / "config.json") if classifies else None
     weights, weights_path = read_weights(directory)
@@ -592,6 +597,8 @@ def load_checkpoint(spec: str | Path, name: str | None = None,
                               "returns a classifier's logits")
     matryoshka = _matryoshka(raw, directory / "config.json", config.sentence_dim, matryoshka_dimensions) \
         if head is None else (False, None)
+    token_heads = None if head is not None else read_pylate(directory, colbert_dense, tokenizer_path, config) \
+        if colbert_dense is not None else read_bge_m3(directory, tokenizer_path, config)
     return Checkpoint(
         path=directory,
         name=name or default_name,
@@ -599,9 +606,20 @@ def load_checkpoint(spec: str | Path, name: str | None = None,
         config=config,
         encoder=encoder,
         tokenizer_path=tokenizer_path,
-        max_tokens=max_tokens_of(directory, config),
+        # a ColBERT's inputs are as long as its query_length and document_length say (PyLate sets the transformer's
+        # max_seq_length from them), whatever sentence_bert_config.json says
+        max_tokens=(token_heads and token_heads.longest) or max_tokens_of(directory, config),
         ignored=tuple(ignored),
         family=family.name,
         classifier=head,
         conventions=SentenceConventions(prompts, default_prompt, prompt_tokens, modules.include_prompt, *matryoshka),
+        token_heads=token_heads,
     )
+
+
+def _pylate_layout(directory: Path) -> Path | None:
+    """The Dense folder of a PyLate ColBERT (modules.json: a Transformer and pylate.models.Dense); else None.
+    Its graph pools the mean of the tokens, which nothing serves: its output is one vector per token."""
+    if not (directory / "modules.json").exists():
+        return None
+    return pylate_dense(directory, _modules_json(directory)[1])

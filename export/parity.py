@@ -220,3 +220,66 @@ def check_parity(
         probe_shapes=[p.shape for p in probes],
         outputs=outputs,
     )
+
+
+def check_representations(encoder: Encoder, session, token_heads, tokenizer: Tokenizer, max_tokens: int, pad_id: int,
+                          vocab_size: int, atol: float, rtol: float) -> list[OutputParity]:
+    """The sparse and multi-vector rows of the strict gate: bundle/representations applied to the graph's
+    last_hidden_state vs the PyTorch reference (export/token_heads.py: the encoder's hidden states through the
+    heads in torch ops), on real text cut, marked and expanded as the service does it (a ColBERT's queries
+    and documents both, expansion tokens included), each batch padded and its longest row alone."""
+    from bundle.representations import bge_m3_terms, kept_tokens, token_vectors
+    from export.token_heads import pad_rows, reference_sparse, reference_vectors, sparse_vector, token_rows
+
+    mv, sp, heads = token_heads.multivector, token_heads.sparse, token_heads.heads
+    names = [name for name, info in (("sparse", sp if sp is not None and sp.kind == "bge-m3" else None),
+                                     ("multivector", mv)) if info is not None]
+    if not names:
+        return []
+    tallies = {name: _Tally() for name in names}
+    texts = [*PROBE_TEXTS, " ".join(PROBE_TEXTS * 40)]  # the last one reaches the longest input
+    groups = [token_rows(tokenizer, texts, mv, False, max_tokens)]
+    if mv is not None and mv.kind == "colbert":
+        groups.append(token_rows(tokenizer, texts, mv, True, max_tokens))
+    batches = [batch for rows in groups for batch in (rows, rows[-1:])]
+
+    def tally(name: str, ref: np.ndarray, got: np.ndarray, shape: tuple) -> None:
+        t = tallies[name]
+        if ref.shape != got.shape:
+            t.passed = False
+            t.problems.append(f"{shape}: shape {got.shape}, expected {ref.shape}")
+            return
+        ref, got = ref.astype(np.float64), got.astype(np.float64)
+        diff = np.abs(got - ref)
+        t.values += diff.size
+        t.max_abs = max(t.max_abs, float(np.nanmax(diff, initial=0.0)))
+        t.max_rel = max(t.max_rel, float(np.nanmax(diff / np.maximum(np.abs(ref), atol), initial=0.0)))
+        bad = ~(diff <= atol + rtol * np.abs(ref))
+        if bad.any():
+            t.passed = False
+            t.problems.append(f"row {shape}: {int(bad.sum())} of {bad.size} values out of tolerance")
+
+    encoder.eval()
+    for batch in batches:
+        ids, mask, types = pad_rows(batch, pad_id)
+        with torch.no_grad():
+            hidden = encoder(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(types))[0]
+        got = session.run(["last_hidden_state"], {"input_ids": ids, "attention_mask": mask, "token_type_ids": types})[0]
+        for i, row in enumerate(batch):
+            encodings = got[i, :len(row.ids)]
+            if mv is not None:
+                reference = reference_vectors(hidden[i], row, heads, mv).numpy()
+                candidate = token_vectors(encodings, heads, mv, kept_tokens(row.ids, mv, row.is_query))
+                tally("multivector", reference, candidate, ids.shape)
+            if "sparse" in tallies:
+                reference = reference_sparse(hidden[i], row, heads, sp, vocab_size).numpy()
+                candidate = sparse_vector(*bge_m3_terms(encodings, row.ids, heads, sp.skip_ids), vocab_size)
+                either = (reference != 0) | (candidate != 0)  # the terms either side gives a weight
+                tally("sparse", reference[either], candidate[either], ids.shape)
+    shapes = {"sparse": "(vocab terms of a text)", "multivector": f"(kept tokens, {mv.dim if mv else 0})"}
+    return [
+        OutputParity(output=name, shape=shapes[name], probes=len(batches), values=t.values, max_abs_diff=t.max_abs,
+                     max_rel_diff=t.max_rel, atol=atol, rtol=rtol, passed=t.passed and t.values > 0,
+                     problems=t.problems if t.values > 0 else [*t.problems, "no values compared"])
+        for name, t in tallies.items()
+    ]

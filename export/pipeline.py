@@ -35,6 +35,7 @@ from bundle.contract import (
     packed_output_names,
 )
 from bundle.manifest import (
+    HEADS_FILE,
     BundleManifest,
     GraphInfo,
     ModelInfo,
@@ -49,7 +50,7 @@ from bundle.manifest import (
 )
 from export import onnx_export, optimize, parity, quality
 from export.checkpoint import Checkpoint, load_checkpoint
-from export.sessions import PackedSession, quiet_options
+from export.sessions import PackedSession, ort_session, quiet_options
 from service.runtimes.onnxruntime import OrtPackedGraph
 
 
@@ -148,6 +149,7 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
         report: ParityReport = parity.check_parity(
             ckpt.encoder, staging / GRAPH_FILE, probes, options.atol, options.rtol
         )
+        report = _representation_parity(ckpt, staging / GRAPH_FILE, report, options)
         for line in parity_lines(report):
             progress("      " + line)
         if not report.passed:
@@ -206,6 +208,7 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
                 matryoshka=ckpt.conventions.matryoshka,
                 matryoshka_dimensions=list(ckpt.conventions.matryoshka_dimensions)
                 if ckpt.conventions.matryoshka_dimensions else None,
+                **_representation_fields(ckpt),
             ),
             graph=GraphInfo(
                 file=GRAPH_FILE, opset=opset, inputs=list(INPUT_NAMES), outputs=list(output_names(ckpt.task))
@@ -214,7 +217,8 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
             files={
                 name: file_entry(staging / name)
                 for name in _with_data(staging, [*graph_files, *(v.file for v in variants.values()),
-                                                 *([packed.file] if packed else []), TOKENIZER_FILE])
+                                                 *([packed.file] if packed else []), TOKENIZER_FILE,
+                                                 *_write_heads(ckpt, staging)])
             },
             parity=report,
             variants=variants,
@@ -263,6 +267,7 @@ def _encodings_fp32(ckpt: Checkpoint, staging: Path, probes, options: ExportOpti
     progress(f"      fused: {', '.join(f'{n} {op}' for op, n in fusions.items()) or 'nothing'}")
     outputs = encodings_output_names(ckpt.task)
     report = parity.check_parity(ckpt.encoder, staging / target, probes, options.atol, options.rtol, outputs=outputs)
+    report = _representation_parity(ckpt, staging / target, report, options)
     for line in parity_lines(report):
         progress("      " + line)
     if not report.passed:
@@ -338,6 +343,7 @@ def _lossy_variant(
         ckpt.encoder, tokenizer, target, ckpt.max_tokens, ckpt.config.pad_token_id, options.mean_cosine,
         options.cosine_floor,
     )
+    gate = _representation_quality(ckpt, tokenizer, ort_session(target, ["CPUExecutionProvider"]), gate)
     progress("      " + quality_line(precision, gate))
     if not gate.passed:
         _remove_graph(target)
@@ -377,6 +383,7 @@ def _bf16_variant(
         ckpt.encoder, tokenizer, graph, ckpt.max_tokens, ckpt.config.pad_token_id, options.mean_cosine,
         options.cosine_floor, session=OpenVinoSession(graph, ENCODINGS_OUTPUT_NAMES, "bf16"),
     )
+    gate = _representation_quality(ckpt, tokenizer, OpenVinoSession(graph, ENCODINGS_OUTPUT_NAMES, "bf16"), gate)
     progress("      " + quality_line("bf16", gate) + f" (OpenVINO {check.version}, {check.cpu})")
     if not gate.passed:
         progress("      bf16 rejected by its gate: not published")
@@ -393,6 +400,42 @@ def _bf16_variant(
         outputs=list(ENCODINGS_OUTPUT_NAMES), optimizer=fp32.optimizer + "; OpenVINO INFERENCE_PRECISION_HINT=bf16",
         fusions=fp32.fusions, providers=["OpenVINO CPU"], runtime="openvino", quality=gate, attention_gate=attention,
     )
+
+
+def _representation_parity(ckpt: Checkpoint, graph: Path, report: ParityReport, options: ExportOptions) -> ParityReport:
+    """The strict gate's sparse and multi-vector rows (export/parity.py's check_representations) added to `report`;
+    it fails when they do."""
+    if ckpt.token_heads is None:
+        return report
+    rows = parity.check_representations(
+        ckpt.encoder, ort_session(graph, ["CPUExecutionProvider"]), ckpt.token_heads,
+        Tokenizer.from_file(str(ckpt.tokenizer_path)), ckpt.max_tokens, ckpt.config.pad_token_id,
+        ckpt.config.vocab_size, options.atol, options.rtol)
+    return report.model_copy(update={"outputs": [*report.outputs, *rows],
+                                     "passed": report.passed and all(row.passed for row in rows)})
+
+
+def _representation_quality(ckpt: Checkpoint, tokenizer: Tokenizer, session, gate: QualityGate) -> QualityGate:
+    """A lossy variant's gate with its sparse and multi-vector rows (RepresentationGate): it fails when they do."""
+    if ckpt.token_heads is None:
+        return gate
+    rows = quality.check_representation_quality(ckpt.encoder, tokenizer, session, ckpt.token_heads, ckpt.max_tokens,
+                                                ckpt.config.pad_token_id, ckpt.config.vocab_size)
+    return gate.model_copy(update={"representations": rows, "passed": gate.passed and all(r.passed for r in rows)})
+
+
+def _representation_fields(ckpt: Checkpoint) -> dict:
+    """ModelInfo's dense, sparse and multivector, where the checkpoint has token-level heads."""
+    heads = ckpt.token_heads
+    return {} if heads is None else {"dense": heads.dense, "sparse": heads.sparse, "multivector": heads.multivector}
+
+
+def _write_heads(ckpt: Checkpoint, staging: Path) -> list[str]:
+    """HEADS_FILE, where the checkpoint has token-level heads: the names of the files written."""
+    if ckpt.token_heads is None:
+        return []
+    ckpt.token_heads.heads.save(staging / HEADS_FILE)
+    return [HEADS_FILE]
 
 
 def _publish(staging: Path, out: Path, keep_s: float = 600) -> None:

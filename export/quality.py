@@ -167,3 +167,89 @@ def check_quality(
         candidate_hits=candidate_hits,
         problems=problems,
     )
+
+
+# The lossy gates of sparse and multi-vector outputs (RepresentationGate rows), against PyTorch fp32. Measured on
+# the tests' tiny random BGE-M3 and ColBERT (tests/late_interaction_models.py), int8 / fp16 / bf16: MaxSim largest
+# relative error 0.0071 / 0.00013 / 0.0012 (BGE-M3), 0.0040 / 0.00014 / 0.00075 (ColBERT); BGE-M3 sparse smallest
+# cosine 0.9969 / 1.0000 / 0.9994, top-10 overlap 0.989 / 1.0 / 0.98-1.0. The bounds leave about 3x the worst int8.
+MULTIVECTOR_MAX_REL_ERROR = 0.02  # |MaxSim candidate - reference| / the query's best reference score
+# documents the fp32 reference scores within 0.1% of a query's best are tied: fp16 (MaxSim error 1.4e-4) swapped two
+# such documents of the tiny random ColBERT, whose scores sit closer together than any trained model's
+MULTIVECTOR_TIE = 1e-3
+SPARSE_MIN_COSINE = 0.98  # every text's sparse vector
+SPARSE_TOP_TERMS = 10
+SPARSE_TOP_OVERLAP = 0.9  # mean share of the reference's top terms the candidate keeps in its own top
+
+
+def _hidden_pairs(encoder: Encoder, session, rows, pad_id: int, size: int = 16):
+    """(reference hidden (T, d) torch, candidate hidden (T, d) numpy, row) for each row, batched."""
+    from export.token_heads import pad_rows
+
+    encoder.eval()
+    for start in range(0, len(rows), size):
+        batch = rows[start:start + size]
+        ids, mask, types = pad_rows(batch, pad_id)
+        with torch.no_grad():
+            hidden = encoder(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(types))[0]
+        got = session.run(["last_hidden_state"], {"input_ids": ids, "attention_mask": mask, "token_type_ids": types})[0]
+        for i, row in enumerate(batch):
+            yield hidden[i], got[i, :len(row.ids)], row
+
+
+def check_representation_quality(encoder: Encoder, tokenizer: Tokenizer, session, token_heads, max_tokens: int,
+                                 pad_id: int, vocab_size: int) -> list:
+    """A lossy graph's sparse and multi-vector outputs against PyTorch fp32 (RepresentationGate rows):
+    multi-vector: the MaxSim scores of QUERIES x DOCUMENTS (their largest relative error, and each query's
+    best document unchanged); BGE-M3 sparse: each CORPUS text's cosine, and the overlap of its top terms."""
+    from bundle.manifest import RepresentationGate
+    from bundle.representations import bge_m3_terms, kept_tokens, maxsim, token_vectors
+    from export.token_heads import reference_sparse, reference_vectors, sparse_vector, token_rows
+
+    mv, sp, heads = token_heads.multivector, token_heads.sparse, token_heads.heads
+    gates = []
+    if mv is not None:
+        scored = {}
+        for side, texts, is_query in (("queries", [q for q, _ in QUERIES], True), ("documents", DOCUMENTS, False)):
+            rows = token_rows(tokenizer, list(texts), mv, is_query, max_tokens)
+            scored[side] = [(reference_vectors(ref, row, heads, mv).numpy(),
+                             token_vectors(got, heads, mv, kept_tokens(row.ids, mv, row.is_query)))
+                            for ref, got, row in _hidden_pairs(encoder, session, rows, pad_id)]
+        mean = mv.kind == "bge-m3"  # FlagEmbedding's colbert_score is the mean over query tokens
+        scores = {which: np.array([[maxsim(q[which], d[which], mean).score for d in scored["documents"]]
+                                   for q in scored["queries"]]) for which in (0, 1)}
+        reference, candidate = scores[0], scores[1]
+        scale = np.maximum(np.abs(reference).max(axis=1, keepdims=True), 1e-12)
+        worst = float(np.nan_to_num(np.abs(candidate - reference) / scale, nan=np.inf).max())
+        # a query's best document is the reference's, or one the reference scores within MULTIVECTOR_TIE of it
+        best = reference.max(axis=1)
+        chosen = reference[np.arange(len(reference)), candidate.argmax(axis=1)]
+        same = float((best - chosen <= MULTIVECTOR_TIE * scale[:, 0]).mean())
+        gates += [
+            RepresentationGate(representation="multivector", metric="MaxSim largest relative error (|candidate - "
+                               "reference| / the query's best reference score; at most)", value=worst,
+                               required=MULTIVECTOR_MAX_REL_ERROR, passed=worst <= MULTIVECTOR_MAX_REL_ERROR),
+            RepresentationGate(representation="multivector", metric="share of queries whose best document is the "
+                               "reference's, or tied with it within 0.1% (at least)", value=same, required=1.0, passed=same >= 1.0),
+        ]
+    if sp is not None and sp.kind == "bge-m3":
+        rows = token_rows(tokenizer, [*CORPUS, *DOCUMENTS], None, False, max_tokens)
+        cosines, overlaps = [], []
+        for ref, got, row in _hidden_pairs(encoder, session, rows, pad_id):
+            a = reference_sparse(ref, row, heads, sp, vocab_size).numpy().astype(np.float64)
+            b = sparse_vector(*bge_m3_terms(got, row.ids, heads, sp.skip_ids), vocab_size)
+            norms = np.linalg.norm(a) * np.linalg.norm(b)
+            cosines.append(float(a @ b / norms) if norms > 0 else float(not a.any() and not b.any()))
+            k = min(SPARSE_TOP_TERMS, int((a > 0).sum()))
+            if k:
+                top = set(np.argsort(-a, kind="stable")[:k]) & set(np.argsort(-b, kind="stable")[:k])
+                overlaps.append(len(top) / k)
+        low, overlap = float(np.nan_to_num(min(cosines), nan=-1.0)), float(np.mean(overlaps)) if overlaps else 1.0
+        gates += [
+            RepresentationGate(representation="sparse", metric="smallest cosine of a text's sparse vector (at least)",
+                               value=low, required=SPARSE_MIN_COSINE, passed=low >= SPARSE_MIN_COSINE),
+            RepresentationGate(representation="sparse", metric=f"mean share of the reference's top {SPARSE_TOP_TERMS} "
+                               "terms in the candidate's (at least)", value=overlap, required=SPARSE_TOP_OVERLAP,
+                               passed=overlap >= SPARSE_TOP_OVERLAP),
+        ]
+    return gates

@@ -552,15 +552,15 @@ def pylate_like(bert: Path, directory: Path) -> Path:
 def test_a_token_level_model_without_pooling_is_refused_by_name(checkpoints, tmp_path):
     """A PyLate ColBERT model exported as a mean-pooled embedder before: its `pylate.models.Dense.Dense` was taken for
     sentence-transformers' Dense, and a modules.json without Pooling got mean pooling; one averaged vector served where
-    the model gives one per token. Refused by name now, as is any modules.json without a Pooling module."""
+    the model gives one per token. Issue 48 exports PyLate's layout as a multi-vector model
+    (tests/test_late_interaction_export.py); this one's PyLate defaults (document_length 180) exceed its 64 positions,
+    refused by name, as is any other modules.json without a Pooling module."""
     directory = pylate_like(checkpoints["bert"], tmp_path / "colbert")
     with pytest.raises(CheckpointError) as caught:
         load_checkpoint(directory)
     message = str(caught.value)
-    assert "\n" not in message and message.startswith(f"{directory / 'modules.json'}: no sentence-transformers "
-                                                      "Pooling module")
-    assert "token-level (multi-vector) model" in message and "not served yet" in message
-    assert "pylate.models.Dense.Dense" in message
+    assert "\n" not in message and message.startswith(f"{directory / 'config_sentence_transformers.json'}: "
+                                                      "document_length 180 is not a length from 2 to the 64 tokens")
     # the Transformer alone (sentence-transformers' token embeddings) is token-level too
     (directory / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"}]))
