@@ -104,6 +104,39 @@ def exported_classifier(tmp_path_factory):
     return exported
 
 
+@pytest.fixture(scope="session")
+def representation_bundles(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random models of each kind of issue 48, in the layouts their libraries save, each exported once
+    per run: name -> bundle dir (their checkpoints beside them, NAME-ckpt). bge-m3 (dense, sparse,
+    multivector), colbert (PyLate: multivector)."""
+    from export.pipeline import ExportOptions, build_bundle
+    from tests.late_interaction_models import make_bge_m3, make_pylate_colbert
+
+    root = shared_dir(tmp_path_factory, "representations")
+    makers = {"bge-m3": make_bge_m3, "colbert": make_pylate_colbert}
+
+    def exported(name: str) -> Path:
+        def export(out: Path) -> None:
+            checkpoint = makers[name](root / f"{name}-ckpt")
+            build_bundle(ExportOptions(str(checkpoint), out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name=name),
+                         progress=lambda _: None)
+
+        return exported_once(root / name, export)
+
+    return {name: exported(name) for name in makers}
+
+
+@pytest.fixture(scope="session")
+def representations_url(ray_serve, representation_bundles) -> str:
+    """One application serving every representation model (bge-m3, colbert, ...) at /reps, deployed once per
+    session for the tests of sparse and multi-vector outputs (tests/test_representations*.py)."""
+    # a small response budget, so that a test can pass it with a few texts (the default is 64 MiB)
+    deploy({"bundles": [f"{name}={path}" for name, path in representation_bundles.items()], "num_cpus": 0.5,
+            "max_response_bytes": 256 * 1024},
+           "reps", "/reps", representation_bundles["bge-m3"])
+    return f"{ray_serve.url}/reps"
+
+
 @dataclass(frozen=True)
 class RayServe:
     url: str  # the Serve HTTP proxy
