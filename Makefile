@@ -25,11 +25,11 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install run test export bundle bench bench-families profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
+.PHONY: help install reference-envs run test export bundle bench bench-families profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
-	@echo "make test    install into $(VENV) and run the whole test suite"
+	@echo "make test    install into $(VENV) (and the reference environment $(REF_ENV)) and run the whole test suite"
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes docs/performance.md and the README's headline"
 	@echo "make bench-families  MPNet, ModernBERT and Qwen3 shapes at real sizes: the service vs sentence-transformers (PEERS=infinity: and infinity-emb)"
@@ -52,6 +52,17 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# The reference environment (docs/testing.md): PyLate and FlagEmbedding, the judges of the ColBERT and BGE-M3
+# outputs, at pins .venv cannot hold (tests/reference/requirements.txt), with .venv's torch linked in. Built
+# again when the pins, the build script or .venv's install change; a failed build stops with one line.
+REF_ENV := .venv-reference
+REF_STAMP := $(REF_ENV)/.built-stamp
+$(REF_STAMP): tests/reference/requirements.txt tests/reference/build_env.py $(STAMP)
+	@echo "building the reference environment $(REF_ENV): PyLate and FlagEmbedding at their own pins (first time: about a minute)"
+	@$(BIN)/python tests/reference/build_env.py --env $(REF_ENV)
+
+reference-envs: $(REF_STAMP)
 
 # Exported when missing, or again when it was written by an older version (another manifest schema).
 bundle: | $(STAMP)
@@ -138,7 +149,7 @@ prometheus:
 # and they share the exported bundles (tests/conftest.py). TEST_WORKERS=0 runs it in this one process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) browser prometheus
+test: $(STAMP) reference-envs browser prometheus
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The CPU image from deploy/Dockerfile with podman or docker, its size and build time, then a smoke test
