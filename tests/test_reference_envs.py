@@ -169,3 +169,33 @@ def test_a_failed_build_stops_with_one_line_naming_the_step(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"make reference-envs: pip install --no-deps -r {requirements} failed (exit 1; see {tmp_path / 'env' / 'build.log'})"]
     assert not (tmp_path / "env" / ".built-stamp").exists()
+
+
+def test_bge_m3_reads_the_heads_make_bge_m3_saves(references):
+    """FlagEmbedding initialises colbert_linear and sparse_linear at random, with only a log line, when
+    either file is missing: its outputs must be the saved heads applied to the backbone's hidden states."""
+    import torch
+    import transformers
+
+    path, output = references["bge-m3"], references["m3-encode"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    model = transformers.AutoModel.from_pretrained(str(path)).eval()
+    colbert, sparse = (torch.load(path / name, weights_only=True) for name in ("colbert_linear.pt", "sparse_linear.pt"))
+    assert set(colbert) == set(sparse) == {"weight", "bias"}
+    text = QUERIES[0]
+    ids = tokenizer(text, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**ids).last_hidden_state[0]
+    vectors = torch.nn.functional.normalize(hidden[1:] @ colbert["weight"].T + colbert["bias"], dim=-1)
+    np.testing.assert_allclose(output["colbert_vecs"][0], vectors.numpy(), atol=1e-4)
+    weights = torch.relu(hidden @ sparse["weight"].T + sparse["bias"])[:, 0]
+    best: dict[str, float] = {}
+    specials = {tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    for token, weight in zip(ids["input_ids"][0].tolist(), weights.tolist()):
+        if token not in specials and weight > 0:
+            best[str(token)] = max(weight, best.get(str(token), 0.0))
+    assert output["lexical_weights"][0].keys() == best.keys()
+    for token, weight in best.items():
+        assert output["lexical_weights"][0][token] == pytest.approx(weight, abs=1e-4)
+    np.testing.assert_allclose(output["dense_vecs"][0], torch.nn.functional.normalize(hidden[0], dim=0).numpy(),
+                               atol=1e-4)
