@@ -192,5 +192,6 @@ def maxsim(query: np.ndarray, document: np.ndarray, mean: bool = False) -> MaxSi
     return MaxSim(total / len(query) if mean else total, best, values)
 
 
-# BGE-M3's compute_score: its modes' weights (dense, sparse, colbert), as FlagEmbedding's README uses them
-BGE_M3_WEIGHTS = (0.4, 0.2, 0.4)
+# BGE-M3's compute_score "colbert+sparse+dense": the weighted mean of its three scores with FlagEmbedding's
+# default weights_for_different_modes (dense, sparse, colbert) = [1, 1, 1], so their plain mean
+BGE_M3_WEIGHTS = (1.0, 1.0, 1.0)

@@ -2,9 +2,9 @@
 what each score is made of when asked.
 
 A ColBERT's score is PyLate's (rank.rerank): the sum over the query's tokens of each one's best dot
-product with a document token. BGE-M3's is FlagEmbedding's compute_score "colbert+sparse+dense": its dense
-score, its lexical (sparse) score and its MaxSim averaged over the query's tokens, weighted by
-BGE_M3_WEIGHTS. The query and the documents go in as two jobs of one call, batched with everything else.
+product with a document token. BGE-M3's is FlagEmbedding's compute_score "colbert+sparse+dense": the weighted
+mean (BGE_M3_WEIGHTS, its defaults: the plain mean) of its dense score, its lexical (sparse) score and its
+MaxSim averaged over the query's tokens. The query and the documents go in as two jobs of one call, batched with everything else.
 """
 
 from __future__ import annotations
