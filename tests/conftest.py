@@ -132,7 +132,7 @@ def representations_url(ray_serve, representation_bundles) -> str:
     session for the tests of sparse and multi-vector outputs (tests/test_representations*.py)."""
     # a small response budget, so that a test can pass it with a few texts (the default is 64 MiB)
     deploy({"bundles": [f"{name}={path}" for name, path in representation_bundles.items()], "num_cpus": 0.5,
-            "max_response_bytes": 256 * 1024},
+            "max_response_bytes": 256 * 1024, "precision": "fp32"},  # fp32: held against the references at 1e-4
            "reps", "/reps", representation_bundles["bge-m3"])
     return f"{ray_serve.url}/reps"
 
