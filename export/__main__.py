@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bundle.contract import DEFAULT_ATOL, DEFAULT_COSINE_FLOOR, DEFAULT_MEAN_COSINE, DEFAULT_OPSET, DEFAULT_RTOL, MIN_OPSET
 from bundle.manifest import BundleError
-from export.checkpoint import CheckpointError
+from export.checkpoint import SPLADE_OPTIONS, CheckpointError
 from export.pipeline import ExportError, ExportOptions, build_bundle
 
 
@@ -40,6 +40,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--matryoshka-dimensions", default=None,
                         help="comma-separated embedding sizes the model was trained to be cut to (requests' "
                         "`dimensions`); default: config.json's matryoshka_dimensions or is_matryoshka, else none")
+    parser.add_argument("--pooling", choices=sorted(SPLADE_OPTIONS), default=None,
+                        help="export a bare *ForMaskedLM checkpoint as a SPLADE model: its masked-LM head's logits, "
+                        "log(1 + relu), max over tokens (splade, splade_max) or their sum (splade_sum); a "
+                        "sentence-transformers SparseEncoder needs none (its SpladePooling says)")
     parser.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
     args = parser.parse_args(argv)
     args.lossy = tuple(p for p in args.lossy.replace(" ", "").split(",") if p)
@@ -75,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         mean_cosine=args.mean_cosine,
         cosine_floor=args.cosine_floor,
         matryoshka_dimensions=args.matryoshka_dimensions,
+        pooling=args.pooling,
     )
     try:
         result = build_bundle(options, progress=lambda line: print(line, flush=True))

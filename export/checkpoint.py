@@ -23,11 +23,12 @@ from pathlib import Path, PurePath
 
 import torch
 
-from export.config import ClassifierConfig, DenseLayer, EncoderConfig
+from bundle.manifest import SPLADE_POOLINGS
+from export.config import ClassifierConfig, DenseLayer, EncoderConfig, MaskedLMConfig
 from export.encoder import POOLINGS, Encoder, sinusoidal_positions
 from export.errors import CheckpointError
 from export.families import FAMILIES, SUPPORTED_MODEL_TYPES, Family, config_value, family_of  # noqa: F401 (re-exported)
-from export.heads import HEAD_ACTIVATIONS, SequenceClassifier
+from export.heads import HEAD_ACTIVATIONS, SequenceClassifier, SpladeEncoder
 from export.token_heads import TokenHeads, pylate_dense, read_bge_m3, read_pylate
 
 DEFAULT_CHECKPOINT = "default"
@@ -200,6 +201,10 @@ _LEGACY_POOLING_KEYS = {
 }
 
 
+# what a Pooling module may say: the encoder's poolings less SPLADE's, which only SpladePooling gives
+_POOLING_MODES = tuple(p for p in POOLINGS if p not in SPLADE_POOLINGS)
+
+
 def _pooling_mode(path: Path) -> tuple[str, bool]:
     """A Pooling module's mode and include_prompt, from either format sentence-transformers writes:
     `pooling_mode` (a name, or a list of them) since version 6, a boolean per mode before."""
@@ -209,8 +214,8 @@ def _pooling_mode(path: Path) -> tuple[str, bool]:
         modes = list(mode) if isinstance(mode, (list, tuple)) else [mode]
     else:
         modes = [mode for key, mode in _LEGACY_POOLING_KEYS.items() if pool_config.get(key)]
-    if len(modes) != 1 or modes[0] not in POOLINGS:
-        raise CheckpointError(f"{path}: pooling {modes} is not supported (exactly one of {', '.join(POOLINGS)}; "
+    if len(modes) != 1 or modes[0] not in _POOLING_MODES:
+        raise CheckpointError(f"{path}: pooling {modes} is not supported (exactly one of {', '.join(_POOLING_MODES)}; "
                               "several modes concatenate vectors the graph does not)")
     include_prompt = bool(pool_config.get("include_prompt", True))
     if not include_prompt and modes[0] == "max":
@@ -242,6 +247,147 @@ def _dense(directory: Path) -> tuple[DenseLayer, dict[str, torch.Tensor]]:
     if set(weights) != expected:
         raise CheckpointError(f"{weights_path}: tensors {sorted(weights)}, expected {sorted(expected)}")
     return layer, weights
+
+
+# ---- SPLADE: sentence-transformers' SparseEncoder (MLMTransformer + SpladePooling), or a bare *ForMaskedLM ----
+
+# SparseEncoder's modules as modules.json names them: sentence-transformers 5.0 to 5.3 wrote
+# `sentence_transformers.sparse_encoder.models.X`, 5.4 and 6 the module path and the class name
+_MLM_TRANSFORMER_TYPES = ("sentence_transformers.sparse_encoder.models.MLMTransformer",
+                          "sentence_transformers.sparse_encoder.modules.mlm_transformer.MLMTransformer")
+_SPLADE_POOLING_TYPES = ("sentence_transformers.sparse_encoder.models.SpladePooling",
+                         "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling")
+# python -m export --pooling: what each value asks for (splade: SPLADE v2 and later pool by the max)
+SPLADE_OPTIONS = {"splade": "splade_max", "splade_max": "splade_max", "splade_sum": "splade_sum"}
+
+
+def _is_sparse_encoder(directory: Path) -> bool:
+    """A SparseEncoder's directory: its config_sentence_transformers.json says so, or its modules.json names a
+    module of sentence_transformers.sparse_encoder."""
+    st_config = directory / "config_sentence_transformers.json"
+    if st_config.is_file() and _read_json(st_config).get("model_type") == "SparseEncoder":
+        return True
+    if not (directory / "modules.json").is_file():
+        return False
+    _, modules = _modules_json(directory)
+    return any(isinstance(m.get("type"), str) and ".sparse_encoder." in m["type"] for m in modules)
+
+
+def _splade_modules(directory: Path) -> tuple[str, int | None]:
+    """A SparseEncoder's modules.json: a masked-LM Transformer (MLMTransformer, or Transformer with transformer_task
+    fill-mask) at the checkpoint's root, then SpladePooling (max or sum, activation relu). Returns the pooling
+    (splade_max, splade_sum) and the embedding dimension SpladePooling saved (None: none). Any other module
+    (SparseStaticEmbedding, an inference-free model's Router, SparseAutoEncoder, Dense...) or setting (log1p_relu)
+    is refused by name: left out, it would serve other weights."""
+    modules_path, modules = _modules_json(directory)
+    expected = "a masked-LM Transformer (MLMTransformer) at the checkpoint's root, then SpladePooling"
+    types = [m.get("type") for m in modules]
+    if len(modules) < 2 or (types[0] not in _MLM_TRANSFORMER_TYPES and _module_kind(modules[0]) != "Transformer"):
+        raise CheckpointError(f"{modules_path}: SparseEncoder modules {types} are not supported: the graph computes "
+                              f"{expected}")
+    first, pooling = modules[0], modules[1]
+    if first.get("path", "") != "":
+        raise CheckpointError(f"{modules_path}: the masked-LM Transformer is in {first.get('path')!r}; the export reads "
+                              "its weights from the checkpoint's root")
+    if types[0] not in _MLM_TRANSFORMER_TYPES:  # the Transformer module gives logits only with the fill-mask task
+        bert_config = directory / "sentence_bert_config.json"
+        task = (_read_json(bert_config) if bert_config.is_file() else {}).get("transformer_task", "feature-extraction")
+        if task != "fill-mask":
+            raise CheckpointError(f"{bert_config}: transformer_task {task!r} before SpladePooling is not supported: "
+                                  "SPLADE pools a masked-LM head's logits (transformer_task 'fill-mask')")
+    if types[1] not in _SPLADE_POOLING_TYPES:
+        raise CheckpointError(f"{modules_path}: module {types[1]!r} ({pooling.get('path')}) after the masked-LM "
+                              f"Transformer is not supported: the graph computes {expected}")
+    if len(modules) > 2:
+        raise CheckpointError(f"{modules_path}: module(s) {types[2:]} after SpladePooling are not supported: the "
+                              f"graph computes {expected}, and leaving them out would change the sparse vectors")
+    config_path = directory / pooling.get("path", "") / "config.json"
+    raw = _read_json(config_path)
+    strategy, activation = raw.get("pooling_strategy", "max"), raw.get("activation_function", "relu")
+    if strategy not in ("max", "sum"):
+        raise CheckpointError(f"{config_path}: pooling_strategy {strategy!r} is not supported (max, sum)")
+    if activation != "relu":
+        raise CheckpointError(f"{config_path}: activation_function {activation!r} is not supported: the graph computes "
+                              "log(1 + relu(logits)) (activation relu) only")
+    dimension = raw.get("embedding_dimension", raw.get("word_embedding_dimension"))
+    return f"splade_{strategy}", dimension
+
+
+def _splade_pooling(directory: Path, raw: dict, option: str | None) -> str | None:
+    """The SPLADE pooling a checkpoint is exported with: its SparseEncoder modules', or --pooling's for a bare
+    *ForMaskedLM (without modules.json); None for any other model. --pooling that contradicts modules.json
+    is refused."""
+    config_path = directory / "config.json"
+    if _is_sparse_encoder(directory):
+        pooling, dimension = _splade_modules(directory)
+        if dimension is not None and dimension != raw.get("vocab_size"):
+            raise CheckpointError(f"{directory / 'modules.json'}: SpladePooling's embedding dimension {dimension} is not "
+                                  f"the vocabulary's size {raw.get('vocab_size')} ({config_path})")
+        if option is not None and SPLADE_OPTIONS[option] != pooling:
+            raise CheckpointError(f"{directory / 'modules.json'}: the SparseEncoder pools by {pooling}, --pooling says "
+                                  f"{SPLADE_OPTIONS[option]}; leave --pooling out")
+        return pooling
+    if option is None:
+        return None
+    if option not in SPLADE_OPTIONS:
+        raise CheckpointError(f"--pooling {option!r} is not one of {', '.join(SPLADE_OPTIONS)}")
+    if (directory / "modules.json").is_file():
+        raise CheckpointError(f"{directory / 'modules.json'}: a sentence-transformers model says how it pools; --pooling "
+                              f"{option} is for a bare *ForMaskedLM checkpoint")
+    architecture = (raw.get("architectures") or [""])[0]
+    if not architecture.endswith("ForMaskedLM"):
+        raise CheckpointError(f"{config_path}: --pooling {option} needs a *ForMaskedLM checkpoint (its masked-LM head "
+                              f"gives the vocabulary's logits); architectures says {architecture or 'nothing'!r}")
+    return SPLADE_OPTIONS[option]
+
+
+def _masked_lm_config(raw: dict, family: Family, config_path: Path) -> MaskedLMConfig:
+    """A SPLADE model's masked-LM head from config.json: its activation, biases, and whether the decoder is tied to
+    the word embeddings; a family without a head the encoder computes is refused by name."""
+    layout = family.masked_lm
+    if layout is None:
+        having = ", ".join(f.name for f in FAMILIES if f.masked_lm is not None)
+        raise CheckpointError(f"{config_path}: SPLADE needs the {family.name} family's masked-LM head, which the "
+                              f"encoder does not compute (families with one: {having})")
+    activation = layout.activation_of(raw, config_path)
+    # ModernBERT's keys: classifier_bias defaults to false, decoder_bias to true (ModernBertConfig)
+    dense_bias = bool(config_value(raw, layout.dense_bias_key, False)) if layout.dense_bias_key else True
+    decoder_bias = bool(config_value(raw, layout.decoder_bias_key, True)) if layout.decoder_bias_key else True
+    return MaskedLMConfig(activation, dense_bias, decoder_bias, bool(config_value(raw, "tie_word_embeddings", True)))
+
+
+def _masked_lm_tensors(layout, head: MaskedLMConfig, norm_bias: bool) -> tuple[str, ...]:
+    """The checkpoint tensors a masked-LM head needs (a tied decoder's weight is the word embeddings)."""
+    names = [f"{layout.dense}weight", f"{layout.norm}weight"]
+    names += [f"{layout.dense}bias"] if head.dense_bias else []
+    names += [f"{layout.norm}bias"] if norm_bias else []
+    names += [] if head.tied else [f"{layout.decoder}weight"]
+    if head.decoder_bias:
+        names.append(layout.tied_bias if head.tied and layout.tied_bias else f"{layout.decoder}bias")
+    return tuple(names)
+
+
+def _tie_masked_lm(mapped: dict[str, torch.Tensor], layout, head: MaskedLMConfig, weights_path: Path) -> list[str]:
+    """Put the tied tensors where transformers' tie_weights puts them: the decoder's weight is the word embeddings,
+    its bias (BERT, RoBERTa) the head's own bias; returns the checkpoint names so replaced or unused."""
+    unused = []
+    tied_bias = mapped.pop("mlm_head.tied_bias", None)
+    if head.tied:
+        saved = mapped.pop("mlm_head.decoder.weight", None)
+        if saved is not None:
+            if not torch.equal(saved, mapped["embeddings.token.weight"]):
+                raise CheckpointError(f"{weights_path}: {layout.decoder}weight differs from the word embeddings "
+                                      "tie_word_embeddings ties it to; set tie_word_embeddings false in config.json to "
+                                      "use it as saved")
+            unused.append(f"{layout.decoder}weight")
+        mapped["mlm_head.decoder.weight"] = mapped["embeddings.token.weight"]
+        if tied_bias is not None:
+            if mapped.pop("mlm_head.decoder.bias", None) is not None:
+                unused.append(f"{layout.decoder}bias")
+            mapped["mlm_head.decoder.bias"] = tied_bias
+    elif tied_bias is not None:  # untied, the decoder has its own bias and transformers never reads this one
+        unused.append(layout.tied_bias)
+    return unused
 
 
 def encoder_config(directory: Path, pooling: str = "mean", normalize: bool = False) -> tuple[EncoderConfig, str]:
@@ -321,17 +467,19 @@ def read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
 
 
 def map_state_dict(
-    weights: dict[str, torch.Tensor], weights_path: Path, family: Family = FAMILIES[0], head: bool = False
+    weights: dict[str, torch.Tensor], weights_path: Path, family: Family = FAMILIES[0], head: bool = False,
+    masked_lm: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Rename a family's tensors to our parameter names; return (mapped, ignored names).
 
     head: a *ForSequenceClassification checkpoint, whose head tensors (BERT's pooler among them,
-    ignored otherwise) map onto `head.dense`, `head.norm` and `head.out_proj`.
+    ignored otherwise) map onto `head.dense`, `head.norm` and `head.out_proj`. masked_lm: a SPLADE model, whose
+    masked-LM head's tensors (ignored otherwise) map onto `mlm_head.*` (export/heads.py MaskedLMHead).
     """
     mapped: dict[str, torch.Tensor] = {}
     ignored: list[str] = []
     unknown: list[str] = []
-    layers = family.head.layers() if head else ()
+    layers = (family.head.layers() if head else ()) + (family.masked_lm.layers() if masked_lm else ())
     for name, tensor in weights.items():
         ours = next((target + name[len(source):] for source, target in layers if name.startswith(source)), None)
         if ours is not None:
@@ -559,11 +707,14 @@ def _matryoshka(raw: dict, config_path: Path, width: int,
 
 
 def load_checkpoint(spec: str | Path, name: str | None = None,
-                    matryoshka_dimensions: tuple[int, ...] | None = None) -> Checkpoint:
-    """Load a checkpoint directory (or 'default') into an Encoder (or a SequenceClassifier) in eval mode."""
+                    matryoshka_dimensions: tuple[int, ...] | None = None, pooling: str | None = None) -> Checkpoint:
+    """Load a checkpoint directory (or 'default') into an Encoder (or a SequenceClassifier, or a SpladeEncoder) in
+    eval mode. pooling: --pooling (splade, splade_max, splade_sum), for a bare *ForMaskedLM exported as SPLADE."""
     directory, default_name = resolve_checkpoint(spec)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint directory does not exist")
+    if _is_sparse_encoder(directory):
+        _splade_modules(directory)  # a module the graph cannot compute is named before any file it lacks
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise CheckpointError(f"{tokenizer_path}: missing (a fast tokenizer file is required)")
@@ -572,19 +723,36 @@ def load_checkpoint(spec: str | Path, name: str | None = None,
     if classifies and (family := family_of(raw.get("model_type"), directory / "config.json")).head is None:
         raise CheckpointError(f"{directory / 'config.json'}: {raw['architectures'][0]} is not supported: the "
                               f"{family.name} family loads as an embedding model only")
-    colbert_dense = None if classifies else _pylate_layout(directory)
+    splade = None if classifies else _splade_pooling(directory, raw, pooling)
+    if pooling is not None and splade is None:
+        raise CheckpointError(f"{directory / 'config.json'}: --pooling {pooling} is for a *ForMaskedLM checkpoint, "
+                              "not a sequence classifier")
+    colbert_dense = None if classifies or splade else _pylate_layout(directory)
     modules = _cross_encoder_modules(directory, raw, family) if classifies else \
+        SentenceModules(pooling=splade) if splade else \
         SentenceModules() if colbert_dense is not None else _sentence_modules(directory)
     config, architecture, family = _read_config(directory, modules.pooling, modules.normalize, modules.dense)
     head = _classifier_config(raw, family, directory / "config.json") if classifies else None
+    mlm = _masked_lm_config(raw, family, directory / "config.json") if splade else None
     weights, weights_path = read_weights(directory)
     if head is not None and (missing := [t for t in family.head.tensors(head.dense_bias) if t not in weights]):
         raise CheckpointError(f"{weights_path}: missing tensor(s) {missing} of the {family.name} classification "
                               f"head ({architecture})")
-    mapped, ignored = map_state_dict(weights, weights_path, family, head=head is not None)
+    if mlm is not None and (missing := [t for t in _masked_lm_tensors(family.masked_lm, mlm, config.norm_bias)
+                                        if t not in weights]):
+        raise CheckpointError(f"{weights_path}: missing tensor(s) {missing} of the {family.name} masked-LM head "
+                              f"that SPLADE pools ({architecture}; a *ForMaskedLM checkpoint has them)")
+    mapped, ignored = map_state_dict(weights, weights_path, family, head=head is not None, masked_lm=mlm is not None)
+    if mlm is not None:
+        ignored += _tie_masked_lm(mapped, family.masked_lm, mlm, weights_path)
+        if matryoshka_dimensions:
+            raise CheckpointError(f"{directory}: matryoshka dimensions are for dense embeddings; a SPLADE model's "
+                                  "vector has one weight per vocabulary entry")
     ignored += take_sinusoidal_table(mapped, weights, config, weights_path)
     mapped |= modules.dense_weights  # the Dense modules' own files, already checked
     build = (lambda: Encoder(config)) if head is None else (lambda: SequenceClassifier(config, head))
+    if mlm is not None:
+        build = lambda: SpladeEncoder(config, mlm)  # noqa: E731
     _check_layers(config, mapped, weights_path)
     with torch.device("meta"):  # the config's shapes against the weights', before any table is allocated
         check_fit(build().state_dict(), mapped, weights_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from bundle.manifest import Pooling, ScoreActivation
+from bundle.manifest import SPLADE_POOLINGS, Pooling, ScoreActivation
 
 Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
 # what a sentence-transformers Dense module applies after its linear map
@@ -52,6 +52,17 @@ class ClassifierConfig:
     @property
     def num_labels(self) -> int:
         return len(self.labels)
+
+
+@dataclass(frozen=True)
+class MaskedLMConfig:
+    """A *ForMaskedLM head: decoder(norm(activation(dense(h)))) per token, vocab_size logits (what a SPLADE
+    model pools). The norm is the encoder's kind and eps in every family we load."""
+
+    activation: Activation
+    dense_bias: bool = True  # ModernBERT's dense has none (classifier_bias false)
+    decoder_bias: bool = True  # ModernBERT's decoder_bias may say none
+    tied: bool = True  # the decoder's weight is the word embeddings (config.json's tie_word_embeddings)
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,10 @@ class EncoderConfig:
 
     @property
     def sentence_dim(self) -> int:
-        """Size of the sentence embedding: d_model, or the last Dense layer's output."""
+        """Size of the sentence embedding: d_model, or the last Dense layer's output; a SPLADE model's pooled
+        output has one weight per vocabulary entry."""
+        if self.pooling in SPLADE_POOLINGS:
+            return self.vocab_size
         return self.dense[-1].out_features if self.dense else self.d_model
 
     @property

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bundle.manifest import SPLADE_POOLINGS
 from export.config import DenseLayer, EncoderConfig, Pooling
 
 POOLINGS: tuple[str, ...] = Pooling.__args__  # type: ignore[attr-defined]
@@ -401,6 +402,8 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
         return hidden[torch.arange(hidden.size(0), device=hidden.device), last]
     if how == "max":
         return hidden.masked_fill(keep == 0, torch.finfo(hidden.dtype).min).max(dim=1).values
+    if how in SPLADE_POOLINGS:
+        raise ValueError(f"{how} pools the masked-LM head's logits, not encodings: export.heads.SpladeEncoder")
     raise ValueError(f"unknown pooling {how!r}: expected one of {', '.join(POOLINGS)}")
 
 
@@ -464,8 +467,13 @@ class Encoder(nn.Module):
             x, weights = layer(x, attention_mask, mask, bias, rotary)
             all_weights.append(weights)  # (B, heads, T, T)
         x = self.final_norm(x)
-        embedding = self.finish(pool(x, attention_mask, self.config.pooling))  # (B, sentence_dim)
+        embedding = self.pooled(x, attention_mask)  # (B, sentence_dim)
         return x, embedding, torch.stack(all_weights)  # attentions: (layers, B, heads, T, T)
+
+    def pooled(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The final encodings (B, T, d_model) of right-padded rows -> the second output (B, sentence_dim):
+        pooled, then finished (export/heads.py's SpladeEncoder pools its head's logits instead)."""
+        return self.finish(pool(x, attention_mask, self.config.pooling))
 
     def layer_inputs(self, positions: torch.Tensor, mask: torch.Tensor | None):
         """Each layer's (mask, score bias, rotary cos/sin), computed once from the positions (B, T) for all

@@ -39,9 +39,11 @@ from bundle.manifest import (
     BundleManifest,
     GraphInfo,
     ModelInfo,
+    SPLADE_POOLINGS,
     PackedInfo,
     ParityReport,
     QualityGate,
+    SparseInfo,
     VariantInfo,
     file_entry,
     load_bundle,
@@ -77,6 +79,8 @@ class ExportOptions:
     cosine_floor: float = DEFAULT_COSINE_FLOOR
     # the embedding sizes the model was trained to be cut to, when its config.json does not say
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # --pooling: splade (max), splade_sum: a bare *ForMaskedLM exported as a SPLADE model
+    pooling: str | None = None
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
     total = 7
 
     started = _step(progress, 1, total, f"loading checkpoint {options.checkpoint}")
-    ckpt = load_checkpoint(options.checkpoint, options.name, options.matryoshka_dimensions)
+    ckpt = load_checkpoint(options.checkpoint, options.name, options.matryoshka_dimensions, options.pooling)
     cfg = ckpt.config
     progress(
         f"      {ckpt.name} ({ckpt.architecture}): {cfg.n_layers} layers, {cfg.n_heads} heads, "
@@ -127,6 +131,9 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
                  f"problem_type {head.problem_type}, head {head.activation}{' + norm' if head.norm else ''} on "
                  f"{'the first token' if cfg.pooling == 'cls' else 'the mean of the tokens'}, "
                  f"scores {head.score_activation} of the logits (CrossEncoder.predict's)")
+    elif cfg.pooling in SPLADE_POOLINGS:
+        progress(f"      task embedding: SPLADE, the masked-LM head's logits, log(1 + relu), {cfg.pooling[7:]} over "
+                 f"tokens: one weight per vocabulary entry ({cfg.vocab_size})")
     else:
         progress("      task embedding")
     for name in ckpt.ignored:
@@ -188,7 +195,7 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
                 architecture=ckpt.architecture,
                 source=str(ckpt.path),
                 hidden_size=cfg.d_model,
-                embedding_dim=cfg.sentence_dim if cfg.dense else None,
+                embedding_dim=cfg.sentence_dim if cfg.dense or cfg.sentence_dim != cfg.d_model else None,
                 dense_layers=len(cfg.dense),
                 num_layers=cfg.n_layers,
                 num_heads=cfg.n_heads,
@@ -209,6 +216,7 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
                 matryoshka_dimensions=list(ckpt.conventions.matryoshka_dimensions)
                 if ckpt.conventions.matryoshka_dimensions else None,
                 **_representation_fields(ckpt),
+                **_splade_fields(cfg),
             ),
             graph=GraphInfo(
                 file=GRAPH_FILE, opset=opset, inputs=list(INPUT_NAMES), outputs=list(output_names(ckpt.task))
@@ -242,6 +250,21 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
         return ExportResult(out=out, manifest=manifest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _splade_fields(cfg) -> dict:
+    """A SPLADE model's manifest fields: its pooled output is its sparse vector, not a dense embedding."""
+    return dict(dense=False, sparse=SparseInfo(kind="splade")) if cfg.pooling in SPLADE_POOLINGS else {}
+
+
+def _sparse_gate(gate: QualityGate, ckpt: Checkpoint, tokenizer: Tokenizer, session) -> QualityGate:
+    """A SPLADE model's lossy variant is held to its sparse vectors' top terms too (quality.check_sparse): it
+    passes only if both gates do."""
+    if ckpt.config.pooling not in SPLADE_POOLINGS:
+        return gate
+    gates = quality.check_sparse(ckpt.encoder, tokenizer, session, ckpt.max_tokens, ckpt.config.pad_token_id)
+    return gate.model_copy(update={"representations": [*gate.representations, *gates],
+                                   "passed": gate.passed and all(g.passed for g in gates)})
 
 
 def _with_data(staging: Path, names: list[str]) -> list[str]:
@@ -339,11 +362,13 @@ def _lossy_variant(
         providers = ["CUDAExecutionProvider"]
     else:
         raise ExportError(f"unknown precision {precision!r}: expected int8 or fp16")
+    session = ort_session(target)
     gate = quality.check_quality(
         ckpt.encoder, tokenizer, target, ckpt.max_tokens, ckpt.config.pad_token_id, options.mean_cosine,
-        options.cosine_floor,
+        options.cosine_floor, session=session,
     )
     gate = _representation_quality(ckpt, tokenizer, ort_session(target, ["CPUExecutionProvider"]), gate)
+    gate = _sparse_gate(gate, ckpt, tokenizer, session)
     progress("      " + quality_line(precision, gate))
     if not gate.passed:
         _remove_graph(target)
@@ -379,11 +404,13 @@ def _bf16_variant(
         progress(f"      bf16 not gated, not published: {check.reason}")
         return None
     graph = staging / fp32.file
+    session = OpenVinoSession(graph, ENCODINGS_OUTPUT_NAMES, "bf16")
     gate = quality.check_quality(
         ckpt.encoder, tokenizer, graph, ckpt.max_tokens, ckpt.config.pad_token_id, options.mean_cosine,
-        options.cosine_floor, session=OpenVinoSession(graph, ENCODINGS_OUTPUT_NAMES, "bf16"),
+        options.cosine_floor, session=session,
     )
     gate = _representation_quality(ckpt, tokenizer, OpenVinoSession(graph, ENCODINGS_OUTPUT_NAMES, "bf16"), gate)
+    gate = _sparse_gate(gate, ckpt, tokenizer, session)
     progress("      " + quality_line("bf16", gate) + f" (OpenVINO {check.version}, {check.cpu})")
     if not gate.passed:
         progress("      bf16 rejected by its gate: not published")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from export.errors import CheckpointError
 from export.families import bert, distilbert, electra, gemma3, modernbert, mpnet, qwen3, roberta, rotary_bert
-from export.families.base import Family, HeadLayout, config_value
+from export.families.base import Family, HeadLayout, MaskedLMLayout, config_value
 
-__all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "HeadLayout", "config_value", "family_of"]
+__all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "HeadLayout", "MaskedLMLayout", "config_value", "family_of"]
 
 # the order family_of tries them in and its refusal lists them in
 FAMILIES: tuple[Family, ...] = (

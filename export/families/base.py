@@ -121,6 +121,37 @@ _CLASSIFIER_DROPOUT = ("classifier_dropout", "hidden_dropout_prob")
 
 
 @dataclass(frozen=True)
+class MaskedLMLayout:
+    """Where a family's *ForMaskedLM keeps its masked-LM head and what the head computes (transformers'
+    modeling_<family>.py): logits = decoder(norm(activation(dense(h)))) per token, the decoder's weight
+    the word embeddings while config.json's tie_word_embeddings (default true) says so. Full checkpoint
+    names, each a prefix of a layer's tensors. A SPLADE model's vocabulary vector is these logits pooled."""
+
+    dense: str  # hidden -> hidden, before the activation
+    norm: str  # LayerNorm after the activation
+    decoder: str  # hidden -> vocab_size
+    embeddings: str  # the word embeddings the decoder's weight is tied to
+    activation: str  # the activation when no config key names it (RoBERTa's is always exact GELU)
+    activation_key: str | None = None  # config.json's key for the activation (BERT: hidden_act)
+    # BERT's and RoBERTa's decoder bias is tied to a bias of the head's own (cls.predictions.bias, lm_head.bias)
+    # while the embeddings are tied; untied, the decoder's own bias is read and that one is unused
+    tied_bias: str | None = None
+    dense_bias_key: str | None = None  # config.json's key for the dense layer's bias (default: it has one)
+    decoder_bias_key: str | None = None  # config.json's key for the decoder's bias (default: it has one)
+
+    def activation_of(self, raw: dict, config_path: Path) -> str:
+        """The head's activation (export.config.Activation): config.json's, where the family reads one."""
+        return _activation(raw, self.activation_key, config_path) if self.activation_key else self.activation
+
+    def layers(self) -> tuple[tuple[str, str], ...]:
+        """(checkpoint prefix, our prefix) of each of its tensors; the tied bias lands on `mlm_head.tied_bias`,
+        which the loader moves onto the decoder or leaves out (export/checkpoint.py _tie_masked_lm)."""
+        ours = ((self.dense, "mlm_head.dense."), (self.norm, "mlm_head.norm."), (self.decoder, "mlm_head.decoder."),
+                (self.tied_bias, "mlm_head.tied_bias"))
+        return tuple((source, target) for source, target in ours if source)
+
+
+@dataclass(frozen=True)
 class Family:
     """One checkpoint family: its model_type(s), its weight names, and what it leaves out on purpose."""
 
@@ -138,3 +169,4 @@ class Family:
     head: HeadLayout | None  # its *ForSequenceClassification head (None: not loaded yet)
     # config.json (raw, model_type, its path) -> EncoderConfig's fields: the choices this family makes
     fields: Callable[[dict, str, Path], dict] = field(hash=False, default=lambda raw, model_type, path: {})
+    masked_lm: MaskedLMLayout | None = None  # its *ForMaskedLM head, for SPLADE (None: SPLADE refused)

@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 
 from export.errors import CheckpointError
-from export.families.base import _CLASSIFIER_DROPOUT, _INDEX_BUFFERS, Family, HeadLayout, _activation, config_value
+from export.families.base import (_CLASSIFIER_DROPOUT, _INDEX_BUFFERS, Family, HeadLayout, MaskedLMLayout, _activation,
+                                  config_value)
 
 # BERT's parameter names -> ours; RoBERTa, XLM-RoBERTa, CamemBERT and ELECTRA share them.
 _BERT_RENAMES = (
@@ -68,6 +69,12 @@ def _bert_like_fields(raw: dict, model_type: str, config_path: Path) -> dict:
 # BertForSequenceClassification: the pooler (dense + tanh on [CLS]), then dropout and `classifier`
 _BERT_HEAD = HeadLayout("bert.pooler.dense.", "classifier.", "tanh", False, _CLASSIFIER_DROPOUT)
 
+# BertForMaskedLM: cls.predictions.transform (dense, hidden_act, LayerNorm), then the decoder
+_BERT_MASKED_LM = MaskedLMLayout("cls.predictions.transform.dense.", "cls.predictions.transform.LayerNorm.",
+                                 "cls.predictions.decoder.", "bert.embeddings.word_embeddings.", "gelu",
+                                 activation_key="hidden_act", tied_bias="cls.predictions.bias")
+
 ROWS = (
-    Family("BERT", ("bert",), "bert.", _BERT_RENAMES, _BERT_IGNORED, _BERT_HEAD, _bert_like_fields),
+    Family("BERT", ("bert",), "bert.", _BERT_RENAMES, _BERT_IGNORED, _BERT_HEAD, _bert_like_fields,
+           masked_lm=_BERT_MASKED_LM),
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from export.families.base import _INDEX_BUFFERS, Family, HeadLayout, _activation, config_value
+from export.families.base import _INDEX_BUFFERS, Family, HeadLayout, MaskedLMLayout, _activation, config_value
 
 _DISTILBERT_RENAMES = (
     (r"^embeddings\.word_embeddings\.", "embeddings.token."),
@@ -51,7 +51,11 @@ def _distilbert_fields(raw: dict, model_type: str, config_path: Path) -> dict:
 
 _DISTILBERT_HEAD = HeadLayout("pre_classifier.", "classifier.", "relu", False, ("seq_classif_dropout",))
 
+# DistilBertForMaskedLM: vocab_transform, `activation`, vocab_layer_norm, vocab_projector (its own bias)
+_DISTILBERT_MASKED_LM = MaskedLMLayout("vocab_transform.", "vocab_layer_norm.", "vocab_projector.",
+                                       "distilbert.embeddings.word_embeddings.", "gelu", activation_key="activation")
+
 ROWS = (
     Family("DistilBERT", ("distilbert",), "distilbert.", _DISTILBERT_RENAMES, _DISTILBERT_IGNORED, _DISTILBERT_HEAD,
-           _distilbert_fields),
+           _distilbert_fields, masked_lm=_DISTILBERT_MASKED_LM),
 )

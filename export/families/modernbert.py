@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 from export.errors import CheckpointError
-from export.families.base import (_FUSED_QKV, Family, HeadLayout, _activation, _local_attention, _positive_int,
-                                  config_value)
+from export.families.base import (_FUSED_QKV, Family, HeadLayout, MaskedLMLayout, _activation, _local_attention,
+                                  _positive_int, config_value)
 
 # pre-norm, fused Wqkv, GeGLU in one Wi (input, then gate), no position table; ModernBertForMaskedLM and
 # the classifier keep it under `model.`
@@ -72,7 +72,13 @@ _MODERNBERT_HEAD = HeadLayout("head.dense.", "classifier.", "gelu", False, ("cla
                               activation_key="classifier_activation", pooling_key="classifier_pooling",
                               dense_bias_key="classifier_bias")
 
+# ModernBertForMaskedLM: ModernBertPredictionHead (dense without a bias unless classifier_bias,
+# classifier_activation, norm), then the decoder (a bias unless decoder_bias is false)
+_MODERNBERT_MASKED_LM = MaskedLMLayout("head.dense.", "head.norm.", "decoder.", "model.embeddings.tok_embeddings.",
+                                       "gelu", activation_key="classifier_activation", dense_bias_key="classifier_bias",
+                                       decoder_bias_key="decoder_bias")
+
 ROWS = (
     Family("ModernBERT", ("modernbert",), "model.", _MODERNBERT_RENAMES, _MODERNBERT_IGNORED, _MODERNBERT_HEAD,
-           _modernbert_fields),
+           _modernbert_fields, masked_lm=_MODERNBERT_MASKED_LM),
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from export.families.base import Family, config_value
+from export.families.base import Family, MaskedLMLayout, config_value
 from export.families.bert import _bert_like_fields
 from export.families.roberta import _ROBERTA_HEAD, _ROBERTA_IGNORED
 
@@ -43,7 +43,12 @@ def _mpnet_fields(raw: dict, model_type: str, config_path: Path) -> dict:
     )
 
 
+# MPNetLMHead is RoBERTa's under its own base model's embeddings
+_MPNET_MASKED_LM = MaskedLMLayout("lm_head.dense.", "lm_head.layer_norm.", "lm_head.decoder.",
+                                  "mpnet.embeddings.word_embeddings.", "gelu", tied_bias="lm_head.bias")
+
 ROWS = (
     # MPNetClassificationHead is RoBERTa's: dense, tanh, out_proj on the first token, dropout before each
-    Family("MPNet", ("mpnet",), "mpnet.", _MPNET_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD, _mpnet_fields),
+    Family("MPNet", ("mpnet",), "mpnet.", _MPNET_RENAMES, _ROBERTA_IGNORED, _ROBERTA_HEAD, _mpnet_fields,
+           masked_lm=_MPNET_MASKED_LM),
 )
