@@ -108,12 +108,14 @@ def exported_classifier(tmp_path_factory):
 def representation_bundles(tmp_path_factory) -> dict[str, Path]:
     """Tiny random models of each kind of issue 48, in the layouts their libraries save, each exported once
     per run: name -> bundle dir (their checkpoints beside them, NAME-ckpt). bge-m3 (dense, sparse,
-    multivector), colbert (PyLate: multivector)."""
+    multivector), colbert (PyLate: multivector), splade (a SparseEncoder, BERT, max pooling: sparse)."""
     from export.pipeline import ExportOptions, build_bundle
     from tests.late_interaction_models import make_bge_m3, make_pylate_colbert
+    from tests.splade_models import make_sparse_encoder
 
     root = shared_dir(tmp_path_factory, "representations")
-    makers = {"bge-m3": make_bge_m3, "colbert": make_pylate_colbert}
+    makers = {"bge-m3": make_bge_m3, "colbert": make_pylate_colbert,
+              "splade": lambda out: make_sparse_encoder("bert", out, pooling="max")}
 
     def exported(name: str) -> Path:
         def export(out: Path) -> None:

@@ -77,7 +77,23 @@ def test_colbert_vectors_and_rerank_are_pylates(client, representation_bundles):
         np.testing.assert_allclose([x["relevance_score"] for x in results], [h["score"] for h in hits], atol=ATOL)
 
 
-@pytest.mark.parametrize("name", ["bge-m3", "colbert"])
+def test_splade_sparse_vectors_are_sparse_encoders(client, representation_bundles):
+    from sentence_transformers import SparseEncoder
+
+    model = SparseEncoder(checkpoint_of(representation_bundles["splade"]), device="cpu")
+    expected = model.encode(DOCUMENTS + QUERIES, convert_to_tensor=True).to_dense().numpy()
+    ours = encode(client, "splade", DOCUMENTS + QUERIES, sparse_tokens=True)
+    for item, row in zip(ours, expected, strict=True):
+        assert "embedding" not in item  # a SPLADE model gives its sparse vector by default, no dense one
+        assert item["sparse"]["indices"] == np.flatnonzero(row).tolist()
+        np.testing.assert_allclose(item["sparse"]["values"], row[row != 0], atol=ATOL)
+        assert item["sparse"]["tokens"] == model.tokenizer.convert_ids_to_tokens(item["sparse"]["indices"])
+    top = encode(client, "splade", DOCUMENTS[:1], top_k=5)[0]["sparse"]
+    best = np.sort(np.argsort(-expected[0], kind="stable")[:5]).tolist()
+    assert top["indices"] == best and len(top["values"]) == 5
+
+
+@pytest.mark.parametrize("name", ["bge-m3", "colbert", "splade"])
 def test_lossy_variants_were_gated_on_their_representations(representation_bundles, name):
     """Every lossy variant the export published passed a gate on the outputs it serves: MaxSim scores for
     token vectors, weights and top terms for a sparse vector (the export's RepresentationGate rows)."""
