@@ -25,13 +25,14 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install reference-envs run test export bundle bench bench-families profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
+.PHONY: help install reference-envs run test export bundle bench bench-representations bench-families profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
 	@echo "make test    install into $(VENV) (and the reference environment $(REF_ENV)) and run the whole test suite"
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes docs/performance.md and the README's headline"
+	@echo "make bench-representations  issue 48's rows alone: BGE-M3's three outputs in one pass vs three and vs FlagEmbedding, SPLADE vs SparseEncoder (REPRESENTATIONS_ARGS=...)"
 	@echo "make bench-families  MPNet, ModernBERT and Qwen3 shapes at real sizes: the service vs sentence-transformers (PEERS=infinity: and infinity-emb)"
 	@echo "make profile py-spy flame graphs of the replica (and the proxy actor) under load -> results/profile/"
 	@echo "make report  make bench with a concurrency sweep, and the plot docs/performance.png"
@@ -78,8 +79,16 @@ run: bundle
 	@$(BIN)/python -m bundle --brief $(BUNDLE)
 	@$(BIN)/python -m service --config deploy/serve_config.yaml --bundle $(BUNDLE) $(SERVE_ARGS)
 
-bench: bundle
+bench: bundle reference-envs
 	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) $(if $(PEERS),--peers $(PEERS)) $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.representations $(REPRESENTATIONS_ARGS)
+
+# Dense, sparse and multi-vector outputs (issue 48) at base size, random weights: the service's one pass against
+# three, against FlagEmbedding in the reference environment and SparseEncoder in-process; rows into
+# docs/performance.md. REPRESENTATIONS_ARGS, e.g. '--size tiny --texts 32' (a smoke run: its figures mean nothing).
+REPRESENTATIONS_ARGS ?=
+bench-representations: bundle reference-envs
+	$(BIN)/python -m benchmarks.representations $(REPRESENTATIONS_ARGS)
 
 # MPNet, ModernBERT and Qwen3 shapes at their real sizes (random weights): the service against
 # sentence-transformers (and infinity-emb with PEERS=infinity); rows into docs/performance.md

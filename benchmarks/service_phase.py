@@ -320,6 +320,9 @@ def _measure(spec: dict, rows: list[dict]) -> list[dict]:
             if scenario.get("rerank"):
                 rows.append(rerank_row(url, spec, scenario))
                 continue
+            if scenario.get("bodies"):
+                rows.append(bodies_row(url, spec, scenario, info))
+                continue
             if scenario.get("short"):
                 pool = [spec["short_text"]] * 200
             else:
@@ -429,6 +432,31 @@ def rerank_row(url: str, spec: dict, scenario: dict) -> dict:
            **{f"p{q}": percentile(latencies, q) * 1000 for q in (50, 95, 99)}}
     print(f"  {row['engine']}, concurrency {row['concurrency']}: {row['requests_s']:.1f} requests/s "
           f"({row['texts_s']:.0f} pairs/s), p50 {row['p50']:.1f} ms, failures {failures}", flush=True)
+    return row
+
+
+def bodies_row(url: str, spec: dict, scenario: dict, info: dict) -> dict:
+    """/v1/encode with the scenario's own request bodies (several per client batch where it asks for one
+    representation each): texts/s counts each of the scenario's `texts` once, however many requests it took.
+    Each kind of body is sent once first, and its answer must hold every output it asked for."""
+    bodies = scenario["bodies"]
+    with httpx.Client(base_url=url, timeout=300) as client:
+        for body in {json.dumps({k: v for k, v in b.items() if k != "inputs"}): b for b in bodies}.values():
+            r = client.post("/v1/encode", json=body)
+            r.raise_for_status()
+            item = r.json()["data"][0]
+            missing = [k for k in ("embedding", "sparse", "multivector") if body.get(k) and item.get(k) is None]
+            if missing:
+                raise SystemExit(f"{spec['label']}: /v1/encode answered without {missing} for {sorted(body)}")
+    asyncio.run(load(url, bodies[:8], scenario["concurrency"], path="/v1/encode"))  # warm-up
+    wall, latencies, failures = asyncio.run(load(url, bodies, scenario["concurrency"], path="/v1/encode"))
+    row = {"engine": f"service {spec['label']}, {scenario['label']}", "representations": scenario["representations"],
+           "passes": scenario["passes"], "concurrency": scenario["concurrency"], "ingress": spec["ingress"],
+           "requests": len(bodies), "texts_s": scenario["texts"] / wall, "failures": failures,
+           "precision": info.get("precision", ""), "runtime": info.get("runtime", ""),
+           **{f"p{q}": percentile(latencies, q) * 1000 for q in (50, 95, 99)}}
+    print(f"  {row['engine']}, concurrency {row['concurrency']}: {row['texts_s']:.1f} texts/s "
+          f"({len(bodies)} requests), p50 {row['p50']:.0f} ms, failures {failures}", flush=True)
     return row
 
 
