@@ -173,6 +173,8 @@ def flag_embedding_rates(model: Path, texts: list[str], batch: int) -> tuple[dic
     result = json.loads(done.stdout.strip().splitlines()[-1])
     for precision, why in result["failed"].items():
         print(f"  FlagEmbedding {precision} did not run: {why}", flush=True)
+    if not result["rates"]:
+        raise SystemExit(f"FlagEmbedding in-process ran at no precision: {result['failed']}")
     return result["rates"], result["failed"]
 
 
@@ -233,7 +235,6 @@ def vocabulary_products(bundle: Path, vocab: int) -> int:
     """How many matrix products of the bundle's fp32 graph have a vocabulary-sized side (the masked-LM decoder);
     the word-embedding table itself is a Gather, not a product."""
     import onnx
-    from onnx import numpy_helper  # noqa: F401  (initializer shapes are read from their dims)
 
     from bundle.manifest import load_bundle
 
