@@ -448,7 +448,13 @@ def _representation_quality(ckpt: Checkpoint, tokenizer: Tokenizer, session, gat
         return gate
     rows = quality.check_representation_quality(ckpt.encoder, tokenizer, session, ckpt.token_heads, ckpt.max_tokens,
                                                 ckpt.config.pad_token_id, ckpt.config.vocab_size)
-    return gate.model_copy(update={"representations": rows, "passed": gate.passed and all(r.passed for r in rows)})
+    rows_pass = all(r.passed for r in rows)
+    if not ckpt.token_heads.dense:
+        # a ColBERT's graph pools a vector nothing serves (its manifest says dense false): the cosine and
+        # retrieval figures of it are kept for the record, and only the outputs served decide
+        problems = [f"not deciding (no dense output is served): {p}" for p in gate.problems]
+        return gate.model_copy(update={"representations": rows, "passed": rows_pass, "problems": problems})
+    return gate.model_copy(update={"representations": rows, "passed": gate.passed and rows_pass})
 
 
 def _representation_fields(ckpt: Checkpoint) -> dict:

@@ -98,3 +98,46 @@ def test_what_a_model_cannot_give_is_refused_before_inference(client, payload, s
     assert r.status_code == status, r.text
     message = r.json()["error"]["message"]
     assert all(w in message for w in words), message
+
+
+@pytest.mark.parametrize("name", ["bge-m3", "colbert", "splade"])
+def test_openvino_gives_the_same_representations_within_their_gates(representation_bundles, name):
+    """The replica's other runtime: OpenVINO (bf16 where the CPU has bf16 units, else f32: the same loading and
+    I/O code) feeds the same numpy heads from its own outputs; its MaxSim scores and sparse vectors stay within
+    the export's gates of onnxruntime fp32's (relative error 0.02, cosine 0.98)."""
+    from service.config import ServiceSettings
+    from service.engine.engine import load_engine
+    from service.engine.runner import EncodeJob
+
+    from bundle.manifest import load_bundle
+
+    # OpenVINO at f32 where the bf16 gate did not publish a variant (a tiny random model can fail its retrieval
+    # check): the runtime's loading and I/O are the same
+    openvino = "bf16" if "bf16" in load_bundle(representation_bundles[name]).manifest.variants else "fp32"
+    results = {}
+    for runtime, precision in (("onnxruntime", "fp32"), ("openvino", openvino)):
+        settings = ServiceSettings.model_validate({"bundle": str(representation_bundles[name]), "runtime": runtime,
+                                                   "precision": precision, "warmup": False})
+        engine = load_engine(settings.bundles[0], settings)
+        assert engine.runtime.runtime == runtime
+        model = engine.model
+        ids = [t.ids for t in engine.tokenizer.encode(TEXTS, True)]
+        job = EncodeJob(route="/v1/encode", ids=ids, normalize=model.normalize, sparse=model.sparse is not None,
+                        multivector=model.multivector is not None)
+        results[runtime] = engine.runner.compute([job])[0]
+    reference, candidate = results["onnxruntime"], results["openvino"]
+    if reference.multivectors is not None:
+        for q in range(len(TEXTS)):
+            for d in range(len(TEXTS)):
+                want = maxsim(reference.multivectors[q], reference.multivectors[d]).score
+                got = maxsim(candidate.multivectors[q], candidate.multivectors[d]).score
+                assert abs(got - want) <= 0.02 * abs(want), (q, d, got, want)
+    if reference.sparse is not None:
+        width = max(int(i.max(initial=0)) for i, _ in reference.sparse + candidate.sparse) + 1
+        for (ri, rv), (ci, cv) in zip(reference.sparse, candidate.sparse, strict=True):
+            a, b = np.zeros(width), np.zeros(width)
+            a[ri], b[ci] = rv, cv
+            if not a.any():  # a text whose every token is special or weighs 0 (the tiny XLM-R's "zebra")
+                assert not b.any()
+                continue
+            assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) >= 0.98
