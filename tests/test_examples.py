@@ -4,17 +4,20 @@ the suite's running service, so that they cannot rot: the checks are on what the
 The open examples run against the default app (service_url). Rerank, auth and the load script run
 against one more app: the default model plus a cross-encoder built locally (tests/families.py),
 a bearer token required, and limits tight enough (2 requests per replica, 1 queued) that the load
-script's concurrent requests are shed with 503 + Retry-After and its retries are exercised.
+script's concurrent requests are shed with 503 + Retry-After and its retries are exercised. The Qdrant
+hybrid-search example runs against the representation models' app (representations_url: a tiny BGE-M3).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -140,3 +143,42 @@ def test_tei_and_cohere_client_examples_embed_and_rerank_with_the_token(secured_
     assert "embeddings 2 dimension 384" in llama and llama.count("rerank score") == 3, llama
     haystack = run_example("haystack_tei.py", "--url", url, token=TOKEN)
     assert re.search(r"retrieved \S+ 'A man is eating a piece of bread.'", haystack.splitlines()[0]), haystack
+
+
+def test_hybrid_qdrant_example_reranks_the_prefetched_candidates_by_the_services_maxsim(representations_url):
+    """The Qdrant example against a tiny BGE-M3: Qdrant's order of the dense and sparse candidates is the
+    order the service's own /v1/rerank gives them by MaxSim, with the same score (Qdrant sums over the query's
+    tokens what /v1/rerank averages), and a document's own text finds that document first."""
+    from examples.hybrid_qdrant import generated_texts
+
+    texts = generated_texts(300)
+    exact = 123
+    out = run_example("hybrid_qdrant.py", "--url", representations_url, "--model", "bge-m3", "--texts", "300",
+                      "--batch", "16", "--query", texts[exact], "--query", "fresh bread at the market")
+    assert "indexed 300 texts: dense 32, sparse, colbert 32 per token" in out, out
+    blocks = out.split("query ")[1:]
+    assert len(blocks) == 2, out
+
+    def ids(name: str, block: str) -> list[int]:
+        return [int(i) for i in re.search(rf"  {name} \[(.*)\]", block).group(1).split(",")]
+
+    for query, block in zip((texts[exact], "fresh bread at the market"), blocks, strict=True):
+        dense, sparse, hybrid = ids("dense", block), ids("sparse", block), ids("hybrid", block)
+        assert len(dense) == 20 and 0 < len(sparse) and len(hybrid) == 10, block
+        candidates = sorted(set(dense) | set(sparse))
+        assert set(hybrid) <= set(candidates), block
+        r = httpx.post(f"{representations_url}/v1/rerank", json={
+            "model": "bge-m3", "query": query, "documents": [texts[i] for i in candidates], "explain": True},
+            timeout=60)
+        assert r.status_code == 200, r.text
+        maxsim = {candidates[x["index"]]: x["explanation"]["scores"]["multivector"] for x in r.json()["results"]}
+        n_query_tokens = len(r.json()["results"][0]["explanation"]["maxsim"])
+        # Qdrant's order is the service's MaxSim order: best first, and no candidate left out beats the last
+        # one kept (1e-5: float32 sums in two libraries; near-ties may swap within it)
+        assert all(maxsim[a] >= maxsim[b] - 1e-5 for a, b in itertools.pairwise(hybrid)), (block, maxsim)
+        assert min(maxsim[i] for i in hybrid) >= max(maxsim[i] for i in candidates if i not in hybrid) - 1e-5, maxsim
+        printed = {int(i): float(s) for i, s in re.findall(r"id (\d+) maxsim (\S+)", block)}
+        np.testing.assert_allclose([printed[i] for i in hybrid], [maxsim[i] * n_query_tokens for i in hybrid],
+                                   atol=1e-3)
+    assert ids("hybrid", blocks[0])[0] == exact, blocks[0]
+    assert ids("dense", blocks[0])[0] == exact, blocks[0]  # cosine 1 with itself
