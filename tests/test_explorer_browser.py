@@ -1,5 +1,6 @@
 """The explorer page in a real browser (headless Chromium, driven by selenium through chromedriver)
-against the real service, and GET / and the page's assets over plain HTTP.
+against the real service, and GET / and the page's assets over plain HTTP; the rerank explorer's drawing of
+a late-interaction model's MaxSim (and BGE-M3's shared sparse terms) against the representation models' app.
 
 `python -m tests.test_explorer_browser URL OUT.png` captures the explorer of a running service with
 a text pair analysed (how docs/explorer.png is made).
@@ -307,6 +308,52 @@ def test_with_auth_on_the_page_asks_for_the_token(browser, secured_url, info):
     # the browser itself logs the refused request (a 401); nothing else went wrong
     assert all("401" in message for message in console_errors(browser))
     assert browser.execute_script("return location.pathname") == "/explorer-secured/explorer"
+
+
+@pytest.mark.parametrize("model", ["colbert", "bge-m3"])
+def test_rerank_explorer_draws_the_maxsim_match_of_a_late_interaction_model(browser, representations_url, model):
+    """The rerank explorer on a late-interaction model (the representation models' app): each ranked document
+    gets a drawing of its MaxSim, one line per query token to the document token it matched best (by position),
+    as wide as its share; on BGE-M3 also the shared sparse terms as bars, largest product first."""
+    query, documents = "where is the cat", ["The cat sat on the mat.", "Stock markets fell today.", "A cat and a dog."]
+    expected = httpx.post(f"{representations_url}/v1/rerank", json={
+        "model": model, "query": query, "documents": documents, "explain": True}, timeout=60).json()["results"]
+    url = (f"{representations_url}/explorer/rerank?model={model}&query={quote(query)}"
+           + "".join(f"&doc={quote(d)}" for d in documents))
+    # a keep-alive connection from before the app was added may get one last answer from HAProxy's old
+    # routes (a 404): see test_with_auth_on_the_page_asks_for_the_token
+    wait_until(lambda: browser.get(url) or browser.execute_script("return 'root' in document.body.dataset"),
+               "the browser to reach the representation models' app", timeout=30)
+    console_errors(browser)
+    open_page(browser, url)
+    assert console_errors(browser) == []
+    items = browser.find_elements("css selector", "#ranked .ranked-item")
+    assert [int(i.get_attribute("data-index")) for i in items] == [r["index"] for r in expected]
+    for item, result in zip(items, expected, strict=True):
+        assert item.find_element("css selector", ".ranked-score").text == f"{result['relevance_score']:.3f}"
+        matches = result["explanation"]["maxsim"]
+        drawing = item.find_element("css selector", "svg.maxsim")
+        assert drawing.is_displayed()
+        assert [t.get_attribute("textContent") for t in drawing.find_elements("css selector", "text.query")] == \
+            [m["query_token"] for m in matches]
+        lines = drawing.find_elements("css selector", "line")
+        assert [int(line.get_attribute("data-document-position")) for line in lines] == \
+            [m["document_position"] for m in matches]
+        widths = [float(line.get_attribute("stroke-width")) for line in lines]
+        assert widths.index(max(widths)) == max(range(len(matches)), key=lambda k: matches[k]["share"]), widths
+        # every matched document token is drawn once, in document order, and each line ends at its own
+        drawn = {int(t.get_attribute("data-position")): t for t in drawing.find_elements("css selector", "text.document")}
+        assert sorted(drawn) == sorted({m["document_position"] for m in matches})
+        for line, m in zip(lines, matches, strict=True):
+            assert drawn[m["document_position"]].get_attribute("textContent") == m["document_token"]
+            assert line.get_attribute("y2") == drawn[m["document_position"]].get_attribute("y")
+        bars = item.find_elements("css selector", ".terms li")
+        if model == "bge-m3":
+            assert [b.get_attribute("data-token") for b in bars] == [t["token"] for t in result["explanation"]["terms"][:8]]
+        else:
+            assert bars == []
+    if model == "bge-m3":  # "the" is shared with the first document: at least one bar is drawn
+        assert browser.find_elements("css selector", "#ranked .terms li"), expected
 
 
 # ---------- the screenshot ----------
