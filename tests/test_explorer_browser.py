@@ -1,6 +1,7 @@
 """The explorer page in a real browser (headless Chromium, driven by selenium through chromedriver)
 against the real service, and GET / and the page's assets over plain HTTP; the rerank explorer's drawing of
-a late-interaction model's MaxSim (and BGE-M3's shared sparse terms) against the representation models' app.
+a late-interaction model's MaxSim (and BGE-M3's shared sparse terms), and the explorer's drawing of a sparse
+vector, against the representation models' app.
 
 `python -m tests.test_explorer_browser URL OUT.png` captures the explorer of a running service with
 a text pair analysed (how docs/explorer.png is made).
@@ -310,6 +311,13 @@ def test_with_auth_on_the_page_asks_for_the_token(browser, secured_url, info):
     assert browser.execute_script("return location.pathname") == "/explorer-secured/explorer"
 
 
+def reach(driver, url: str) -> None:
+    """Load `url` until the app behind it answers: a keep-alive connection from before the app was added may
+    get one last answer from HAProxy's old routes (a 404; see test_with_auth_on_the_page_asks_for_the_token)."""
+    wait_until(lambda: driver.get(url) or driver.execute_script("return 'root' in document.body.dataset"),
+               f"the browser to reach {url}", timeout=30)
+
+
 @pytest.mark.parametrize("model", ["colbert", "bge-m3"])
 def test_rerank_explorer_draws_the_maxsim_match_of_a_late_interaction_model(browser, representations_url, model):
     """The rerank explorer on a late-interaction model (the representation models' app): each ranked document
@@ -320,10 +328,7 @@ def test_rerank_explorer_draws_the_maxsim_match_of_a_late_interaction_model(brow
         "model": model, "query": query, "documents": documents, "explain": True}, timeout=60).json()["results"]
     url = (f"{representations_url}/explorer/rerank?model={model}&query={quote(query)}"
            + "".join(f"&doc={quote(d)}" for d in documents))
-    # a keep-alive connection from before the app was added may get one last answer from HAProxy's old
-    # routes (a 404): see test_with_auth_on_the_page_asks_for_the_token
-    wait_until(lambda: browser.get(url) or browser.execute_script("return 'root' in document.body.dataset"),
-               "the browser to reach the representation models' app", timeout=30)
+    reach(browser, url)
     console_errors(browser)
     open_page(browser, url)
     assert console_errors(browser) == []
@@ -354,6 +359,25 @@ def test_rerank_explorer_draws_the_maxsim_match_of_a_late_interaction_model(brow
             assert bars == []
     if model == "bge-m3":  # "the" is shared with the first document: at least one bar is drawn
         assert browser.find_elements("css selector", "#ranked .terms li"), expected
+
+
+def test_explorer_draws_the_sparse_vector_of_a_model_that_has_one(browser, representations_url):
+    """The attention explorer on BGE-M3: beside attention and similarity, each text's largest sparse weights as
+    bars, in /v1/encode's terms, largest first."""
+    url = explorer_url(representations_url, *PAIR) + "&model=bge-m3"
+    reach(browser, url)
+    console_errors(browser)
+    open_page(browser, url)
+    assert console_errors(browser) == []
+    assert browser.find_element("id", "sparse-card").is_displayed()
+    data = httpx.post(f"{representations_url}/v1/encode", json={
+        "model": "bge-m3", "inputs": list(PAIR), "embedding": False, "sparse": True, "sparse_tokens": True,
+        "top_k": 12}, timeout=60).json()["data"]
+    for k, item in enumerate(data):
+        terms = sorted(zip(item["sparse"]["values"], item["sparse"]["tokens"], strict=True), key=lambda t: -t[0])
+        bars = browser.find_elements("css selector", f'#sparse-texts .sparse-text[data-text="{k}"] li')
+        assert [b.get_attribute("data-token") for b in bars] == [token for _, token in terms] != []
+        assert bars[0].find_element("css selector", ".value").text == f"{terms[0][0]:.4f}"
 
 
 # ---------- the screenshot ----------

@@ -9,6 +9,7 @@
   const TOKEN_KEY = "encoder-explorer-token";
   const MAX_TEXTS = 2;
   const TOP_K = 5;
+  const SPARSE_TERMS = 12; // a sparse vector's largest weights drawn (SPLADE, BGE-M3)
   const ROW = 20; // px per unit in the head view's line diagram
 
   const state = {
@@ -17,6 +18,7 @@
     level: "token",
     analyses: [], // one per text: {units, L, H, n, weights, rollout, entropy, topK}
     similarity: null,
+    sparse: null, // with a model that has a sparse representation: per text, its largest terms
     current: 0, // which text the per-text views show
     layer: 0,
     head: 0,
@@ -108,7 +110,7 @@
     return Float32Array.from(att.data.flat(3));
   }
 
-  async function analyseTexts(texts, level, model) {
+  async function analyseTexts(texts, level, model, sparse) {
     const chosen = model ? { model } : {}; // left out: the service's default model
     const body = {
       inputs: texts, level, weights: true, format: "base64", dtype: "float32",
@@ -118,7 +120,11 @@
     const similarity = texts.length === 2
       ? api("/v1/similarity", { pairs: [texts], explain: true, level, truncate: true, ...chosen })
       : Promise.resolve(null);
-    const [att, sim] = await Promise.all([attention, similarity]);
+    const terms = sparse
+      ? api("/v1/encode", { inputs: texts, embedding: false, sparse: true, sparse_tokens: true, top_k: SPARSE_TERMS,
+                            truncate: true, ...chosen })
+      : Promise.resolve(null);
+    const [att, sim, enc] = await Promise.all([attention, similarity, terms]);
     const analyses = att.data.map((item) => {
       const [L, H, n] = item.attention.shape;
       return {
@@ -128,7 +134,10 @@
         rollout: item.rollout, entropy: item.entropy, topK: item.top_k,
       };
     });
-    return { analyses, similarity: sim ? { ...sim.data[0], note: sim.note } : null };
+    const sparseTerms = enc && enc.data.map((item) => item.sparse.indices
+      .map((id, k) => ({ id, token: item.sparse.tokens[k], weight: item.sparse.values[k] }))
+      .sort((a, b) => b.weight - a.weight));
+    return { analyses, similarity: sim ? { ...sim.data[0], note: sim.note } : null, sparse: sparseTerms };
   }
 
   // ---------- the page's state and its address ----------
@@ -185,9 +194,12 @@
     setStatus(texts.length === 2 ? "Analysing both texts and their similarity…" : "Analysing…");
     const started = performance.now();
     try {
-      const { analyses, similarity } = await analyseTexts(texts, level, model);
+      const models = state.info ? state.info.models || [state.info] : [];
+      const chosen = models.find((m) => m.model === model) || models[0]; // the first listed is the default
+      const hasSparse = Boolean(chosen && (chosen.representations || []).includes("sparse"));
+      const { analyses, similarity, sparse } = await analyseTexts(texts, level, model, hasSparse);
       if (token()) sessionStorage.setItem(TOKEN_KEY, token());
-      Object.assign(state, { texts, level, analyses, similarity, current: 0, unit: 0 });
+      Object.assign(state, { texts, level, analyses, similarity, sparse, current: 0, unit: 0 });
       const a = analyses[0];
       state.layer = Math.min(state.layer, a.L - 1);
       state.head = Math.min(state.head, a.H - 1);
@@ -233,8 +245,33 @@
     $("empty").hidden = true;
     $("results").hidden = false;
     renderSimilarity();
+    renderSparse();
     renderTabs();
     renderText();
+  }
+
+  // A sparse vector's largest terms as bars, one list per text (the model's vocabulary weights).
+  function renderSparse() {
+    $("sparse-card").hidden = !state.sparse;
+    if (!state.sparse) return;
+    $("sparse-texts").replaceChildren(...state.sparse.map((terms, k) => {
+      const box = el("div", "sparse-text");
+      box.dataset.text = String(k);
+      const largest = Math.max(1e-9, ...terms.map((t) => t.weight));
+      const list = el("ol", "topk terms");
+      list.replaceChildren(...terms.map((t) => {
+        const li = el("li");
+        li.dataset.token = t.token;
+        li.title = `vocabulary id ${t.id}`;
+        const bar = el("div", "bar"), fill = el("span");
+        fill.style.width = `${(100 * t.weight / largest).toFixed(1)}%`;
+        bar.append(fill);
+        li.replaceChildren(el("span", "unit", t.token), bar, el("span", "value", t.weight.toFixed(4)));
+        return li;
+      }));
+      box.replaceChildren(el("div", "sim-label", "AB"[k]), terms.length ? list : el("p", "card-note", "no term"));
+      return box;
+    }));
   }
 
   function renderText() {
