@@ -147,6 +147,26 @@ def test_tei_rerank_is_cross_encoder_through_llama_index_and_plain_http(dropin):
     np.testing.assert_allclose([x["score"] for x in sorted(results, key=lambda x: x["index"])], logits, atol=1e-3)
 
 
+def test_vllm_score_is_cross_encoder_and_cosine_of_embeddings(dropin, st):
+    """vLLM's /v1/score: a cross-encoder's pairs as CrossEncoder.predict scores them (use_activation false:
+    the logit), 1:N and N:N; a bi-encoder's as the cosine of sentence-transformers' embeddings."""
+    url, _, checkpoints = dropin
+    expected = cross_encoder_scores(checkpoints)
+    r = httpx.post(url + "/v1/score", json={"model": "ranker", "text_1": QUERY, "text_2": DOCUMENTS}, timeout=60)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose([d["score"] for d in r.json()["data"]], expected, atol=1e-4)
+    raw = httpx.post(url + "/score", json={"model": "ranker", "text_1": [QUERY] * 2, "text_2": DOCUMENTS[:2],
+                                           "use_activation": False}, timeout=60).json()
+    np.testing.assert_allclose([d["score"] for d in raw["data"]], np.log(expected / (1 - expected))[:2], atol=1e-3)
+    r = httpx.post(url + "/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[2:]}, timeout=60)
+    assert r.status_code == 200, r.text
+    a, b = st.encode(TEXTS[:2]), st.encode(TEXTS[2:])
+    cosine = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    np.testing.assert_allclose([d["score"] for d in r.json()["data"]], cosine, atol=1e-4)
+    refused = httpx.post(url + "/v1/score", json={"model": "sentiment", "text_1": "a", "text_2": "b"}, timeout=60)
+    assert refused.status_code == 422 and "reranking needs a one-label model" in refused.json()["error"]["message"]
+
+
 def test_llama_index_and_haystack_tei_embedders_are_sentence_transformers(dropin, st):
     from haystack import Document
     from haystack_integrations.components.embedders.huggingface_api import (HuggingFaceAPIDocumentEmbedder,
@@ -293,7 +313,8 @@ def test_tei_errors_have_teis_body_and_status(dropin, path, body, status, error_
 def test_openapi_lists_the_tei_and_cohere_routes(dropin):
     url, _, _ = dropin
     paths = httpx.get(url + "/openapi.json", timeout=60).json()["paths"]
-    for path in ("/embed", "/embed_all", "/rerank", "/predict", "/tokenize", "/decode", "/v2/embed", "/v2/rerank"):
+    for path in ("/embed", "/embed_sparse", "/embed_all", "/rerank", "/predict", "/tokenize", "/decode", "/v2/embed",
+                 "/v2/rerank", "/v1/score", "/score"):
         assert "post" in paths[path], path
     assert "post" in paths["/"]
 

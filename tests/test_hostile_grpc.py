@@ -363,3 +363,15 @@ def test_an_invalid_request_id_is_replaced_by_one_fresh_id_everywhere(channel, b
         assert not access_lines(bad, timeout=1), "the client's 6 KB id reached the log"
     record("gRPC request_id that fails the id rule", f"request_id metadata: {bad[:20]!r}... ({len(bad)} chars)",
            {"NOT_FOUND, fresh id": 1}, note="one fresh id in the details, trailing metadata and access log")
+
+
+@pytest.mark.parametrize("output", ["sparse_indices", "sparse_offsets", "multivector", "multivector_lengths"])
+def test_a_representation_the_model_lacks_is_an_unknown_output(channel, output):
+    """The sparse and multi-vector outputs (issue 48) are a model's where it has them: all-MiniLM-L6-v2 has
+    neither, so asking for one is v2's unknown output, INVALID_ARGUMENT naming the outputs it has."""
+    request = bytes_request([1], 1)
+    request.outputs.add(name=output)
+    with pytest.raises(grpc.RpcError) as refused:
+        infer_stub(channel)(request, metadata=(("application", "encoder"),), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"unknown output '{output}'" in refused.value.details() and "sentence_embedding" in refused.value.details()

@@ -37,6 +37,14 @@ def error_shape_of(path: str, method: str = "POST") -> set[str]:
     return {tei_error_body: {"error", "error_type"}, cohere_error_body: {"id", "message"}}.get(style, {"error"})
 
 
+def is_vllms(path: str, method: str = "POST") -> bool:
+    """Whether `path` answers errors in vLLM's body, `{"error": {"message", "type", "param", "code"}}`."""
+    from service.apis import path_policies
+    from service.apis.vllm import vllm_error_body
+
+    return path_policies().of(method, path).error_style is vllm_error_body
+
+
 def check(r: httpx.Response) -> None:
     STATUSES[str(r.status_code)] = STATUSES.get(str(r.status_code), 0) + 1
     assert r.status_code < 500, r.text[:500]
@@ -48,6 +56,9 @@ def check(r: httpx.Response) -> None:
             assert isinstance(body["error"], str) and isinstance(body["error_type"], str)
         elif "id" in body:  # Cohere's
             assert body["id"] == r.headers["x-request-id"] and isinstance(body["message"], str)
+        elif is_vllms(r.request.url.path, r.request.method):
+            assert set(body["error"]) == {"message", "type", "param", "code"}, body
+            assert body["error"]["code"] == r.status_code and isinstance(body["error"]["message"], str)
         else:
             assert isinstance(body["error"]["type"], str) and isinstance(body["error"]["message"], str)
 
@@ -77,9 +88,10 @@ def test_any_unicode_texts_are_encoded_or_refused_cleanly(client, texts):
 @FAST
 @given(body=st.dictionaries(st.sampled_from(["inputs", "input", "truncate", "normalize", "attention", "tokens", "model",
                                              "dimensions", "encoding_format", "parameters", "texts", "input_type",
-                                             "embedding_types", "truncation_direction", "x"]), json_values, max_size=5),
+                                             "embedding_types", "truncation_direction", "text_1", "text_2",
+                                             "truncate_prompt_tokens", "x"]), json_values, max_size=5),
        route=st.sampled_from(["/v1/encode", "/v1/embeddings", "/v1/tokenize", "/v2/models/all-MiniLM-L6-v2/infer",
-                              "/embed", "/", "/v2/embed"]))
+                              "/embed", "/", "/v2/embed", "/embed_sparse", "/v1/score"]))
 def test_arbitrary_json_bodies_never_cause_a_server_error(client, body, route):
     check(client.post(route, json=body))
 
@@ -102,7 +114,8 @@ RAW = {
 
 
 @pytest.mark.parametrize("name", list(RAW))
-@pytest.mark.parametrize("route", ["/v1/encode", "/v1/embeddings", "/v2/models/all-MiniLM-L6-v2/infer", "/embed", "/"])
+@pytest.mark.parametrize("route", ["/v1/encode", "/v1/embeddings", "/v2/models/all-MiniLM-L6-v2/infer", "/embed", "/",
+                                   "/embed_sparse", "/v1/score"])
 def test_raw_hostile_payloads_get_4xx_json(client, name, route):
     r = client.post(route, content=RAW[name], headers={"content-type": "application/json"})
     check(r)
@@ -152,7 +165,10 @@ def test_openapi_fuzzing_finds_no_server_errors(service_url):
                 echoed = echoed[0] if isinstance(echoed, list) else echoed
                 shape = error_shape_of(case.formatted_path, case.method.upper())
                 assert set(body) == shape, (where, body)
-                if shape == {"error"}:
+                if is_vllms(case.formatted_path, case.method.upper()):
+                    assert set(body["error"]) == {"message", "type", "param", "code"}, where
+                    assert body["error"]["code"] == response.status_code, where
+                elif shape == {"error"}:
                     assert set(body["error"]) == {"type", "message", "request_id"}, where
                     assert body["error"]["request_id"] == echoed, where
                 elif shape == {"id", "message"}:

@@ -55,7 +55,8 @@ def test_every_mounted_route_has_the_policy_its_api_declared():
         "POST /v1/encode", "POST /v1/tokenize", "POST /v1/attention", "POST /v1/similarity", "POST /v1/rerank",
         "POST /v1/classify", "POST /v1/embeddings", "POST /v2/models/{name}/infer",
         "POST /v2/models/{name}/versions/{version}/infer", "POST /", "POST /embed", "POST /embed_all",
-        "POST /rerank", "POST /predict", "POST /tokenize", "POST /decode", "POST /v2/embed", "POST /v2/rerank"])
+        "POST /rerank", "POST /predict", "POST /tokenize", "POST /decode", "POST /v2/embed", "POST /v2/rerank",
+        "POST /embed_sparse", "POST /v1/score", "POST /score"])
 
 
 def test_every_grpc_method_has_the_policy_its_api_declared():

@@ -8,6 +8,7 @@ and a line below.
   kserve_v2/  the Open Inference Protocol v2 over HTTP and gRPC (tritonclient, KServe)
   tei/        text-embeddings-inference's routes (huggingface_hub and the frameworks over it)
   cohere/     Cohere's API v2 /v2/embed, /v2/rerank (the `cohere` SDK)
+  vllm/       vLLM's POST /v1/score (and /score): text_1 against text_2 on every model that scores
   ops/        /health, /info, the landing page and the explorers
 
 APIs import only the front (service/front) and the engine (service/engine), never a transport or
@@ -16,10 +17,10 @@ another API (tests/test_layout.py keeps it so).
 
 from functools import cache
 
-from service.apis import cohere, kserve_v2, native, openai, ops, tei
+from service.apis import cohere, kserve_v2, native, openai, ops, tei, vllm
 from service.front.policy import Api, PathPolicies
 
-APIS: tuple[Api, ...] = (native.API, openai.API, kserve_v2.API, tei.API, cohere.API, ops.API)
+APIS: tuple[Api, ...] = (native.API, openai.API, kserve_v2.API, tei.API, cohere.API, vllm.API, ops.API)
 
 
 @cache

@@ -21,6 +21,7 @@ from service.engine.errors import BadRequest, EmptyInput
 from service.engine.prompts import check_dimensions, cohere_prompt_name, prompt_chars, shortened
 from service.engine.runner import EncodeJob
 from service.engine.encoder_service import EncoderService
+from service.engine.late_interaction import is_late_interaction, late_interaction_scores
 from service.engine.scoring import best_first, relevance, rerank_pairs
 from service.front.deps import api_router, call_of, infer, model_for, reranker, runs, service
 from service.front.request_ids import current_request_id
@@ -115,18 +116,23 @@ async def embed(body: CohereEmbedRequest, request: Request, svc: EncoderService 
 @router.post("/v2/rerank", response_model=CohereRerankResponse, responses=ERROR_RESPONSES, tags=["Cohere"])
 async def rerank(body: CohereRerankRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Cohere's rerank (v2): the documents' indexes by relevance to the query, most relevant first; the
-    score is CrossEncoder.predict's (the logit through the model's saved activation)."""
+    score is CrossEncoder.predict's (the logit through the model's saved activation); on a ColBERT or
+    BGE-M3, its late-interaction score, as /v1/rerank gives it."""
     engine = reranker(svc, body.model, request)
     if not body.documents:
         raise EmptyInput("documents: at least one document")
     documents = svc.texts(body.documents)
     documents = await cut(svc, engine, documents, body.max_tokens_per_doc or DEFAULT_MAX_TOKENS_PER_DOC, False, False,
                           "max_tokens_per_doc", "/v2/rerank")
-    logits, tokenized, _ = await rerank_pairs(svc, engine, body.query, documents, True, "/v2/rerank",
-                                              runs(svc, engine, request))
-    scores = relevance(engine, False)(logits)
+    if is_late_interaction(engine):
+        late = await late_interaction_scores(svc, engine, body.query, documents, True, "/v2/rerank",
+                                             runs(svc, engine, request))
+        scores, tokens = late.scores, late.tokens
+    else:
+        logits, tokenized, _ = await rerank_pairs(svc, engine, body.query, documents, True, "/v2/rerank",
+                                                  runs(svc, engine, request))
+        scores, tokens = relevance(engine, False)(logits), sum(t.n_tokens for t in tokenized)
     order = best_first(scores, body.top_n)
-    tokens = sum(t.n_tokens for t in tokenized)
     return JSONResponse({"id": response_id(), "results": [{"index": i, "relevance_score": float(scores[i])} for i in order],
                          "meta": {"api_version": API_VERSION,
                                   "billed_units": {"search_units": math.ceil(len(documents) / 100)},

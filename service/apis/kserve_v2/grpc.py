@@ -74,7 +74,7 @@ async def model_metadata(svc: EncoderService, request: Any, call: Call) -> Any:
 async def model_infer(svc: EncoderService, request: Any, call: Call) -> Any:
     engine = _engine(svc, request.model_name, call)
     req, binary = v2_request(request, svc.settings.max_inputs)
-    outputs = select_outputs(req, engine.model.task)
+    outputs = select_outputs(req, engine.model)
 
     async def run(job: EncodeJob) -> EncodeResult:
         call.count([job])

@@ -122,7 +122,7 @@ async def v2_infer(name: str, request: Request, version: str = "1", svc: Encoder
     # their count is known only once it is parsed
     req, binary = (_parse_v2_body(raw, header_len) if len(raw) <= OFF_LOOP_BYTES
                    else await asyncio.to_thread(_parse_v2_body, raw, header_len))
-    outputs = select_outputs(req, engine.model.task)
+    outputs = select_outputs(req, engine.model)
     ran = await v2_run(svc, engine, req, binary, outputs, V2Call(V2_ROUTE, "http", lambda job: infer(svc, engine, job, request)))
 
     def build() -> Response:

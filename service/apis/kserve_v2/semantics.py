@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from bundle.manifest import ModelInfo
 from service.apis.kserve_v2.schemas import V2InferRequest, V2Tensor
 from service.engine.encoder_service import EncoderService
 from service.engine.engine import Engine, shown
 from service.engine.errors import InvalidRequest, TooLarge
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.scoring import classification_job, read_logits
-from service.engine.tokenization import TokenizedText
 from service.front.responses import JSON_FLOAT_BYTES
 
 V2_ROUTE = "/v2/models/{name}/infer"
@@ -35,6 +35,10 @@ V2_DEFAULT_OUTPUTS = ("sentence_embedding", "last_hidden_state", "attention_mask
 # a classification model: texts, or text pairs (query, document) with `text_pair`; logits and scores
 V2_PAIR_INPUT = "text_pair"
 V2_CLASSIFIER_OUTPUTS = ("logits", "scores")
+# a model's sparse vectors (SPLADE, BGE-M3), flat: text i's terms are [offsets[i], offsets[i + 1]) of indices and
+# values; its token vectors (ColBERT, BGE-M3), flat: text i's are its lengths[i] rows after the previous texts'
+V2_SPARSE_OUTPUTS = ("sparse_indices", "sparse_values", "sparse_offsets")
+V2_MULTIVECTOR_OUTPUTS = ("multivector", "multivector_lengths")
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,22 @@ OUTPUTS_BY_TASK = {
 }
 
 
-def select_outputs(req: V2InferRequest, task: str) -> dict[str, bool]:
+def task_outputs(model: ModelInfo) -> TaskOutputs:
+    """What a model can return on v2: its task's outputs, and an embedding model's representations beyond
+    the dense one (its sparse and multi-vector tensors); a model without a dense embedding has no
+    sentence_embedding, and returns its own representations when a request lists no output."""
+    if model.task != "embedding" or not (model.sparse or model.multivector):
+        return OUTPUTS_BY_TASK[model.task]
+    own = (V2_SPARSE_OUTPUTS if model.sparse else ()) + (V2_MULTIVECTOR_OUTPUTS if model.multivector else ())
+    dense = "dense" in model.representations
+    names = tuple(n for n in V2_OUTPUTS if dense or n != "sentence_embedding") + own
+    return TaskOutputs(names, V2_DEFAULT_OUTPUTS if dense else own, "available: " + ", ".join(names))
+
+
+def select_outputs(req: V2InferRequest, model: ModelInfo) -> dict[str, bool]:
     """The outputs to return, in the order asked, each with whether it goes as binary data: the
     output's own `binary_data` when it says, else the request's `binary_data_output`."""
-    outputs, everything_binary = OUTPUTS_BY_TASK[task], req.parameters.binary_data_output
+    outputs, everything_binary = task_outputs(model), req.parameters.binary_data_output
     if not req.outputs:
         return dict.fromkeys(outputs.default, everything_binary)
     selected = {}
@@ -159,18 +175,30 @@ def _input_texts(tensor: V2Tensor, count: int, part: memoryview | None) -> list[
     return texts
 
 
-def v2_tensors(result: EncodeResult, tokenized: list[TokenizedText], requested: list[str], T: int) -> dict[str, np.ndarray]:
-    """Rectangular tensors for the v2 response: token-level outputs zero-padded to the longest input."""
-    n = len(tokenized)
+def v2_tensors(result: EncodeResult, attended: list[int], requested: list[str], T: int) -> dict[str, np.ndarray]:
+    """The v2 response's tensors: token-level outputs zero-padded to the longest input (`attended`: each
+    input's attended tokens, the mask's ones), sparse and multi-vector outputs flat (no padding) with their
+    offsets and lengths."""
+    n = len(attended)
     out: dict[str, np.ndarray] = {}
     for name in requested:
         if name == "sentence_embedding":
             out[name] = np.ascontiguousarray(result.embeddings, dtype=np.float32)
         elif name == "attention_mask":
             mask = np.zeros((n, T), dtype=np.int64)
-            for i, t in enumerate(tokenized):
-                mask[i, : t.n_tokens] = 1
+            for i, k in enumerate(attended):
+                mask[i, :k] = 1
             out[name] = mask
+        elif name == "sparse_indices":
+            out[name] = np.concatenate([indices for indices, _ in result.sparse]).astype(np.int64)
+        elif name == "sparse_values":
+            out[name] = np.concatenate([values for _, values in result.sparse]).astype(np.float32)
+        elif name == "sparse_offsets":
+            out[name] = np.array([0, *accumulate(len(indices) for indices, _ in result.sparse)], dtype=np.int64)
+        elif name == "multivector":
+            out[name] = np.ascontiguousarray(np.concatenate(result.multivectors), dtype=np.float32)
+        elif name == "multivector_lengths":
+            out[name] = np.array([len(m) for m in result.multivectors], dtype=np.int64)
         elif name == "last_hidden_state":
             hidden = np.zeros((n, T, result.hidden[0].shape[-1]), dtype=np.float32)
             for i, h in enumerate(result.hidden):
@@ -189,7 +217,8 @@ def v2_tensors(result: EncodeResult, tokenized: list[TokenizedText], requested: 
 V2_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
 
 
-V2_KINDS = {"sentence_embedding": "embedding", "last_hidden_state": "token_embeddings", "attentions": "attention"}
+V2_KINDS = {"sentence_embedding": "embedding", "last_hidden_state": "token_embeddings", "attentions": "attention",
+            **dict.fromkeys(V2_SPARSE_OUTPUTS, "sparse"), **dict.fromkeys(V2_MULTIVECTOR_OUTPUTS, "multivector")}
 
 
 V2_EXTENSIONS = ["binary_tensor_data"]
@@ -206,19 +235,26 @@ def v2_model_metadata(engine: Engine) -> dict[str, Any]:
             "outputs": [{"name": name, "datatype": "FP32", "shape": [-1, labels]} for name in V2_CLASSIFIER_OUTPUTS],
             "parameters": {"labels": engine.model.labels, "problem_type": engine.model.problem_type},
         }
-    d, L, H = engine.model.hidden_size, engine.model.num_layers, engine.model.num_heads
-    e = engine.model.sentence_dim
+    model = engine.model
+    d, L, H = model.hidden_size, model.num_layers, model.num_heads
+    described = {
+        "sentence_embedding": ("FP32", [-1, model.sentence_dim]),
+        "last_hidden_state": ("FP32", [-1, -1, d]),
+        "attention_mask": ("INT64", [-1, -1]),
+        "attentions": ("FP32", [L, -1, H, -1, -1]),
+        "sparse_indices": ("INT64", [-1]),
+        "sparse_values": ("FP32", [-1]),
+        "sparse_offsets": ("INT64", [-1]),
+        "multivector": ("FP32", [-1, model.multivector.dim if model.multivector else -1]),
+        "multivector_lengths": ("INT64", [-1]),
+    }
     return {
         "name": engine.name,
         "versions": ["1"],
         "platform": "onnxruntime_onnx",
         "inputs": [{"name": V2_INPUT, "datatype": "BYTES", "shape": [-1]}],
-        "outputs": [
-            {"name": "sentence_embedding", "datatype": "FP32", "shape": [-1, e]},
-            {"name": "last_hidden_state", "datatype": "FP32", "shape": [-1, -1, d]},
-            {"name": "attention_mask", "datatype": "INT64", "shape": [-1, -1]},
-            {"name": "attentions", "datatype": "FP32", "shape": [L, -1, H, -1, -1]},
-        ],
+        "outputs": [{"name": name, "datatype": described[name][0], "shape": described[name][1]}
+                    for name in task_outputs(model).names],
     }
 
 
@@ -254,30 +290,53 @@ def v2_head(engine: Engine, req: V2InferRequest) -> dict[str, str]:
 
 async def _v2_embed(svc: EncoderService, engine: Engine, req: V2InferRequest, binary: bytes,
                     outputs: dict[str, bool], call: V2Call) -> V2Ran:
-    """An embedding model on v2: `text` in; the sentence embedding, token states, mask and attentions
-    out, as `outputs` selects them, after the response's size is checked."""
-    pooled_only = not ({"last_hidden_state", "attentions"} & set(outputs))
+    """An embedding model on v2: `text` in; the sentence embedding, token states, mask and attentions, and
+    the model's sparse and multi-vector tensors, out, as `outputs` selects them, after the response's size
+    is checked (a SPLADE vector's terms, bounded by the vocabulary only, once they are known)."""
+    model = engine.model
+    sparse, multivector = bool(set(V2_SPARSE_OUTPUTS) & set(outputs)), bool(set(V2_MULTIVECTOR_OUTPUTS) & set(outputs))
+    pooled_only = not ({"last_hidden_state", "attentions"} & set(outputs) or multivector
+                       or (sparse and model.needs_heads))
     texts, skip = svc.prompted(engine, svc.texts(v2_texts(req, binary, svc.settings.max_inputs)[V2_INPUT]),
                                req.parameters.prompt_name, req.parameters.input_type, pooled_only)
-    tokenized = await svc.tokenize(engine, texts, req.parameters.truncate, call.route, protocol=call.protocol)
-    n, T = len(tokenized), max(t.n_tokens for t in tokenized)
-    d, L, H = engine.model.hidden_size, engine.model.num_layers, engine.model.num_heads
+    is_query = req.parameters.input_type == "query"  # a ColBERT's query marker and expansion
+    tokenized, ids, attended = await svc.tokenize_for_model(engine, texts, req.parameters.truncate, call.route,
+                                                            is_query, protocol=call.protocol)
+    lengths = [len(i) for i in ids]
+    n, T = len(tokenized), max(lengths)
+    d, L, H = model.hidden_size, model.num_layers, model.num_heads
     if "attentions" in outputs:
         svc.check_attention_size(engine, tokenized)
-    sizes = {"sentence_embedding": n * engine.model.sentence_dim, "last_hidden_state": n * T * d, "attention_mask": n * T, "attentions": L * n * H * T * T}
+    splade = sparse and model.sparse.kind == "splade"
+    terms = 0 if splade else sum(lengths)  # BGE-M3: at most a term per token
+    sizes = {"sentence_embedding": n * model.sentence_dim, "last_hidden_state": n * T * d, "attention_mask": n * T,
+             "attentions": L * n * H * T * T, "sparse_indices": 2 * terms, "sparse_values": terms,
+             "sparse_offsets": n + 1, "multivector": sum(lengths) * (model.multivector.dim if multivector else 0),
+             "multivector_lengths": n}
     estimate = sum(sizes[name] * (4 if as_binary else JSON_FLOAT_BYTES) for name, as_binary in outputs.items())
     svc.check_response_size(estimate)
     job = EncodeJob(
         route=call.route,
         protocol=call.protocol,
-        ids=[t.ids for t in tokenized],
-        normalize=engine.model.normalize,
+        ids=ids,
+        normalize=model.normalize,
+        want_embedding="sentence_embedding" in outputs,
         want_hidden="last_hidden_state" in outputs,
         attention=(tuple(range(L)), tuple(range(H))) if "attentions" in outputs else None,
         pool_skip=skip,
+        sparse=sparse,
+        multivector=multivector,
+        is_query=is_query,
+        attended=attended,
     )
     result = await call.infer(job)
-    return V2Ran(lambda: v2_tensors(result, tokenized, list(outputs), T), estimate)
+    if splade:
+        found = sum(len(indices) for indices, _ in result.sparse)
+        estimate += sum(found * (8 if outputs[name] else JSON_FLOAT_BYTES) for name in V2_SPARSE_OUTPUTS[:2]
+                        if name in outputs)
+        svc.check_response_size(estimate)
+    mask = attended if attended is not None else lengths
+    return V2Ran(lambda: v2_tensors(result, mask, list(outputs), T), estimate)
 
 
 async def _v2_classify(svc: EncoderService, engine: Engine, req: V2InferRequest, binary: bytes,

@@ -1,5 +1,5 @@
 """text-embeddings-inference's API (routes.py), so that clients written for TEI change only their URL:
-POST /embed, /embed_all, /rerank, /predict, /tokenize, /decode and POST / ; bodies in schemas.py, errors
+POST /embed, /embed_sparse, /embed_all, /rerank, /predict, /tokenize, /decode and POST / ; bodies in schemas.py, errors
 in TEI's body with TEI's statuses (below)."""
 
 from service.front.policy import Api
@@ -27,7 +27,7 @@ def tei_error_body(status: int, type_: str, message: str, request_id: str | None
 API = Api(
     name="tei",
     routes=("service.apis.tei.routes",),
-    inference=frozenset(f"POST {path}" for path in ("/", "/embed", "/embed_all", "/rerank", "/predict", "/tokenize",
+    inference=frozenset(f"POST {path}" for path in ("/", "/embed", "/embed_sparse", "/embed_all", "/rerank", "/predict", "/tokenize",
                                                      "/decode")),
     error_style=tei_error_body,
 )

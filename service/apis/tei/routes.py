@@ -1,6 +1,6 @@
 """text-embeddings-inference's API, so that clients written for TEI change only their URL:
 huggingface_hub's InferenceClient (and LangChain's, Haystack's and LlamaIndex's TEI classes over it or
-beside it) post here. POST /embed, /embed_all, /rerank, /predict, /tokenize, /decode, and POST / (TEI's
+beside it) post here. POST /embed, /embed_sparse, /embed_all, /rerank, /predict, /tokenize, /decode, and POST / (TEI's
 root: /embed or /predict by the default model's task; also the `{"inputs", "parameters"}` body of the
 Hugging Face Inference API, which huggingface_hub's text_classification sends).
 
@@ -19,7 +19,8 @@ from fastapi import Body, Depends, Request
 from pydantic import BaseModel, ValidationError
 
 from service.engine.engine import Engine
-from service.engine.errors import EmptyInput, InvalidRequest, TooLarge
+from service.engine.errors import BackendError, EmptyInput, InvalidRequest, TooLarge
+from service.engine.late_interaction import is_late_interaction, late_interaction_scores
 from service.engine.prompts import check_dimensions, normalization, prompt_chars, shortened
 from service.engine.runner import EncodeJob
 from service.engine.encoder_service import EncoderService, as_list
@@ -27,15 +28,17 @@ from service.engine.scoring import applied, best_first, classification_job, labe
 from service.front.deps import api_router, call_of, infer, model_for, reranker, runs, service
 from service.front.errors import describe
 from service.front.responses import JSON_FLOAT_BYTES, JSONResponse, KindCounter, respond
-from service.apis.tei.schemas import (TEIDecodeRequest, TEIEmbedAllRequest, TEIEmbedRequest, TEIError, TEILabelScore,
-                                      TEIPredictRequest, TEIRerankRequest, TEIRerankResult, TEIToken, TEITokenizeRequest,
-                                      InferenceAPIClassifyRequest)
+from service.apis.tei.schemas import (TEIDecodeRequest, TEIEmbedAllRequest, TEIEmbedRequest, TEIEmbedSparseRequest,
+                                      TEIError, TEILabelScore, TEIPredictRequest, TEIRerankRequest, TEIRerankResult,
+                                      TEISparseValue, TEIToken, TEITokenizeRequest, InferenceAPIClassifyRequest)
 
 router = api_router()
 
 TEI_ERROR_RESPONSES = {code: {"model": TEIError} for code in (400, 401, 413, 422, 424, 429, 503)}
 # One /tokenize token in JSON but its text, `{"id":2054,"text":"","special":false,"start":12345,"stop":12350},`
 TOKEN_JSON_BYTES = 64
+# One /embed_sparse term in JSON, `{"index":250001,"value":0.123456789},`
+SPARSE_VALUE_JSON_BYTES = 40
 
 
 def truncation(truncate: bool | None, direction: str) -> tuple[bool, bool]:
@@ -78,6 +81,37 @@ async def embed(body: TEIEmbedRequest, request: Request, svc: EncoderService = D
     return await embeddings(body, request, svc, "/embed")
 
 
+@router.post("/embed_sparse", response_model=list[list[TEISparseValue]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
+async def embed_sparse(body: TEIEmbedSparseRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """TEI's /embed_sparse: every input's sparse vector, its non-zero weights as `[{"index", "value"}]` in
+    vocabulary order (a single text too is a list of one). A SPLADE model's, as TEI serves it, and BGE-M3's
+    (its lexical weights, which TEI does not serve); any other model is TEI's 424."""
+    engine = model_for(svc, body.model, request)
+    raw = texts_of(svc, body.inputs)
+    if "sparse" not in engine.model.representations:  # TEI's words and status (its infer.rs embed_sparse)
+        raise BackendError(f"Backend error: Model is not an embedding model with SPLADE pooling: {engine.name!r} gives "
+                           f"{', '.join(engine.model.representations)} (a SPLADE or BGE-M3 model gives sparse vectors)")
+    texts, skip = svc.prompted(engine, raw, body.prompt_name, None, pooled_only=not engine.model.needs_heads)
+    truncate, from_start = truncation(body.truncate, body.truncation_direction)
+    _, ids, attended = await svc.tokenize_for_model(engine, texts, truncate, "/embed_sparse", False,
+                                                    from_start=from_start, kept=prompt_chars(texts, raw))
+    splade = engine.model.sparse.kind == "splade"
+    if not splade:  # BGE-M3: at most a term per token, known before inference
+        svc.check_response_size(sum(len(i) for i in ids) * SPARSE_VALUE_JSON_BYTES)
+    job = EncodeJob(route="/embed_sparse", ids=ids, normalize=engine.model.normalize, want_embedding=False,
+                    pool_skip=skip, sparse=True, attended=attended)
+    result = await infer(svc, engine, job, request)
+    estimate = sum(len(indices) for indices, _ in result.sparse) * SPARSE_VALUE_JSON_BYTES
+    if splade:  # a SPLADE vector's terms are bounded by the vocabulary only: counted once known
+        svc.check_response_size(estimate)
+    kinds = KindCounter()
+    response = await respond(lambda: [kinds.fragment("sparse", [{"index": int(i), "value": float(v)}
+                                                                for i, v in zip(indices, values, strict=True)])
+                                      for indices, values in result.sparse], estimate)
+    kinds.report(call_of(request))
+    return response
+
+
 @router.post("/embed_all", response_model=list[list[list[float]]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
 async def embed_all(body: TEIEmbedAllRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's /embed_all: every token's encoding (the last hidden state), per input."""
@@ -103,14 +137,22 @@ async def embed_all(body: TEIEmbedAllRequest, request: Request, svc: EncoderServ
 @router.post("/rerank", response_model=list[TEIRerankResult], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
 async def rerank(body: TEIRerankRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's /rerank: every text's score for the query, best first: CrossEncoder.predict's (the logit
-    through the model's saved activation, a sigmoid unless it saved another), or the logit (raw_scores)."""
+    through the model's saved activation, a sigmoid unless it saved another), or the logit (raw_scores);
+    on a ColBERT or BGE-M3, its late-interaction score, as /v1/rerank gives it (raw already)."""
     engine = reranker(svc, body.model, request)
     if not body.texts:
         raise EmptyInput("`texts` cannot be empty")
     truncate, from_start = truncation(body.truncate, body.truncation_direction)
-    logits, _, _ = await rerank_pairs(svc, engine, body.query, body.texts, truncate, "/rerank",
-                                      runs(svc, engine, request), from_start=from_start)
-    scores = relevance(engine, body.raw_scores)(logits)
+    if is_late_interaction(engine):
+        if from_start:
+            raise InvalidRequest(f"truncation_direction left: model {engine.name!r} scores by late interaction, whose "
+                                 "texts are cut at their end as the model was trained; send right")
+        scores = (await late_interaction_scores(svc, engine, body.query, body.texts, truncate, "/rerank",
+                                                runs(svc, engine, request))).scores
+    else:
+        logits, _, _ = await rerank_pairs(svc, engine, body.query, body.texts, truncate, "/rerank",
+                                          runs(svc, engine, request), from_start=from_start)
+        scores = relevance(engine, body.raw_scores)(logits)
     return JSONResponse([{"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
                          for i in best_first(scores)])
 

@@ -38,6 +38,19 @@ class TEIEmbedRequest(_TEIRequest):
                                    "for a model trained for it (matryoshka), else 422")
 
 
+class TEIEmbedSparseRequest(_TEIRequest):
+    model: str | None = TEI_MODEL
+    inputs: str | list[str] = Field(examples=[["first text", "second text"]])
+    truncate: bool | None = TEI_TRUNCATE
+    truncation_direction: TruncationDirection = TEI_DIRECTION
+    prompt_name: str | None = PROMPT_NAME
+
+
+class TEISparseValue(BaseModel):
+    index: int = Field(description="the vocabulary id")
+    value: float = Field(description="its weight (zeros left out)")
+
+
 class TEIEmbedAllRequest(_TEIRequest):
     model: str | None = TEI_MODEL
     inputs: str | list[str] = Field(examples=["The cat sat on the mat."])
