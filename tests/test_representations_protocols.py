@@ -180,3 +180,29 @@ def test_kserve_v2_colbert_gives_its_query_vectors_and_refuses_what_it_lacks(cli
     for output in ("sparse_indices", "sentence_embedding"):
         refused = client.post("/v2/models/colbert/infer", json={**body, "outputs": [{"name": output}]})
         assert refused.status_code == 422 and f"unknown output '{output}'" in refused.json()["error"]["message"], refused.text
+
+
+def test_tei_embed_sparse_on_splade_is_the_vocabulary_vector(client):
+    r = client.post("/embed_sparse", json={"model": "splade", "inputs": TEXTS})
+    assert r.status_code == 200, r.text
+    expected = encoded(client, "splade", TEXTS, sparse=True)
+    for got, item in zip(r.json(), expected, strict=True):
+        assert [t["index"] for t in got] == item["sparse"]["indices"]
+        np.testing.assert_allclose([t["value"] for t in got], item["sparse"]["values"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words"), [
+    ("/v1/embeddings", {"model": "splade", "input": "x"}, 400, "'splade' gives sparse, not dense"),
+    ("/v1/embeddings", {"model": "colbert", "input": "x"}, 400, "'colbert' gives multivector, not dense"),
+    ("/embed", {"model": "splade", "inputs": "x"}, 422, "'splade' gives sparse, not dense"),
+    ("/v2/embed", {"model": "colbert", "texts": ["x"], "input_type": "search_query", "embedding_types": ["float"]},
+     400, "'colbert' gives multivector, not dense"),
+    ("/v1/similarity", {"model": "splade", "pairs": [["a", "b"]]}, 400, "'splade' gives sparse, not dense"),
+    ("/v1/rerank", {"model": "splade", "query": "a", "documents": ["b"]}, 422, "needs a model of task classification"),
+])
+def test_dense_routes_refuse_a_model_without_a_dense_embedding(client, path, body, status, words):
+    """A SPLADE model's pooled output is its vocabulary vector and a ColBERT pools nothing it was trained
+    for: the routes that return dense embeddings say which representation the model gives instead."""
+    r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert words in r.text, r.text

@@ -66,9 +66,13 @@ def call_of(request: Request) -> Call:
 
 
 def model_for(svc: EncoderService, name: str | None, request: Request, required: bool = False,
-              task: str | None = "embedding") -> Engine:
-    """The model a request names (EncoderService.model_for), noted on its call for the metrics."""
-    return call_of(request).serves(svc.model_for(name, request.url.path, required, task))
+              task: str | None = "embedding", dense: bool = False) -> Engine:
+    """The model a request names (EncoderService.model_for), noted on its call for the metrics. `dense`: the
+    route returns dense embeddings, which a SPLADE or ColBERT model has not (a 400 naming what it gives)."""
+    engine = call_of(request).serves(svc.model_for(name, request.url.path, required, task))
+    if dense:
+        svc.check_representations(engine, ["dense"])
+    return engine
 
 
 def reranker(svc: EncoderService, name: str | None, request: Request) -> Engine:

@@ -80,7 +80,7 @@ async def cut(svc: EncoderService, engine: Engine, texts: list[str], tokens: int
 @router.post("/v2/embed", response_model=CohereEmbedResponse, responses=ERROR_RESPONSES, tags=["Cohere"])
 async def embed(body: CohereEmbedRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Cohere's embed (v2): the texts' embeddings in each requested type (`embeddings_by_type`)."""
-    engine = model_for(svc, body.model, request, required=True)
+    engine = model_for(svc, body.model, request, required=True, dense=True)
     if body.images or body.inputs:
         raise BadRequest(f"model {engine.name!r} embeds text only: send `texts` (images and inputs are not served)")
     if not body.texts:

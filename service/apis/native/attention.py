@@ -124,7 +124,7 @@ async def attention(body: AttentionRequest, request: Request, svc: EncoderServic
 @router.post("/v1/similarity", response_model=SimilarityResponse, responses=ERROR_RESPONSES)
 async def similarity(body: SimilarityRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Cosine similarity of text pairs; with explain, each token's (or word's) exact share of it."""
-    engine = model_for(svc, body.model, request)
+    engine = model_for(svc, body.model, request, dense=True)
     pooling = engine.model.pooling
     if body.explain:
         try:

@@ -22,7 +22,7 @@ router = api_router()
 @router.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=ERROR_RESPONSES)
 async def embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """OpenAI's embeddings API: works with the official `openai` client."""
-    engine = model_for(svc, body.model, request, required=True)
+    engine = model_for(svc, body.model, request, required=True, dense=True)
     check_dimensions(engine.model, engine.name, body.dimensions)
     texts, skip = svc.prompted(engine, svc.texts(body.input), body.prompt_name, body.input_type,
                            chunked=body.chunking is not None)

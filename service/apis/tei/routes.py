@@ -57,7 +57,7 @@ def texts_of(svc: EncoderService, inputs: str | list[str]) -> list[str]:
 async def embeddings(body: TEIEmbedRequest, request: Request, svc: EncoderService, route: str) -> JSONResponse:
     """The pooled embedding of every input, `[[floats]]` (a single text too), normalised by default
     (TEI's `normalize: true`); `dimensions` cuts before normalising, as TEI does."""
-    engine = model_for(svc, body.model, request)
+    engine = model_for(svc, body.model, request, dense=True)
     raw = texts_of(svc, body.inputs)
     check_dimensions(engine.model, engine.name, body.dimensions)
     texts, skip = svc.prompted(engine, raw, body.prompt_name, None)
