@@ -211,9 +211,16 @@ def test_health_check_detects_a_broken_session_and_serve_restarts_the_replica(ra
         for t in threads:
             t.join(timeout=60)
         serve.delete("fragile")
-    # no request hung while the session was broken and the replica replaced (each answered or failed
-    # within its deadline), and after recovery every one is served
-    assert max(r[2] for r in results) < TIMEOUT_S + 5, max(results, key=lambda r: r[2])
+    # no request hung while the session was broken and the replica replaced: each answered or failed within
+    # its deadline, but one under way when Serve stopped the old replica is sent again by the ingress and
+    # waits for the new one (as in the kill test above: measured 16.6 s in a 2-worker `make test`, for a
+    # replacement of several seconds); after recovery every one is served
+    replacement_s = recovered_at - broken_at
+    for started, status, elapsed, _ in results:
+        replayed = started < recovered_at and started + elapsed > broken_at
+        bound = TIMEOUT_S + 5 + (replacement_s if replayed else 0)
+        assert elapsed < bound, (f"a request ({status}) took {elapsed:.1f} s, past the {TIMEOUT_S} s timeout"
+                                 + (f" plus the {replacement_s:.1f} s replacement it waited for" if replayed else ""))
     assert all(r[1] == 200 for r in results if r[0] >= recovered_at)
     during = [r for r in results if broken_at <= r[0] < recovered_at]
     counts = {str(k): sum(1 for r in during if r[1] == k) for k in sorted({r[1] for r in during}, key=str)}
