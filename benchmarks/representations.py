@@ -381,7 +381,7 @@ def main() -> int:
     m3 = make_bge_m3(root / "bge-m3", args.size)
     m3_bundle = export(m3, root / "bge-m3-bundle")
     flag, flag_failed = flag_embedding_rates(m3, texts, args.batch)
-    print(f"  FlagEmbedding BGEM3FlagModel.encode in-process: "
+    print("  FlagEmbedding BGEM3FlagModel.encode in-process: "
           + ", ".join(f"{k} {v:.1f} texts/s" for k, v in flag.items()), flush=True)
     rows = [row for setting in precisions
             for row in service_rows("BGE-M3 shape", m3_bundle, texts, args.batch, setting,
