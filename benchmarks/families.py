@@ -88,8 +88,9 @@ def make_checkpoint(name: str, out: Path) -> Path:
     return out
 
 
-def export(checkpoint: Path, bundle: Path) -> Path:
-    """The fp32 bundle (no lossy variants: the targets are fp32), once."""
+def export(checkpoint: Path, bundle: Path, lossy: tuple[str, ...] = ()) -> Path:
+    """The bundle, once: fp32 and the `lossy` variants (none here: the targets are fp32; make
+    bench-representations asks for bf16, which the default config serves on a CPU with bf16 units)."""
     from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
     from bundle.manifest import BundleError, load_bundle
     from export.pipeline import ExportOptions, build_bundle
@@ -100,7 +101,7 @@ def export(checkpoint: Path, bundle: Path) -> Path:
     except BundleError:
         pass
     started = time.perf_counter()
-    build_bundle(ExportOptions(str(checkpoint), bundle, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, lossy=(), force=True),
+    build_bundle(ExportOptions(str(checkpoint), bundle, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, lossy=lossy, force=True),
                  progress=lambda line: print(f"    {line}", flush=True))
     print(f"  exported {bundle} in {time.perf_counter() - started:.0f} s", flush=True)
     return bundle

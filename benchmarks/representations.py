@@ -32,6 +32,7 @@ from pathlib import Path
 
 from benchmarks.bench import machine, service_phase, write_readme
 from benchmarks.corpus import sentences
+from benchmarks.families import export
 
 PAGE_START = "<!-- representations:start -->"
 PAGE_END = "<!-- representations:end -->"
@@ -134,24 +135,6 @@ def make_splade(out: Path, size: str) -> Path:
                   device="cpu").save(str(staging))
     staging.rename(out)
     return out
-
-
-def export(checkpoint: Path, bundle: Path) -> Path:
-    """fp32 and the gated bf16 graph (the default config serves bf16 where the CPU has bf16 units); once."""
-    from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
-    from bundle.manifest import BundleError, load_bundle
-    from export.pipeline import ExportOptions, build_bundle
-
-    try:
-        load_bundle(bundle)
-        return bundle
-    except BundleError:
-        pass
-    started = time.perf_counter()
-    build_bundle(ExportOptions(str(checkpoint), bundle, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, lossy=("bf16",),
-                               force=True), progress=lambda line: print(f"    {line}", flush=True))
-    print(f"  exported {bundle} in {time.perf_counter() - started:.0f} s", flush=True)
-    return bundle
 
 
 def batches(texts: list[str], batch: int) -> list[list[str]]:
@@ -379,7 +362,7 @@ def main() -> int:
 
     print(f"BGE-M3 shape ({args.size}): XLM-R with colbert_linear.pt and sparse_linear.pt", flush=True)
     m3 = make_bge_m3(root / "bge-m3", args.size)
-    m3_bundle = export(m3, root / "bge-m3-bundle")
+    m3_bundle = export(m3, root / "bge-m3-bundle", lossy=("bf16",))
     flag, flag_failed = flag_embedding_rates(m3, texts, args.batch)
     print("  FlagEmbedding BGEM3FlagModel.encode in-process: "
           + ", ".join(f"{k} {v:.1f} texts/s" for k, v in flag.items()), flush=True)
@@ -402,7 +385,7 @@ def main() -> int:
         print(f"  SPLADE rows not measured: {missing}", flush=True)
         run["splade"] = {"missing": missing}
     else:
-        splade_bundle = export(splade, root / "splade-bundle")
+        splade_bundle = export(splade, root / "splade-bundle", lossy=("bf16",))
         encoder = sparse_encoder_rates(splade, texts, args.batch)
         print("  SparseEncoder.encode in-process: " + ", ".join(f"{k} {v:.1f} texts/s" for k, v in encoder.items()),
               flush=True)
