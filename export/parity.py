@@ -133,11 +133,31 @@ def _real_values(name: str, array: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 @dataclass
 class _Tally:
+    """One output's comparison over every probe, and its line of the parity report."""
+
     values: int = 0
     max_abs: float = 0.0
     max_rel: float = 0.0
     passed: bool = True
     problems: list[str] = field(default_factory=list)
+
+    def compare(self, ref: np.ndarray, got: np.ndarray, atol: float, rtol: float, where: str) -> None:
+        """Count `got` against `ref` (values already cut to the real ones) within atol + rtol * |ref|."""
+        ref, got = ref.astype(np.float64), got.astype(np.float64)
+        diff = np.abs(got - ref)
+        self.values += diff.size
+        self.max_abs = max(self.max_abs, float(np.nanmax(diff, initial=0.0)))
+        self.max_rel = max(self.max_rel, float(np.nanmax(diff / np.maximum(np.abs(ref), atol), initial=0.0)))
+        bad = ~(diff <= atol + rtol * np.abs(ref))
+        if bad.any():
+            self.passed = False
+            self.problems.append(f"{where}: {int(bad.sum())} of {bad.size} values out of tolerance")
+
+    def report(self, output: str, shape: str, probes: int, atol: float, rtol: float) -> OutputParity:
+        """The output's line: it passes when every comparison did and at least one value was compared."""
+        return OutputParity(output=output, shape=shape, probes=probes, values=self.values, max_abs_diff=self.max_abs,
+                            max_rel_diff=self.max_rel, atol=atol, rtol=rtol, passed=self.passed and self.values > 0,
+                            problems=self.problems if self.values > 0 else [*self.problems, "no values compared"])
 
 
 def check_parity(
@@ -185,35 +205,14 @@ def check_parity(
                 tally.passed = False
                 tally.problems.append(f"probe {probe.shape}: shape {got.shape}, expected {ref.shape}")
                 continue
-            ref_real = _real_values(name, ref, probe.attention_mask).astype(np.float64)
-            got_real = _real_values(name, got, probe.attention_mask).astype(np.float64)
-            diff = np.abs(got_real - ref_real)
+            ref_real = _real_values(name, ref, probe.attention_mask)
+            got_real = _real_values(name, got, probe.attention_mask)
             if not np.all(np.isfinite(got_real)):
                 tally.passed = False
                 tally.problems.append(f"probe {probe.shape}: non-finite values")
-            tally.values += diff.size
-            tally.max_abs = max(tally.max_abs, float(np.nanmax(diff, initial=0.0)))
-            tally.max_rel = max(tally.max_rel, float(np.nanmax(diff / np.maximum(np.abs(ref_real), atol), initial=0.0)))
-            bad = ~(diff <= atol + rtol * np.abs(ref_real))
-            if bad.any():
-                tally.passed = False
-                tally.problems.append(f"probe {probe.shape}: {int(bad.sum())} of {bad.size} values out of tolerance")
+            tally.compare(ref_real, got_real, atol, rtol, f"probe {probe.shape}")
 
-    outputs = [
-        OutputParity(
-            output=name,
-            shape=shapes.get(name, "?"),
-            probes=len(probes),
-            values=t.values,
-            max_abs_diff=t.max_abs,
-            max_rel_diff=t.max_rel,
-            atol=atol,
-            rtol=rtol,
-            passed=t.passed and t.values > 0,
-            problems=t.problems if t.values > 0 else [*t.problems, "no values compared"],
-        )
-        for name, t in tallies.items()
-    ]
+    outputs = [t.report(name, shapes.get(name, "?"), len(probes), atol, rtol) for name, t in tallies.items()]
     return ParityReport(
         passed=all(o.passed for o in outputs),
         provider=session.get_providers()[0],
@@ -249,15 +248,7 @@ def check_representations(encoder: Encoder, session, token_heads, tokenizer: Tok
             t.passed = False
             t.problems.append(f"{shape}: shape {got.shape}, expected {ref.shape}")
             return
-        ref, got = ref.astype(np.float64), got.astype(np.float64)
-        diff = np.abs(got - ref)
-        t.values += diff.size
-        t.max_abs = max(t.max_abs, float(np.nanmax(diff, initial=0.0)))
-        t.max_rel = max(t.max_rel, float(np.nanmax(diff / np.maximum(np.abs(ref), atol), initial=0.0)))
-        bad = ~(diff <= atol + rtol * np.abs(ref))
-        if bad.any():
-            t.passed = False
-            t.problems.append(f"row {shape}: {int(bad.sum())} of {bad.size} values out of tolerance")
+        t.compare(ref, got, atol, rtol, f"row {shape}")
 
     encoder.eval()
     for batch in batches:
@@ -277,9 +268,4 @@ def check_representations(encoder: Encoder, session, token_heads, tokenizer: Tok
                 either = (reference != 0) | (candidate != 0)  # the terms either side gives a weight
                 tally("sparse", reference[either], candidate[either], ids.shape)
     shapes = {"sparse": "(vocab terms of a text)", "multivector": f"(kept tokens, {mv.dim if mv else 0})"}
-    return [
-        OutputParity(output=name, shape=shapes[name], probes=len(batches), values=t.values, max_abs_diff=t.max_abs,
-                     max_rel_diff=t.max_rel, atol=atol, rtol=rtol, passed=t.passed and t.values > 0,
-                     problems=t.problems if t.values > 0 else [*t.problems, "no values compared"])
-        for name, t in tallies.items()
-    ]
+    return [t.report(name, shapes[name], len(batches), atol, rtol) for name, t in tallies.items()]

@@ -139,6 +139,22 @@ def representations_url(ray_serve, representation_bundles) -> str:
     return f"{ray_serve.url}/reps"
 
 
+@pytest.fixture(scope="session")
+def representations_client(representations_url):
+    """An HTTP client of the /reps app (tests/test_representations*.py)."""
+    import httpx
+
+    with httpx.Client(base_url=representations_url, timeout=60) as client:
+        yield client
+
+
+def encoded(client, model: str, texts: list[str], **fields) -> list[dict]:
+    """/v1/encode's `data` for `texts` on `model` with the request's other `fields`; a test fails on any other status."""
+    r = client.post("/v1/encode", json={"model": model, "inputs": texts, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()["data"]
+
+
 @dataclass(frozen=True)
 class RayServe:
     url: str  # the Serve HTTP proxy

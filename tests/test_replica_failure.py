@@ -91,16 +91,8 @@ def test_killed_replica_is_replaced_and_the_run_recovers(ray_serve, default_bund
     # server, here Ray's fallback proxy, which holds it until the replacement answers.
     failed = [(round(r[0] - killed_at, 2), r[1], r[3]) for r in results if r[1] != 200]
     assert not failed, f"{len(failed)} of {len(results)} requests failed (s from the kill, status, type): {failed}"
-    replacement_s = ready_at - killed_at
-    for started, status, elapsed, kind in results:
-        # A request the ingress sent again (under way at the kill, or arriving before the replacement
-        # answered) waits in Ray's fallback proxy for a replica, and runs with its deadline from there
-        # (measured in a clean `make test`: 15.4 s, for a replacement of about 11 s); every other one
-        # ends within the service's timeout.
-        replayed = started < ready_at and started + elapsed > killed_at
-        bound = TIMEOUT_S + 5 + (replacement_s if replayed else 0)
-        assert elapsed < bound, (f"a request took {elapsed:.1f} s, past the {TIMEOUT_S} s timeout"
-                                 + (f" plus the {replacement_s:.1f} s replacement it waited for" if replayed else ""))
+    # measured in a clean `make test`: 15.4 s for a replayed request, for a replacement of about 11 s
+    assert_within_deadline(results, killed_at, ready_at)
     counts: dict[str, int] = {}
     for r in during:
         counts[str(r[1])] = counts.get(str(r[1]), 0) + 1
@@ -111,6 +103,18 @@ def test_killed_replica_is_replaced_and_the_run_recovers(ray_serve, default_bund
                 f"HAProxy marked it down were sent again by HAProxy (its retry counter, read every 0.1 s: "
                 f"{retries.total:g}) and waited in the ingress "
                 f"(slowest {slowest:.1f} s) for the new replica; {len(after)} requests after recovery all 200")
+
+
+def assert_within_deadline(results: list, fault_at: float, recovered_at: float) -> None:
+    """Every request ended within the service's timeout (+ 5 s), but one the ingress sent again: under way at
+    the fault, or arriving before the replacement answered, it waits in Ray's fallback proxy for the new
+    replica and runs with its deadline from there, so its bound also has the replacement's time."""
+    replacement_s = recovered_at - fault_at
+    for started, status, elapsed, _ in results:
+        replayed = started < recovered_at and started + elapsed > fault_at
+        bound = TIMEOUT_S + 5 + (replacement_s if replayed else 0)
+        assert elapsed < bound, (f"a request ({status}) took {elapsed:.1f} s, past the {TIMEOUT_S} s timeout"
+                                 + (f" plus the {replacement_s:.1f} s replacement it waited for" if replayed else ""))
 
 
 class RetryCounter(threading.Thread):
@@ -211,16 +215,9 @@ def test_health_check_detects_a_broken_session_and_serve_restarts_the_replica(ra
         for t in threads:
             t.join(timeout=60)
         serve.delete("fragile")
-    # no request hung while the session was broken and the replica replaced: each answered or failed within
-    # its deadline, but one under way when Serve stopped the old replica is sent again by the ingress and
-    # waits for the new one (as in the kill test above: measured 16.6 s in a 2-worker `make test`, for a
-    # replacement of several seconds); after recovery every one is served
-    replacement_s = recovered_at - broken_at
-    for started, status, elapsed, _ in results:
-        replayed = started < recovered_at and started + elapsed > broken_at
-        bound = TIMEOUT_S + 5 + (replacement_s if replayed else 0)
-        assert elapsed < bound, (f"a request ({status}) took {elapsed:.1f} s, past the {TIMEOUT_S} s timeout"
-                                 + (f" plus the {replacement_s:.1f} s replacement it waited for" if replayed else ""))
+    # no request hung while the session was broken and the replica replaced (measured: 16.6 s for a replayed
+    # one in a 2-worker `make test`); after recovery every one is served
+    assert_within_deadline(results, broken_at, recovered_at)
     assert all(r[1] == 200 for r in results if r[0] >= recovered_at)
     during = [r for r in results if broken_at <= r[0] < recovered_at]
     counts = {str(k): sum(1 for r in during if r[1] == k) for k in sorted({r[1] for r in during}, key=str)}

@@ -6,11 +6,11 @@ gates (their RepresentationGate rows, checked here from the manifest)."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
 from bundle.manifest import load_bundle
+from tests.conftest import encoded
 from tests.reference_env import run_references
 
 QUERIES = ["where does the cat sleep", "capital of France"]
@@ -20,15 +20,9 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def client(representations_url):
-    with httpx.Client(base_url=representations_url, timeout=60) as c:
-        yield c
+def client(representations_client):
+    return representations_client
 
-
-def encode(client, model: str, texts: list[str], **fields) -> list[dict]:
-    r = client.post("/v1/encode", json={"model": model, "inputs": texts, **fields})
-    assert r.status_code == 200, r.text
-    return r.json()["data"]
 
 
 def checkpoint_of(bundle) -> str:
@@ -41,7 +35,7 @@ def test_bge_m3_dense_sparse_multivector_and_scores_are_flagembeddings(client, r
     pairs = [[q, d] for q in QUERIES for d in DOCUMENTS]
     reference, scores = run_references([("bge-m3-encode", {"model": model, "texts": texts}),
                                         ("bge-m3-score", {"model": model, "pairs": pairs})])
-    ours = encode(client, "bge-m3", texts, sparse=True, multivector=True)
+    ours = encoded(client, "bge-m3", texts, sparse=True, multivector=True)
     for i, item in enumerate(ours):
         np.testing.assert_allclose(item["embedding"], reference["dense_vecs"][i], atol=ATOL)
         weights = reference["lexical_weights"][i]
@@ -66,7 +60,7 @@ def test_colbert_vectors_and_rerank_are_pylates(client, representation_bundles):
                            "documents_ids": [list(range(len(DOCUMENTS)))] * len(QUERIES)}),
     ])
     for side, texts, reference in (("query", QUERIES, queries), ("document", DOCUMENTS, documents)):
-        for item, expected in zip(encode(client, "colbert", texts, input_type=side), reference, strict=True):
+        for item, expected in zip(encoded(client, "colbert", texts, input_type=side), reference, strict=True):
             got = np.array(item["multivector"]["data"])
             assert got.shape == expected.shape, (side, item["index"])
             np.testing.assert_allclose(got, expected, atol=ATOL)
@@ -82,13 +76,13 @@ def test_splade_sparse_vectors_are_sparse_encoders(client, representation_bundle
 
     model = SparseEncoder(checkpoint_of(representation_bundles["splade"]), device="cpu")
     expected = model.encode(DOCUMENTS + QUERIES, convert_to_tensor=True).to_dense().numpy()
-    ours = encode(client, "splade", DOCUMENTS + QUERIES, sparse_tokens=True)
+    ours = encoded(client, "splade", DOCUMENTS + QUERIES, sparse_tokens=True)
     for item, row in zip(ours, expected, strict=True):
         assert "embedding" not in item  # a SPLADE model gives its sparse vector by default, no dense one
         assert item["sparse"]["indices"] == np.flatnonzero(row).tolist()
         np.testing.assert_allclose(item["sparse"]["values"], row[row != 0], atol=ATOL)
         assert item["sparse"]["tokens"] == model.tokenizer.convert_ids_to_tokens(item["sparse"]["indices"])
-    top = encode(client, "splade", DOCUMENTS[:1], top_k=5)[0]["sparse"]
+    top = encoded(client, "splade", DOCUMENTS[:1], top_k=5)[0]["sparse"]
     best = np.sort(np.argsort(-expected[0], kind="stable")[:5]).tolist()
     assert top["indices"] == best and len(top["values"]) == 5
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 
-import httpx
 import numpy as np
 import pytest
 
@@ -18,9 +17,8 @@ TEXTS = ["The cat sat on the mat.", "Paris is the capital of France, isn't it?",
 
 
 @pytest.fixture(scope="module")
-def client(representations_url):
-    with httpx.Client(base_url=representations_url, timeout=60) as c:
-        yield c
+def client(representations_client):
+    return representations_client
 
 
 def test_bge_m3_gives_dense_sparse_and_multivector_from_one_call(client):

@@ -8,9 +8,10 @@ the reference environments; here each protocol is held against them."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
+
+from tests.conftest import encoded
 
 TEXTS = ["The cat sat on the mat.", "Paris is the capital of France, isn't it?", "zebra"]
 QUERY = "where is the cat"
@@ -18,15 +19,9 @@ DOCUMENTS = ["The cat sat on the mat.", "Stock markets fell today.", "A cat and 
 
 
 @pytest.fixture(scope="module")
-def client(representations_url):
-    with httpx.Client(base_url=representations_url, timeout=60) as c:
-        yield c
+def client(representations_client):
+    return representations_client
 
-
-def encoded(client, model: str, texts: list[str], **fields) -> list[dict]:
-    r = client.post("/v1/encode", json={"model": model, "inputs": texts, **fields})
-    assert r.status_code == 200, r.text
-    return r.json()["data"]
 
 
 def reranked(client, model: str) -> np.ndarray:

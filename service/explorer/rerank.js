@@ -137,12 +137,7 @@
       return el;
     }));
     $("ranked").replaceChildren(...data.results.map((r) => {
-      const li = document.createElement("li");
-      li.className = "ranked-item late";
-      li.dataset.index = String(r.index);
-      const score = document.createElement("span");
-      score.className = "ranked-score";
-      score.textContent = r.relevance_score.toFixed(3);
+      const [li, score] = rankedItem(r, "ranked-item late");
       const body = document.createElement("div");
       body.className = "late-body";
       const text = document.createElement("div");
@@ -153,6 +148,17 @@
       return li;
     }));
     $("results").hidden = false;
+  }
+
+  // One result's list item and its score, which each kind of model fills with its own explanation.
+  function rankedItem(r, className) {
+    const li = document.createElement("li");
+    li.className = className;
+    li.dataset.index = String(r.index);
+    const score = document.createElement("span");
+    score.className = "ranked-score";
+    score.textContent = r.relevance_score.toFixed(3);
+    return [li, score];
   }
 
   function render(data) {
@@ -171,12 +177,7 @@
     query.replaceChildren(...data.results[0].explanation.words.filter((w) => w.sequence === 0).map((w) => chip(w, scale)));
     const list = $("ranked");
     list.replaceChildren(...data.results.map((r) => {
-      const li = document.createElement("li");
-      li.className = "ranked-item";
-      li.dataset.index = String(r.index);
-      const score = document.createElement("span");
-      score.className = "ranked-score";
-      score.textContent = r.relevance_score.toFixed(3);
+      const [li, score] = rankedItem(r, "ranked-item");
       const chips = document.createElement("div");
       chips.className = "chips";
       chips.replaceChildren(...r.explanation.words.filter((w) => w.sequence === 1).map((w) => chip(w, scale)));
