@@ -7,6 +7,7 @@
   finish.py       where a finished call records its metrics, its access log line and its span
   policy.py       what an API declares (its routes' policy, its error style, its gRPC methods)
   request_ids.py  the request id rule, the id of the call this task serves
+  json_values.py  a JSON body's values counted before it is parsed (the parser holds the GIL throughout)
   responses.py    JSON bodies written fast, off the event loop when large, bytes counted by kind
   schemas.py      the request-body building blocks every JSON API shares, the error body
   deps.py         what an API's HTTP route gets: the replica's EncoderService and its call

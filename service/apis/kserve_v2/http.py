@@ -19,10 +19,11 @@ from service.apis.kserve_v2.semantics import (V2_DATATYPES, V2_EXTENSIONS, V2_KI
                                               v2_head, v2_model_metadata, v2_run)
 from service.engine.encoder_service import EncoderService
 from service.engine.engine import shown
-from service.engine.errors import InvalidRequest
+from service.engine.errors import InvalidRequest, TooLarge
 from service.front.deps import api_router, call_of, infer, model_for, service
 from service.front.errors import describe
 from service.front.identity import SERVER_NAME, SERVER_VERSION
+from service.front.json_values import separators
 from service.front.responses import OFF_LOOP_BYTES, JSONResponse, KindCounter
 from service.front.schemas import ERROR_RESPONSES
 from service.observability import tracing
@@ -30,14 +31,24 @@ from service.observability import tracing
 router = api_router()
 
 
-def _parse_v2_body(raw: bytes, header_len: str | None) -> tuple[V2InferRequest, bytes]:
-    """Split a v2 body into its JSON header and binary tail (binary tensor data extension)."""
+def json_values_limit(max_inputs: int) -> int:
+    """The most separators a v2 JSON body may hold: two inputs of max_inputs texts, with room to spare for
+    the members of the inputs, outputs and parameters."""
+    return 4 * max_inputs + 1024
+
+
+def _parse_v2_body(raw: bytes, header_len: str | None, max_inputs: int) -> tuple[V2InferRequest, bytes]:
+    """Split a v2 body into its JSON header and binary tail (binary tensor data extension), and parse the
+    header once its values are counted (a large one only: a small one parses in well under a ms)."""
     if header_len is not None:
         if not header_len.isdigit() or int(header_len) > len(raw):
             raise InvalidRequest(f"Inference-Header-Content-Length {shown(header_len)} does not fit a {len(raw)}-byte body")
         json_part, binary = raw[: int(header_len)], raw[int(header_len) :]
     else:
         json_part, binary = raw, b""
+    most = json_values_limit(max_inputs)
+    if len(json_part) > OFF_LOOP_BYTES and separators(json_part) > most:
+        raise TooLarge(f"the request's JSON holds more than {most} values; an input holds at most {max_inputs} texts")
     try:
         return V2InferRequest.model_validate_json(json_part), binary
     except ValidationError as exc:
@@ -118,10 +129,10 @@ async def v2_infer(name: str, request: Request, version: str = "1", svc: Encoder
     """
     engine = model_for(svc, name, request, task=None)
     raw, header_len = await request.body(), request.headers.get("inference-header-content-length")
-    # a large body's JSON is parsed in a worker thread: its data may hold millions of elements, and
-    # their count is known only once it is parsed
-    req, binary = (_parse_v2_body(raw, header_len) if len(raw) <= OFF_LOOP_BYTES
-                   else await asyncio.to_thread(_parse_v2_body, raw, header_len))
+    # a large body's JSON is counted, then parsed, in a worker thread: its data may hold millions of
+    # elements, refused before any of them is parsed
+    req, binary = (_parse_v2_body(raw, header_len, svc.settings.max_inputs) if len(raw) <= OFF_LOOP_BYTES
+                   else await asyncio.to_thread(_parse_v2_body, raw, header_len, svc.settings.max_inputs))
     outputs = select_outputs(req, engine.model)
     ran = await v2_run(svc, engine, req, binary, outputs, V2Call(V2_ROUTE, "http", lambda job: infer(svc, engine, job, request)))
 
