@@ -33,7 +33,7 @@ help:
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes docs/performance.md and the README's headline"
 	@echo "make bench-representations  issue 48's rows alone: BGE-M3's three outputs in one pass vs three and vs FlagEmbedding, SPLADE vs SparseEncoder (REPRESENTATIONS_ARGS=...)"
-	@echo "make bench-families  MPNet, ModernBERT and Qwen3 shapes at real sizes: the service vs sentence-transformers (PEERS=infinity: and infinity-emb)"
+	@echo "make bench-families  MPNet, ModernBERT and Qwen3 shapes at real sizes: the service at its default precision and fp32 vs sentence-transformers fp32 and bf16 (PEERS=infinity: and infinity-emb at both), the engine alone, the physical bound (BENCH_ARGS=--tiny: a smoke run)"
 	@echo "make profile py-spy flame graphs of the replica (and the proxy actor) under load -> results/profile/"
 	@echo "make report  make bench with a concurrency sweep, and the plot docs/performance.png"
 	@echo "make reliability        fault tests (overload, kills, shutdown, hostile input, bad bundles, auth) -> RELIABILITY.md"

