@@ -133,7 +133,7 @@ def model_cost(model, texts: list[str]) -> dict:
                      if isinstance(m, torch.nn.Linear) and "pooler" not in name)
     heads = config.num_attention_heads
     width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
-    tokens = [int(n) for n in model.tokenize(texts)["attention_mask"].sum(1)]
+    tokens = [int(n) for n in model.preprocess(texts)["attention_mask"].sum(1)]
     return {"matmul_parameters": parameters, "layers": config.num_hidden_layers, "attention_width": width,
             "mean_tokens": sum(tokens) / len(tokens),
             "flops_per_text": flops_per_text(parameters, config.num_hidden_layers, width, tokens)}
