@@ -25,7 +25,7 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install reference-envs run test export bundle bench bench-representations bench-families profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
+.PHONY: help install reference-envs run test export bundle bench bench-representations bench-families embed bench-jobs profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
@@ -34,6 +34,8 @@ help:
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes docs/performance.md and the README's headline"
 	@echo "make bench-representations  issue 48's rows alone: BGE-M3's three outputs in one pass vs three and vs FlagEmbedding, SPLADE vs SparseEncoder (REPRESENTATIONS_ARGS=...)"
 	@echo "make bench-families  MPNet, ModernBERT and Qwen3 shapes at real sizes: the service at its default precision and fp32 vs sentence-transformers fp32 and bf16 (PEERS=infinity: and infinity-emb at both), the engine alone, the physical bound (BENCH_ARGS=--tiny: a smoke run)"
+	@echo "make embed  embed every row of INPUT (Parquet, JSONL, CSV) into Parquet shards in OUTPUT, on Ray Data; run again to resume (EMBED_ARGS=...; docs/jobs.md)"
+	@echo "make bench-jobs  the embedding job's texts/s on JOB_TEXTS short texts vs the engine alone, same run (BENCH_JOBS_ARGS=...)"
 	@echo "make profile py-spy flame graphs of the replica (and the proxy actor) under load -> results/profile/"
 	@echo "make report  make bench with a concurrency sweep, and the plot docs/performance.png"
 	@echo "make reliability        fault tests (overload, kills, shutdown, hostile input, bad bundles, auth) -> RELIABILITY.md"
@@ -89,6 +91,16 @@ bench: bundle reference-envs
 REPRESENTATIONS_ARGS ?=
 bench-representations: bundle reference-envs
 	$(BIN)/python -m benchmarks.representations $(REPRESENTATIONS_ARGS)
+
+# The embedding job (docs/jobs.md): INPUT files or directories in, OUTPUT directory out, resumable
+embed: bundle
+	@test -n "$(INPUT)" -a -n "$(OUTPUT)" || { echo "make embed INPUT=FILE... OUTPUT=DIR [EMBED_ARGS='--id-column id ...']"; exit 2; }
+	$(BIN)/python -m jobs embed --bundle $(BUNDLE) --input $(INPUT) --output $(OUTPUT) $(EMBED_ARGS)
+
+# The job's texts/s against benchmarks/engine_alone.py's rate, one run (issue 50: 100k texts, >= 0.9x)
+JOB_TEXTS ?= 100000
+bench-jobs: bundle
+	$(BIN)/python -m benchmarks.jobs --bundle $(BUNDLE) --texts $(JOB_TEXTS) $(BENCH_JOBS_ARGS)
 
 # MPNet, ModernBERT and Qwen3 shapes at their real sizes (random weights): the service against
 # sentence-transformers (and infinity-emb with PEERS=infinity); rows into docs/performance.md

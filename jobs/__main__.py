@@ -34,6 +34,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--concurrency", type=int, default=None, help="actors (default: one per GPU, else per 2 CPUs)")
     e.add_argument("--precision", default="auto", help="the service's precision setting (default auto: as a "
                                                        "replica chooses)")
+    p.epilog = e.format_help()  # python -m jobs --help lists embed's flags too
     return p
 
 

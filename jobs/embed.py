@@ -130,12 +130,13 @@ def _pipeline(spec: EmbedSpec, files, todo: list[tuple[int, int]]) -> tuple[str 
     concurrency = spec.concurrency or (gpus or max(1, int(cpus // max(num_cpus, 1))))
     ranges = [{"first": a, "last": b} for a, b in todo]
     ds = ray.data.from_items(ranges, override_num_blocks=len(ranges))
-    ds = ds.map_batches(_ReadRange, fn_constructor_kwargs={"files": [asdict(f) for f in files],
-                                                            "text_column": spec.text_column,
-                                                            "id_column": spec.id_column},
-                        batch_size=1, batch_format="pyarrow", num_cpus=0.25, concurrency=(1, max(1, concurrency)))
+    ds = ds.map_batches(read_ranges, fn_kwargs={"files": [asdict(f) for f in files], "text_column": spec.text_column,
+                                                "id_column": spec.id_column},
+                        # no CPU slot: reading is light, and an actor holding every CPU of a node (the
+                        # default on 2 CPUs) would otherwise leave the reads unscheduled for ever
+                        batch_size=1, batch_format="pyarrow", num_cpus=0)
     ds = ds.map_batches(Embedder, fn_constructor_kwargs={"spec": _plain(spec), "threads": max(1, math.floor(num_cpus))},
-                        batch_size=None, batch_format="pyarrow", concurrency=concurrency,
+                        batch_size=None, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=concurrency),
                         num_cpus=num_cpus, num_gpus=1 if gpus else 0)
     tally, precision = Tally(), None
     for row in ds.iter_rows():
@@ -153,27 +154,20 @@ def _plain(spec: EmbedSpec) -> dict:
             "inputs": [str(p) for p in spec.inputs], "outputs": list(spec.outputs)}
 
 
-class _ReadRange:
-    """A range of rows from its input file (a Ray Data task stage: reading overlaps the actors' compute)."""
+def read_ranges(batch, files: list[dict], text_column: str, id_column: str | None):
+    """The rows of each planned range from its input files (a Ray Data task stage: reading overlaps the
+    actors' compute); a range may cross from one file into the next."""
+    import pyarrow as pa
 
-    def __init__(self, files: list[dict], text_column: str, id_column: str | None) -> None:
-        from jobs.inputs import InputFile
+    from jobs.inputs import InputFile, read_rows
 
-        self.files = [InputFile(**f) for f in files]
-        self.text_column, self.id_column = text_column, id_column
-
-    def __call__(self, batch):
-        import pyarrow as pa
-
-        from jobs.inputs import read_rows
-
-        parts = []
-        for first, last in zip(batch.column("first").to_pylist(), batch.column("last").to_pylist(), strict=True):
-            for f in self.files:  # a range may cross from one file into the next
-                a, b = max(first, f.first), min(last, f.first + f.rows - 1)
-                if a <= b:
-                    parts.append(read_rows(f, a, b, self.text_column, self.id_column))
-        return pa.concat_tables(parts, promote_options="permissive")
+    parts = []
+    for first, last in zip(batch.column("first").to_pylist(), batch.column("last").to_pylist(), strict=True):
+        for f in (InputFile(**f) for f in files):
+            a, b = max(first, f.first), min(last, f.first + f.rows - 1)
+            if a <= b:
+                parts.append(read_rows(f, a, b, text_column, id_column))
+    return pa.concat_tables(parts, promote_options="permissive")
 
 
 class Embedder:
@@ -254,7 +248,7 @@ class Embedder:
                                                   pa.list_(pa.list_(pa.float32())))
         table_out = self.shard_table(table, good, texts, columns)
         failures = [{"row": rows[i], "id": ids[i], "reason": errors[i]} for i in range(len(rows)) if errors[i]]
-        record = Record(rows[0], rows[-1], len(good), failures, tokens)
+        record = Record(rows[0], rows[-1], len(good), failures, tokens, self.pid)
         write_shard(Path(spec.output), table_out, record, self.metadata)
         return {"first": rows[0], "last": rows[-1], "rows": len(rows), "failures": len(failures), "tokens": tokens,
                 "actor": self.pid, "precision": f"{self.metadata['runtime']} {self.metadata['precision']}"}

@@ -33,6 +33,7 @@ class Record:
     written: int  # rows in the shard
     failures: list  # [{"row", "id", "reason"}]
     tokens: int
+    worker: int = 0  # the process id of the actor that wrote it (which worker did what, after a crash)
 
     @property
     def name(self) -> str:
@@ -55,7 +56,7 @@ def write_shard(output: Path, table, record: Record, metadata: dict) -> None:
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), b"jobs.embed": json.dumps(meta).encode()})
     atomic_write(shard_path(output, record.first, record.last), lambda f: pq.write_table(table, f))
     body = json.dumps({"first": record.first, "last": record.last, "written": record.written,
-                       "failures": record.failures, "tokens": record.tokens}).encode()
+                       "failures": record.failures, "tokens": record.tokens, "worker": record.worker}).encode()
     atomic_write(record_path(output, record.first, record.last), lambda f: f.write(body))
 
 
@@ -63,7 +64,8 @@ def read_records(output: Path) -> list[Record]:
     records = []
     for path in (output / PROGRESS).glob("part-*.json"):
         raw = json.loads(path.read_text())
-        records.append(Record(raw["first"], raw["last"], raw["written"], raw["failures"], raw["tokens"]))
+        records.append(Record(raw["first"], raw["last"], raw["written"], raw["failures"], raw["tokens"],
+                              raw.get("worker", 0)))
     return sorted(records, key=lambda r: (r.first, r.last))
 
 

@@ -209,7 +209,7 @@ def test_the_request_path_names_real_modules_and_the_docs_page_agrees():
 def test_the_layout_page_names_every_module_and_page():
     page = (ROOT / "docs" / "layout.md").read_text()
     missing = []
-    for folder in ("bundle", "export", "service", "benchmarks", "loadtests", "examples"):
+    for folder in ("bundle", "export", "service", "jobs", "benchmarks", "loadtests", "examples"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             if path.name == "__init__.py" and path.parent.name != "service" and path.parent.name != "runtimes":
                 continue  # package markers, except the two that say something
