@@ -130,16 +130,20 @@ def test_bad_rows_go_to_the_errors_file_and_the_job_goes_on(tiny, cluster, tmp_p
     lines[13] = "{not json"
     lines[17] = json.dumps({"id": "long", "text": "word " * 2000})  # past the model's limit, truncate off
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    summary = run({"bundle": bundle, "inputs": [tmp_path / "in.jsonl"], "output": tmp_path / "out",
-                   "id_column": "id", "truncate": False, "batch_size": 16})
+    # a CSV after it: its rows numbered after the JSONL's, a quoted field with a newline in it one row
+    (tmp_path / "more.csv").write_text('id,text\nc0,"two\nlines"\nc1,\nc2,plain words\n')
+    summary = run({"bundle": bundle, "inputs": [tmp_path / "in.jsonl", tmp_path / "more.csv"],
+                   "output": tmp_path / "out", "id_column": "id", "truncate": False, "batch_size": 16})
     errors = [json.loads(line) for line in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()]
-    assert [e["id"] for e in errors] == ["empty", "number", "missing", None, "long"]
+    assert [e["id"] for e in errors] == ["empty", "number", "missing", None, "long", "c1"]
     reasons = [e["reason"] for e in errors]
     assert reasons[0] == "empty text" and reasons[1] == "not text: 'text' is int" and reasons[2] == "no 'text' field"
     assert reasons[3].startswith("not JSON") and "limit of" in reasons[4] and "--no-truncate" in reasons[4]
-    assert summary["failures"] == 5 and summary["written"] == 35
+    assert reasons[5] == "empty text"
+    assert summary["rows"] == 43 and summary["failures"] == 6 and summary["written"] == 37
     table = shards_of(tmp_path / "out", "id")
-    assert sorted(table.column("id").to_pylist()) == sorted(f"g{i}" for i in range(40) if i not in (3, 7, 11, 13, 17))
+    assert sorted(table.column("id").to_pylist()) == sorted(
+        [f"g{i}" for i in range(40) if i not in (3, 7, 11, 13, 17)] + ["c0", "c2"])
 
 
 def test_a_worker_killed_mid_job_costs_only_its_blocks(tiny, cluster, tmp_path):
