@@ -205,3 +205,37 @@ def test_a_bad_argument_is_one_line_on_stderr_and_a_nonzero_exit(tiny, tmp_path)
                           timeout=120)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().count("\n") == 0 and "--format parquet|jsonl|csv" in done.stderr
+
+
+def test_sparse_vectors_are_sparse_encoders(cluster, tmp_path_factory, tmp_path):
+    """--outputs sparse on a tiny SPLADE (exported where conftest's representation_bundles puts it, so either
+    fixture reuses the other's export): every row's sparse vector = SparseEncoder.encode's; embedding refused."""
+    from sentence_transformers import SparseEncoder
+
+    from export.pipeline import ExportOptions, build_bundle
+    from jobs.embed import run
+    from tests.splade_models import make_sparse_encoder
+
+    root = shared_dir(tmp_path_factory, "representations")
+
+    def export(out: Path) -> None:
+        checkpoint = make_sparse_encoder("bert", root / "splade-ckpt", pooling="max")
+        build_bundle(ExportOptions(str(checkpoint), out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name="splade"),
+                     progress=lambda _: None)
+
+    bundle = exported_once(root / "splade", export)
+    texts = sentences(200, min_words=2, max_words=8, seed=4)
+    pq.write_table(pa.table({"text": texts}), tmp_path / "in.parquet")
+    with pytest.raises(ValueError, match="gives sparse, not dense"):
+        run({"bundle": bundle, "inputs": [tmp_path / "in.parquet"], "output": tmp_path / "refused"})
+    summary = run({"bundle": bundle, "inputs": [tmp_path / "in.parquet"], "output": tmp_path / "out",
+                   "outputs": "sparse", "precision": "fp32", "batch_size": 64})
+    assert summary["written"] == 200 and summary["outputs"] == ["sparse"]
+    table = shards_of(tmp_path / "out", "row")
+    assert table.column_names == ["row", "text_sha256", "sparse_indices", "sparse_values"]
+    expected = SparseEncoder(str(root / "splade-ckpt"), device="cpu").encode(
+        texts, convert_to_tensor=True).to_dense().numpy()
+    for indices, values, row in zip(table.column("sparse_indices").to_pylist(), table.column("sparse_values").to_pylist(),
+                                    expected, strict=True):
+        assert indices == np.flatnonzero(row).tolist()
+        np.testing.assert_allclose(values, row[row != 0], atol=1e-4)
