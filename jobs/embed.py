@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 OUTPUTS = ("embedding", "sparse", "multivector")
@@ -61,8 +61,6 @@ class Tally:
     rows: int = 0
     failures: int = 0
     tokens: int = 0
-    ranges: int = 0
-    per_actor: dict = field(default_factory=dict)
 
 
 def run(spec: EmbedSpec | dict) -> dict:
@@ -143,8 +141,6 @@ def _pipeline(spec: EmbedSpec, files, todo: list[tuple[int, int]]) -> tuple[str 
         tally.rows += row["rows"]
         tally.failures += row["failures"]
         tally.tokens += row["tokens"]
-        tally.ranges += 1
-        tally.per_actor[row["actor"]] = tally.per_actor.get(row["actor"], 0) + row["rows"]
         precision = row["precision"]
     return precision, tally
 
