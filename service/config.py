@@ -263,6 +263,26 @@ class ServiceSettings(BaseModel):
         "tokens^2, summed over its texts; 4 bytes each): it grows with n^2, so it is checked before inference",
     )
 
+    # OpenAI's Batch API (service/apis/openai_batch): its files and batches live in this directory
+    jobs_dir: Path = Field(
+        Path("openai-batches"),
+        description="where the Batch API keeps uploaded files, batches and their output files (every write a temp "
+        "file renamed into place); relative: under the service's working directory. Replicas that share it (a "
+        "PersistentVolumeClaim on KubeRay) share the batches, and a restarted service resumes those in progress",
+    )
+    batch_max_file_bytes: int = Field(
+        100 * 1024 * 1024, ge=1024,
+        description="bytes of one uploaded batch file (POST /v1/files): counted while the upload is read, 413 past it",
+    )
+    batch_max_lines: int = Field(50_000, ge=1, description="request lines in one batch file (413 above, at upload)")
+    batch_max_line_bytes: int = Field(
+        1024 * 1024, ge=256, description="bytes of one line of a batch file (413 above, at upload)")
+    batch_max_per_token: int = Field(
+        16, ge=1,
+        description="batches one token (or, with authentication off, everyone) may have unfinished at once; "
+        "POST /v1/batches past it is refused (400) until one ends",
+    )
+
     tracing: TracingSettings | None = Field(
         None, description="OpenTelemetry traces of every request (OTLP); off unless set here or by the OTEL_* "
         "variables (docs/operations.md, 'Traces')")

@@ -30,6 +30,7 @@ from service.config import BatchingSettings, ServiceSettings
 from service.engine.engine import EngineTable, load_engine, resize_runtimes
 from service.engine.encoder_service import EncoderService
 from service.apis.ops.health import replica_info
+from service.apis.openai_batch.runner import BatchRunner
 from service.front.deps import serve_with
 from service.front.gate import Gate
 from service.grpc import serve_hooks
@@ -76,6 +77,8 @@ class Encoder(grpc_methods()):
             "metrics": {"prometheus_url": node_metrics_url(), "node_id": node_id},
         }
         serve_with(self.svc)
+        self.batches = BatchRunner(settings, app)  # OpenAI's Batch API: this replica's runner of unfinished batches
+        self.batches.start()
         metrics = service_metrics()
         gpu_ids = ",".join(self.gpu.ray_gpu_ids)
         info_tags = [{"model": m.name, "task": m.model.task, "bundle_sha256": m.sha256, "provider": m.runtime.provider,

@@ -230,10 +230,22 @@ def haproxy_servers_up(backend: str) -> int:
     return sum(1 for r in rows if r[1].startswith("SERVE_REPLICA") and r[17] == "UP")
 
 
+# The Batch API's limits on the shared app: small, so that tests/test_batch_api.py and the hostile sweep
+# reach each of them with small uploads
+BATCH_LIMITS = {"batch_max_file_bytes": 2 * 1024 * 1024, "batch_max_lines": 5000, "batch_max_line_bytes": 256 * 1024,
+                "batch_max_per_token": 3}
+
+
 @pytest.fixture(scope="session")
-def service_url(ray_serve, default_bundle) -> str:
+def batch_jobs_dir(tmp_path_factory) -> Path:
+    """The shared app's jobs_dir (OpenAI's Batch API: its files and batches)."""
+    return tmp_path_factory.mktemp("batch-jobs")
+
+
+@pytest.fixture(scope="session")
+def service_url(ray_serve, default_bundle, batch_jobs_dir) -> str:
     """The default app, deployed as `make run` deploys it, at the root of the Serve proxy."""
-    deploy({"num_cpus": 1}, "encoder", "/", default_bundle)
+    deploy({"num_cpus": 1, "jobs_dir": str(batch_jobs_dir), **BATCH_LIMITS}, "encoder", "/", default_bundle)
     return ray_serve.url
 
 

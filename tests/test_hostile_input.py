@@ -91,7 +91,7 @@ def test_any_unicode_texts_are_encoded_or_refused_cleanly(client, texts):
                                              "embedding_types", "truncation_direction", "text_1", "text_2",
                                              "truncate_prompt_tokens", "x"]), json_values, max_size=5),
        route=st.sampled_from(["/v1/encode", "/v1/embeddings", "/v1/tokenize", "/v2/models/all-MiniLM-L6-v2/infer",
-                              "/embed", "/", "/v2/embed", "/embed_sparse", "/v1/score"]))
+                              "/embed", "/", "/v2/embed", "/embed_sparse", "/v1/score", "/v1/batches", "/v1/files"]))
 def test_arbitrary_json_bodies_never_cause_a_server_error(client, body, route):
     check(client.post(route, json=body))
 
@@ -115,7 +115,7 @@ RAW = {
 
 @pytest.mark.parametrize("name", list(RAW))
 @pytest.mark.parametrize("route", ["/v1/encode", "/v1/embeddings", "/v2/models/all-MiniLM-L6-v2/infer", "/embed", "/",
-                                   "/embed_sparse", "/v1/score"])
+                                   "/embed_sparse", "/v1/score", "/v1/batches", "/v1/files"])
 def test_raw_hostile_payloads_get_4xx_json(client, name, route):
     r = client.post(route, content=RAW[name], headers={"content-type": "application/json"})
     check(r)
@@ -131,6 +131,46 @@ def test_wrong_content_types_get_4xx_json(client, content_type):
     r = client.post("/v1/encode", content=b'{"inputs": "x"}', headers=headers)
     check(r)
     assert 400 <= r.status_code < 500
+
+
+def _multipart(parts: list[tuple[bytes, bytes]], boundary: bytes = b"b0undary") -> bytes:
+    return b"".join(b"--" + boundary + b"\r\n" + head + b"\r\n\r\n" + content + b"\r\n" for head, content in parts) \
+        + b"--" + boundary + b"--\r\n"
+
+
+_PURPOSE = (b'Content-Disposition: form-data; name="purpose"', b"batch")
+UPLOADS = {  # (body, content type): OpenAI's Batch API upload, POST /v1/files (limits: tests/conftest.py BATCH_LIMITS)
+    "no boundary": (b"--x\r\n\r\n", "multipart/form-data"),
+    "garbage after the boundary": (bytes(range(256)) * 100, "multipart/form-data; boundary=b0undary"),
+    "a part without headers' end": (b"--b0undary\r\nContent-Disposition: form-data; name=file", "multipart/form-data; boundary=b0undary"),
+    "odd header bytes": (_multipart([(b'Content-Disposition: form-data; name="\xff\x00"; filename*=bad\'\'%ZZ', b"{}"), _PURPOSE]),
+                         "multipart/form-data; boundary=b0undary"),
+    "no purpose": (_multipart([(b'Content-Disposition: form-data; name="file"; filename="a.jsonl"', b"{}")]),
+                   "multipart/form-data; boundary=b0undary"),
+    "a file of 3 MB": (_multipart([_PURPOSE, (b'Content-Disposition: form-data; name="file"; filename="a"', b"{}\n" * 1_000_000)]),
+                       "multipart/form-data; boundary=b0undary"),
+    "a line of 1 MB": (_multipart([_PURPOSE, (b'Content-Disposition: form-data; name="file"; filename="a"', b"x" * 1_000_000)]),
+                       "multipart/form-data; boundary=b0undary"),
+    "10,000 empty lines": (_multipart([_PURPOSE, (b'Content-Disposition: form-data; name="file"; filename="a"', b"\n" * 10_000)]),
+                           "multipart/form-data; boundary=b0undary"),
+}
+
+
+@pytest.mark.parametrize("name", list(UPLOADS))
+def test_hostile_batch_file_uploads_get_4xx_json(client, name):
+    body, content_type = UPLOADS[name]
+    r = client.post("/v1/files", content=body, headers={"content-type": content_type})
+    check(r)
+    assert 400 <= r.status_code < 500
+    assert r.status_code == 413 or "MB" not in name, r.text
+
+
+def test_an_oversized_upload_without_a_length_is_refused(client):
+    """A body with no Content-Length (chunked), past the upload limit: counted as it streams in, 413."""
+    r = client.post("/v1/files", content=(b"x" * (1024 * 1024) for _ in range(8)),
+                    headers={"content-type": "multipart/form-data; boundary=b0undary"})
+    check(r)
+    assert r.status_code == 413, r.text
 
 
 def test_service_answers_after_the_abuse(client):

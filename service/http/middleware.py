@@ -150,6 +150,7 @@ class BodyLimitMiddleware:
     """
 
     limit = 8 * 1024 * 1024
+    path_limits: dict[str, int] = {}  # a route's own limit (the Batch API's upload), by path
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -157,7 +158,7 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = BodyLimitMiddleware.limit
+        limit = BodyLimitMiddleware.path_limits.get(app_path(scope), BodyLimitMiddleware.limit)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:

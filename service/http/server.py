@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from service import __doc__ as service_doc
-from service.apis import APIS
+from service.apis import APIS, openai_batch
 from service.config import ServiceSettings
 from service.engine.errors import ServiceError
 from service.front.deps import call_of, note_route
@@ -115,6 +115,7 @@ def _handle_errors(app: FastAPI) -> None:
 def configure(settings: ServiceSettings) -> None:
     """Apply the settings to the HTTP transport of this replica."""
     BodyLimitMiddleware.limit = settings.max_body_bytes
+    BodyLimitMiddleware.path_limits = openai_batch.body_limits(settings.max_body_bytes, settings.batch_max_file_bytes)
     CallMiddleware.behind_serve = serve_config_now() is not None
     enable_access_log(settings.access_log)
     RayAnswersAsJson.retry_after_s = settings.retry_after_s
