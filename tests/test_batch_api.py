@@ -48,6 +48,22 @@ def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
     return [] if file_id is None else [json.loads(raw) for raw in client.files.content(file_id).read().splitlines()]
 
 
+def test_the_embedding_jobs_input_rows_map_back_to_each_line_and_place():
+    """What a batch hands issue 50's embedding job: one row per text of each line that can run, its id the
+    line's custom_id and the text's place in the line's input (the last '#' splits them)."""
+    from service.apis.openai_batch.runner import job_rows, parse_lines
+
+    data = jsonl([embedding_line("a", {"input": "one"}), "{not json", embedding_line("b#2", {"input": ["x", "y"]}),
+                  {"custom_id": "c", "method": "POST", "url": "/v1/score", "body": {"input": "z"}},
+                  embedding_line("a", {"input": "the same custom_id again"})])
+    lines = parse_lines(data, "/v1/embeddings")
+    assert [(line.custom_id, line.problem is None) for line in lines] == [
+        ("a", True), (None, False), ("b#2", True), ("c", False), ("a", False)]
+    rows = job_rows(lines)
+    assert rows == [{"id": "a#0", "text": "one"}, {"id": "b#2#0", "text": "x"}, {"id": "b#2#1", "text": "y"}]
+    assert [tuple(r["id"].rsplit("#", 1)) for r in rows] == [("a", "0"), ("b#2", "0"), ("b#2", "1")]
+
+
 @pytest.fixture(scope="module")
 def client(service_url):
     with openai.OpenAI(base_url=f"{service_url}/v1", api_key="unused", max_retries=0, timeout=60) as c:

@@ -139,20 +139,18 @@ def _multipart(parts: list[tuple[bytes, bytes]], boundary: bytes = b"b0undary") 
 
 
 _PURPOSE = (b'Content-Disposition: form-data; name="purpose"', b"batch")
+_FILE = b'Content-Disposition: form-data; name="file"; filename="a.jsonl"'
+_MULTIPART = "multipart/form-data; boundary=b0undary"
 UPLOADS = {  # (body, content type): OpenAI's Batch API upload, POST /v1/files (limits: tests/conftest.py BATCH_LIMITS)
     "no boundary": (b"--x\r\n\r\n", "multipart/form-data"),
-    "garbage after the boundary": (bytes(range(256)) * 100, "multipart/form-data; boundary=b0undary"),
-    "a part without headers' end": (b"--b0undary\r\nContent-Disposition: form-data; name=file", "multipart/form-data; boundary=b0undary"),
-    "odd header bytes": (_multipart([(b'Content-Disposition: form-data; name="\xff\x00"; filename*=bad\'\'%ZZ', b"{}"), _PURPOSE]),
-                         "multipart/form-data; boundary=b0undary"),
-    "no purpose": (_multipart([(b'Content-Disposition: form-data; name="file"; filename="a.jsonl"', b"{}")]),
-                   "multipart/form-data; boundary=b0undary"),
-    "a file of 3 MB": (_multipart([_PURPOSE, (b'Content-Disposition: form-data; name="file"; filename="a"', b"{}\n" * 1_000_000)]),
-                       "multipart/form-data; boundary=b0undary"),
-    "a line of 1 MB": (_multipart([_PURPOSE, (b'Content-Disposition: form-data; name="file"; filename="a"', b"x" * 1_000_000)]),
-                       "multipart/form-data; boundary=b0undary"),
-    "10,000 empty lines": (_multipart([_PURPOSE, (b'Content-Disposition: form-data; name="file"; filename="a"', b"\n" * 10_000)]),
-                           "multipart/form-data; boundary=b0undary"),
+    "garbage after the boundary": (bytes(range(256)) * 100, _MULTIPART),
+    "a part without headers' end": (b"--b0undary\r\nContent-Disposition: form-data; name=file", _MULTIPART),
+    "odd header bytes": (_multipart([(b'Content-Disposition: form-data; name="\xff\x00"; filename*=bad\'\'%ZZ', b"{}"),
+                                     _PURPOSE]), _MULTIPART),
+    "no purpose": (_multipart([(_FILE, b"{}")]), _MULTIPART),
+    "a file of 3 MB": (_multipart([_PURPOSE, (_FILE, b"{}\n" * 1_000_000)]), _MULTIPART),
+    "a line of 1 MB": (_multipart([_PURPOSE, (_FILE, b"x" * 1_000_000)]), _MULTIPART),
+    "10,000 empty lines": (_multipart([_PURPOSE, (_FILE, b"\n" * 10_000)]), _MULTIPART),
 }
 
 

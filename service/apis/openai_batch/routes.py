@@ -5,16 +5,18 @@ is done by the runner (runner.py), beside the online requests.
 No `from __future__ import annotations` (see service/apis/native/encode.py).
 """
 
+import asyncio
 import hashlib
 import time
 from email.message import Message
 from email.parser import BytesHeaderParser
 
 from fastapi import Depends, Query, Request
-from starlette.responses import Response
+from starlette.responses import FileResponse
 
 from service.apis.openai_batch.schemas import BatchCreateRequest
 from service.apis.openai_batch.store import TERMINAL, new_id, public, store_at
+from service.config import ServiceSettings
 from service.engine.encoder_service import EncoderService
 from service.engine.errors import BadRequest, TooLarge
 from service.front.deps import api_router, service
@@ -60,13 +62,21 @@ async def file_create(request: Request, who: str = Depends(owner),
         if size > limit + UPLOAD_ALLOWANCE:
             raise TooLarge(_too_large(limit))
         received.append(chunk)
-    fields = multipart_fields(b"".join(received), boundary.encode("latin-1"))
+    # the parse, the checks of every line and the write off the event loop (a file may be 100 MB)
+    record = await asyncio.to_thread(stored_upload, settings, who, b"".join(received), boundary.encode("latin-1"))
+    return JSONResponse(public(record))
+
+
+def stored_upload(settings: ServiceSettings, who: str, body: bytes, boundary: bytes) -> dict:
+    """The upload's file, checked against the limits, stored."""
+    fields = multipart_fields(body, boundary)
     purpose = fields.get("purpose", (None, b""))[1].decode("utf-8", "replace").strip()
     if purpose != "batch":
         raise BadRequest(f"purpose {purpose!r}: this service keeps files of purpose 'batch' only")
     if "file" not in fields:
         raise BadRequest("no `file` part in the upload")
     filename, data = fields["file"]
+    limit = settings.batch_max_file_bytes
     if len(data) > limit:
         raise TooLarge(_too_large(limit))
     lines = data.splitlines()
@@ -77,8 +87,7 @@ async def file_create(request: Request, who: str = Depends(owner),
         if len(line) > settings.batch_max_line_bytes:
             raise TooLarge(f"line {number} has {len(line)} bytes; the limit is {settings.batch_max_line_bytes} "
                            "(batch_max_line_bytes)")
-    record = store_at(settings.jobs_dir).add_file(who, filename or "upload.jsonl", purpose, data)
-    return JSONResponse(public(record))
+    return store_at(settings.jobs_dir).add_file(who, filename or "upload.jsonl", purpose, data)
 
 
 @router.get("/v1/files/{file_id}", responses=ERROR_RESPONSES)
@@ -87,10 +96,11 @@ async def file_retrieve(file_id: str, who: str = Depends(owner), svc: EncoderSer
 
 
 @router.get("/v1/files/{file_id}/content", responses=ERROR_RESPONSES)
-async def file_content(file_id: str, who: str = Depends(owner), svc: EncoderService = Depends(service)) -> Response:
+async def file_content(file_id: str, who: str = Depends(owner), svc: EncoderService = Depends(service)) -> FileResponse:
     """The file's bytes (`client.files.content`): an uploaded file, or a batch's output or error file."""
-    data = store_at(svc.settings.jobs_dir).file_bytes(who, file_id)
-    return Response(data, media_type="application/jsonl")
+    store = store_at(svc.settings.jobs_dir)
+    store.file(who, file_id)
+    return FileResponse(store.files / f"{file_id}.jsonl", media_type="application/jsonl")  # streamed from disk
 
 
 @router.delete("/v1/files/{file_id}", responses=ERROR_RESPONSES)

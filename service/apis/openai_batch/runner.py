@@ -155,11 +155,11 @@ class BatchRunner:
         record = store.record(batch_id)
         if record is None or record["status"] in TERMINAL:  # another runner finished it meanwhile
             return
-        try:
-            data = (store.files / f"{record['input_file_id']}.jsonl").read_bytes()
+        try:  # file work off the replica's event loop, where the online requests are answered
+            data = await asyncio.to_thread((store.files / f"{record['input_file_id']}.jsonl").read_bytes)
         except FileNotFoundError:
             return self.fail(store, record, "file_not_found", f"input file {record['input_file_id']} was deleted")
-        lines = parse_lines(data, record["endpoint"])
+        lines = await asyncio.to_thread(parse_lines, data, record["endpoint"])
         if record["status"] == "validating":
             if not lines:
                 return self.fail(store, record, "empty_file", "the input file has no request lines")
@@ -169,6 +169,8 @@ class BatchRunner:
         parts = store.parts_dir(batch_id)
         parts.mkdir(exist_ok=True)
         done = {int(p.name.split("-")[0]) for p in parts.glob("*.jsonl")}
+        # the counts of the chunks done before a restart, added to as chunks end
+        counts = await asyncio.to_thread(self.counts, parts, len(lines))
         ending = "completed"
         for start in range(0, len(lines), CHUNK_LINES):
             if start in done:
@@ -181,11 +183,13 @@ class BatchRunner:
                 break
             chunk = lines[start:start + CHUNK_LINES]
             outcomes = await self.answer_chunk(record["endpoint"], chunk)
-            atomic_write(parts / f"{start:08d}-{start + len(chunk):08d}.jsonl",
-                         b"".join(json.dumps({"ok": ok, "line": line}).encode() + b"\n" for ok, line in outcomes))
-            record["request_counts"] = self.counts(parts, len(lines))
-            store.save_batch(record)
-        self.finalize(store, record, parts, len(lines), ending)
+            await asyncio.to_thread(atomic_write, parts / f"{start:08d}-{start + len(chunk):08d}.jsonl",
+                                    b"".join(json.dumps({"ok": ok, "line": line}).encode() + b"\n" for ok, line in outcomes))
+            counts["completed"] += sum(ok for ok, _ in outcomes)
+            counts["failed"] += sum(not ok for ok, _ in outcomes)
+            record["request_counts"] = dict(counts)
+            await asyncio.to_thread(store.save_batch, record)
+        await asyncio.to_thread(self.finalize, store, record, parts, len(lines), ending)
 
     async def answer_chunk(self, endpoint: str, chunk: list[Line]) -> list[tuple[bool, dict]]:
         """Each line's outcome (whether it goes to the output file, and its line there), in order. The switch
