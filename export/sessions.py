@@ -60,7 +60,7 @@ class OpenVinoSession(_GraphAsSession):
         return [f"{self.graph.provider} ({self.graph.precision})"]
 
     def run(self, outputs: Sequence[str], feed: dict) -> list:
-        got = self.graph.run(feed["input_ids"], feed["attention_mask"], outputs)
+        got = self.graph.run(feed["input_ids"], feed["attention_mask"], outputs, feed.get("token_type_ids"))
         return [got[name] for name in outputs]
 
 
