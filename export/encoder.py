@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bundle.manifest import SPLADE_POOLINGS
+from export import contrib_ops
 from export.config import DenseLayer, EncoderConfig, Pooling
 
 POOLINGS: tuple[str, ...] = Pooling.__args__  # type: ignore[attr-defined]
@@ -186,6 +187,10 @@ class MultiHeadAttention(nn.Module):
         """
         B, Tq, _ = query.size()
         Tk = key.size(1)
+        if contrib_ops.emitting():  # tracing for onnxruntime's contrib operators (export/contrib_ops.py)
+            hidden = attention_mask(Tq, Tk, query.device, None, valid_lens, causal)
+            mask = hidden if mask is None else mask if hidden is None else mask & hidden
+            return self.contrib_forward(query, key, value, key_padding_mask, mask, bias, rotary)
         q = self.split_heads(self.w_q(query))  # (B, heads, Tq, d_k)
         k = self.split_heads(self.w_k(key), self.n_kv_heads)  # (B, kv_heads, Tk, d_k)
         v = self.split_heads(self.w_v(value), self.n_kv_heads)  # (B, kv_heads, Tk, d_k)
@@ -201,6 +206,30 @@ class MultiHeadAttention(nn.Module):
         context, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout, bias)
         context = context.transpose(1, 2).contiguous().view(B, Tq, self.n_heads * self.d_k)
         return self.w_o(context), weights
+
+    def contrib_forward(self, query, key, value, key_padding_mask, mask, bias,
+                        rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() as onnxruntime's MultiHeadAttention and RotaryEmbedding operators compute it, heads kept
+        in (B, T, heads * d_k) throughout; the same numbers. The weights are not computed (the operator does
+        not return them): an empty tensor in their place, for the encodings graph, which has no such output."""
+        assert key is query and value is query, "contrib operators: self-attention only"
+        B, T, _ = query.size()
+        q, k, v = self.w_q(query), self.w_k(key), self.w_v(value)  # (B, T, heads * d_k)
+        if self.q_norm is not None:  # per head: the norm is over each head's d_k
+            q = self.q_norm(q.view(B, T, self.n_heads, self.d_k)).view(B, T, -1)
+            k = self.k_norm(k.view(B, T, self.n_kv_heads, self.d_k)).view(B, T, -1)
+        if rotary is not None:
+            q, k = contrib_ops.rotary(q, *rotary, self.n_heads), contrib_ops.rotary(k, *rotary, self.n_kv_heads)
+        if self.n_kv_heads != self.n_heads:  # each key/value head repeated for its n_heads / n_kv_heads query heads
+            group = self.n_heads // self.n_kv_heads
+
+            def repeat(x: torch.Tensor) -> torch.Tensor:
+                x = x.view(B, T, self.n_kv_heads, 1, self.d_k).expand(B, T, self.n_kv_heads, group, self.d_k)
+                return x.reshape(B, T, self.n_heads * self.d_k)
+            k, v = repeat(k), repeat(v)
+        context = contrib_ops.multi_head_attention(q, k, v, key_padding_mask, contrib_ops.attention_bias(mask, bias, T),
+                                                   self.n_heads, self.d_k)
+        return self.w_o(context), context.new_zeros(0)
 
 
 class FeedForward(nn.Module):

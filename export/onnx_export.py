@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import warnings
@@ -24,6 +25,7 @@ from bundle.contract import (
     output_names,
     packed_output_names,
 )
+from export import contrib_ops
 from export.encoder import Encoder
 
 # Graphs over this size must keep weights in an external data file (protobuf's 2 GB cap).
@@ -123,8 +125,18 @@ def _export_legacy(module: nn.Module, inputs: tuple, path: Path, large: bool, **
                             location=path.name + ".data", size_threshold=1024)
 
 
-def export_encodings_onnx(encoder: Encoder, path: Path, opset: int) -> None:
-    """Export the encodings-only graph with the TorchScript-based exporter.
+def contrib_attention_pays(encoder: Encoder) -> bool:
+    """Whether the encoder's attention is one onnxruntime's optimizer cannot fuse, so that the contrib
+    operators are worth emitting (export/contrib_ops.py): a relative-position bias (MPNet), RoPE, grouped-query
+    heads, per-head query/key norms, sliding windows or a causal mask. BERT's own pattern is fused already."""
+    c = encoder.config
+    return bool(c.relative_buckets or c.position_kind == "rotary" or (c.n_kv_heads or c.n_heads) != c.n_heads
+                or c.qk_norm or c.sliding_layers or c.causal)
+
+
+def export_encodings_onnx(encoder: Encoder, path: Path, opset: int, contrib: bool = False) -> None:
+    """Export the encodings-only graph with the TorchScript-based exporter; with `contrib`, its attention as
+    onnxruntime's MultiHeadAttention and RotaryEmbedding operators (export/contrib_ops.py).
 
     Why not torch.export here: onnxruntime's transformer optimizer matches the node patterns
     the TorchScript exporter writes (MatMul + Add projections, the additive mask); on the
@@ -135,9 +147,11 @@ def export_encodings_onnx(encoder: Encoder, path: Path, opset: int) -> None:
     encoder.eval()
     outputs = encodings_output_names(encoder.task)
     names = [*INPUT_NAMES, *outputs]
-    _export_legacy(EncodingsOnly(encoder), example_inputs(vocab_size=encoder.config.vocab_size), path,
-                   needs_external_data(encoder), input_names=list(INPUT_NAMES), output_names=list(outputs),
-                   dynamic_axes={name: DYNAMIC_AXES[name] for name in names}, opset_version=opset)
+    with contrib_ops.emit_contrib_ops() if contrib else contextlib.nullcontext():
+        _export_legacy(EncodingsOnly(encoder), example_inputs(vocab_size=encoder.config.vocab_size), path,
+                       needs_external_data(encoder), input_names=list(INPUT_NAMES), output_names=list(outputs),
+                       dynamic_axes={name: DYNAMIC_AXES[name] for name in names}, opset_version=opset,
+                       **({"custom_opsets": contrib_ops.CUSTOM_OPSETS} if contrib else {}))
     check_graph(path, outputs)
 
 

@@ -16,6 +16,11 @@ import onnx
 from export.config import EncoderConfig
 
 OPTIMIZER = "onnxruntime.transformers.optimizer (model_type bert)"
+# what the encoder emits itself at export (export/contrib_ops.py), before the optimizer fuses the rest
+CONTRIB_OPERATORS = ("MultiHeadAttention", "RotaryEmbedding")
+CONTRIB_OPTIMIZER = "export.contrib_ops (com.microsoft MultiHeadAttention, RotaryEmbedding at export), then " + OPTIMIZER
+# what they gained, measured (export/contrib_ops.py's docstring has the table)
+CONTRIB_GAIN = ""
 
 
 @contextlib.contextmanager
@@ -57,6 +62,17 @@ def external_data_of(graph: Path) -> Path:
 def _save(model, source: Path, target: Path) -> None:
     """Save as the source was saved: with its weights in `<target>.data` when the source had external data."""
     model.save_model_to_file(str(target), use_external_data_format=external_data_of(source).exists())
+
+
+def has_contrib_attention(fusions: dict[str, int]) -> bool:
+    """Whether a graph of these fusions was exported with the contrib attention operators (the optimizer's own
+    model_type bert never writes MultiHeadAttention or RotaryEmbedding)."""
+    return any(fusions.get(op) for op in CONTRIB_OPERATORS)
+
+
+def optimizer_label(fusions: dict[str, int]) -> str:
+    """The variant's `optimizer` field: what rewrote the graph, and for the contrib operators what they gained."""
+    return CONTRIB_OPTIMIZER + CONTRIB_GAIN if has_contrib_attention(fusions) else OPTIMIZER
 
 
 def optimize_fp32(source: Path, target: Path, config: EncoderConfig) -> dict[str, int]:

@@ -280,24 +280,31 @@ def _remove_graph(path: Path) -> None:
 
 
 def _encodings_fp32(ckpt: Checkpoint, staging: Path, probes, options: ExportOptions, progress: Progress) -> VariantInfo:
-    """Trace the encodings-only graph, fuse it, and hold it to the same strict gate as the full graph."""
+    """Trace the encodings-only graph, fuse it, and hold it to the same strict gate as the full graph: with
+    onnxruntime's contrib attention operators where they pay (export/contrib_ops.py), else, or if that graph
+    fails its gate, as onnxruntime's optimizer alone fuses it."""
     cfg = ckpt.config
     target = encodings_file("fp32")
-    with tempfile.TemporaryDirectory(prefix="encodings-") as scratch:
-        traced = Path(scratch) / "traced.onnx"
-        onnx_export.export_encodings_onnx(ckpt.encoder, traced, options.opset)
-        fusions = optimize.optimize_fp32(traced, staging / target, cfg)
-    progress(f"      fused: {', '.join(f'{n} {op}' for op, n in fusions.items()) or 'nothing'}")
     outputs = encodings_output_names(ckpt.task)
-    report = parity.check_parity(ckpt.encoder, staging / target, probes, options.atol, options.rtol, outputs=outputs)
-    report = _representation_parity(ckpt, staging / target, report, options)
-    for line in parity_lines(report):
-        progress("      " + line)
+    for contrib in ([True, False] if onnx_export.contrib_attention_pays(ckpt.encoder) else [False]):
+        with tempfile.TemporaryDirectory(prefix="encodings-") as scratch:
+            traced = Path(scratch) / "traced.onnx"
+            onnx_export.export_encodings_onnx(ckpt.encoder, traced, options.opset, contrib=contrib)
+            fusions = optimize.optimize_fp32(traced, staging / target, cfg)
+        progress(f"      fused: {', '.join(f'{n} {op}' for op, n in fusions.items()) or 'nothing'}")
+        report = parity.check_parity(ckpt.encoder, staging / target, probes, options.atol, options.rtol, outputs=outputs)
+        report = _representation_parity(ckpt, staging / target, report, options)
+        for line in parity_lines(report):
+            progress("      " + line)
+        if report.passed:
+            break
+        if contrib:
+            progress("      contrib attention operators failed the gate: the graph onnxruntime's optimizer fuses instead")
     if not report.passed:
         raise ExportError("parity gate of the fp32 encodings graph failed: nothing published")
     return VariantInfo(
         file=target, precision="fp32", opset=onnx_export.graph_opset(staging / target),
-        inputs=list(INPUT_NAMES), outputs=list(outputs), optimizer=optimize.OPTIMIZER,
+        inputs=list(INPUT_NAMES), outputs=list(outputs), optimizer=optimize.optimizer_label(fusions),
         fusions=fusions, providers=["CUDAExecutionProvider", "CPUExecutionProvider"], parity=report,
     )
 
@@ -357,7 +364,8 @@ def _lossy_variant(
     elif precision == "fp16":
         with tempfile.TemporaryDirectory(prefix="encodings-") as scratch:
             traced = Path(scratch) / "traced.onnx"
-            onnx_export.export_encodings_onnx(ckpt.encoder, traced, options.opset)
+            onnx_export.export_encodings_onnx(ckpt.encoder, traced, options.opset,
+                                              contrib=optimize.has_contrib_attention(fp32.fusions))
             fusions = optimize.optimize_fp16(traced, target, ckpt.config)
         providers = ["CUDAExecutionProvider"]
     else:
@@ -377,7 +385,7 @@ def _lossy_variant(
     return VariantInfo(
         file=target.name, precision=precision, opset=onnx_export.graph_opset(target), inputs=list(INPUT_NAMES),
         outputs=list(ENCODINGS_OUTPUT_NAMES),
-        optimizer=optimize.OPTIMIZER + (", quantize_dynamic int8 weights" if precision == "int8" else ", float16"),
+        optimizer=optimize.optimizer_label(fusions) + (", quantize_dynamic int8 weights" if precision == "int8" else ", float16"),
         fusions=fusions, providers=providers, quality=gate,
     )
 

@@ -1,0 +1,101 @@
+"""The encodings graph with onnxruntime's contrib attention operators (export/contrib_ops.py), on every family
+whose attention onnxruntime's optimizer cannot fuse: MPNet's relative bias, RoPE (ModernBERT with its windows,
+GTE, NomicBert), grouped-query heads with QK-norm (Gemma3 with windows, Qwen3 causal). Each family's tiny
+checkpoint is traced with the operators and held to the strict parity gate against PyTorch on onnxruntime and
+on OpenVINO at f32 (OpenVINO compiles the same file for bf16); the export publishes it as the fp32 variant and
+says so in the manifest, and BERT's graph stays as onnxruntime's optimizer fuses it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+from tokenizers import Tokenizer
+
+from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL, encodings_output_names
+from bundle.manifest import load_bundle
+from export import onnx_export, optimize, parity
+from export.checkpoint import load_checkpoint
+from export.pipeline import ExportOptions, build_bundle
+from export.sessions import OpenVinoSession
+from tests.families import DEFAULT_POOLING, make_checkpoint
+
+# family -> MultiHeadAttention and RotaryEmbedding nodes per layer (a rotation of queries and one of keys)
+CONTRIB_FAMILIES = {"mpnet": (1, 0), "modernbert": (1, 2), "gte": (1, 2), "nomic": (1, 2), "gemma3": (1, 2),
+                    "qwen3": (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def fused_graphs(tmp_path_factory) -> dict[str, tuple]:
+    """family -> (checkpoint, fused fp32 encodings graph, probes), each traced and optimised once."""
+    root = tmp_path_factory.mktemp("fused")
+    graphs = {}
+    for family in CONTRIB_FAMILIES:
+        ckpt = load_checkpoint(str(make_checkpoint(family, root / family, pooling=DEFAULT_POOLING.get(family, "mean"))))
+        traced, graph = root / f"{family}-traced.onnx", root / f"{family}.onnx"
+        onnx_export.export_encodings_onnx(ckpt.encoder, traced, DEFAULT_OPSET, contrib=True)
+        optimize.optimize_fp32(traced, graph, ckpt.config)
+        cfg = ckpt.config
+        probes = parity.make_probes(ckpt.max_tokens, cfg.vocab_size, cfg.pad_token_id,
+                                    Tokenizer.from_file(str(ckpt.tokenizer_path)))
+        graphs[family] = (ckpt, graph, probes)
+    return graphs
+
+
+class OpenVinoWithTokenTypes(OpenVinoSession):
+    """export.sessions.OpenVinoSession, but fed the probes' token_type_ids too: that one feeds zeros (the service
+    sends zeros), so the sentence-pair probe of a family with two token types (NomicBert) would differ from
+    PyTorch's run on any graph, fused or not."""
+
+    def run(self, outputs, feed):
+        got = self.graph.run(feed["input_ids"], feed["attention_mask"], outputs, feed["token_type_ids"])
+        return [got[name] for name in outputs]
+
+
+def contrib_nodes(graph: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in onnx.load(str(graph)).graph.node:
+        if node.domain == "com.microsoft" and node.op_type in optimize.CONTRIB_OPERATORS:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("family", CONTRIB_FAMILIES)
+def test_the_fused_graph_holds_the_strict_gate_on_onnxruntime_and_openvino(family, fused_graphs):
+    ckpt, graph, probes = fused_graphs[family]
+    assert onnx_export.contrib_attention_pays(ckpt.encoder)
+    attention, rotary = CONTRIB_FAMILIES[family]
+    layers = ckpt.config.n_layers
+    assert contrib_nodes(graph) == {k: n * layers for k, n in
+                                    (("MultiHeadAttention", attention), ("RotaryEmbedding", rotary)) if n}
+    outputs = encodings_output_names(ckpt.task)
+    for session in (None, OpenVinoWithTokenTypes(graph, outputs, "fp32")):  # None: onnxruntime's CPU session
+        report = parity.check_parity(ckpt.encoder, graph, probes, DEFAULT_ATOL, DEFAULT_RTOL, outputs=outputs,
+                                     session=session)
+        assert report.passed, [(line.output, line.max_abs_diff, line.problems) for line in report.outputs]
+        assert all(line.values > 0 for line in report.outputs)
+
+
+def test_bert_keeps_the_graph_onnxruntime_fuses(tmp_path):
+    """BERT's attention is onnxruntime's optimizer's own pattern (one Attention node, QKV projections included)."""
+    ckpt = load_checkpoint(str(make_checkpoint("bert", tmp_path / "bert")))
+    assert not onnx_export.contrib_attention_pays(ckpt.encoder)
+
+
+@pytest.mark.parametrize("family", ["qwen3"])
+def test_the_export_publishes_the_fused_graph_and_says_so(family, tmp_path):
+    """The pipeline's fp32 variant is the fused graph: its manifest names the operators and what they gained,
+    and the service's loader accepts the bundle."""
+    checkpoint = make_checkpoint(family, tmp_path / family, pooling=DEFAULT_POOLING.get(family, "mean"))
+    build_bundle(ExportOptions(str(checkpoint), tmp_path / "bundle", DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL,
+                               lossy=()), progress=lambda line: None)
+    bundle = load_bundle(tmp_path / "bundle")
+    fp32 = bundle.manifest.variants["fp32"]
+    layers = bundle.manifest.model.num_layers
+    assert fp32.fusions["MultiHeadAttention"] == layers and fp32.fusions["RotaryEmbedding"] == 2 * layers
+    assert fp32.optimizer == optimize.optimizer_label(fp32.fusions)
+    assert fp32.optimizer.startswith(optimize.CONTRIB_OPTIMIZER)
+    assert fp32.parity is not None and fp32.parity.passed
+    assert contrib_nodes(bundle.variant_path("fp32")) == {"MultiHeadAttention": layers, "RotaryEmbedding": 2 * layers}
