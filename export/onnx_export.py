@@ -125,13 +125,19 @@ def _export_legacy(module: nn.Module, inputs: tuple, path: Path, large: bool, **
                             location=path.name + ".data", size_threshold=1024)
 
 
-def contrib_attention_pays(encoder: Encoder) -> bool:
-    """Whether the encoder's attention is one onnxruntime's optimizer cannot fuse, so that the contrib
-    operators are worth emitting (export/contrib_ops.py): a relative-position bias (MPNet), RoPE, grouped-query
-    heads, per-head query/key norms, sliding windows or a causal mask. BERT's own pattern is fused already."""
+def contrib_attention_kind(encoder: Encoder) -> str | None:
+    """Which attention onnxruntime's optimizer cannot fuse the encoder has, so that the contrib operators can
+    stand in for it (export/contrib_ops.py): "relative" (MPNet's relative-position bias), "rotary" (RoPE, with
+    grouped-query heads, QK-norms, windows or a causal mask as the family has them), "masked" (any of those
+    without RoPE); None for BERT's own pattern, which the optimizer fuses already."""
     c = encoder.config
-    return bool(c.relative_buckets or c.position_kind == "rotary" or (c.n_kv_heads or c.n_heads) != c.n_heads
-                or c.qk_norm or c.sliding_layers or c.causal)
+    if c.relative_buckets:
+        return "relative"
+    if c.position_kind == "rotary":
+        return "rotary"
+    if (c.n_kv_heads or c.n_heads) != c.n_heads or c.qk_norm or c.sliding_layers or c.causal:
+        return "masked"
+    return None
 
 
 def export_encodings_onnx(encoder: Encoder, path: Path, opset: int, contrib: bool = False) -> None:

@@ -286,7 +286,8 @@ def _encodings_fp32(ckpt: Checkpoint, staging: Path, probes, options: ExportOpti
     cfg = ckpt.config
     target = encodings_file("fp32")
     outputs = encodings_output_names(ckpt.task)
-    for contrib in ([True, False] if onnx_export.contrib_attention_pays(ckpt.encoder) else [False]):
+    kind = onnx_export.contrib_attention_kind(ckpt.encoder)
+    for contrib in ([True, False] if optimize.contrib_wins_on_cpu(kind) else [False]):
         with tempfile.TemporaryDirectory(prefix="encodings-") as scratch:
             traced = Path(scratch) / "traced.onnx"
             onnx_export.export_encodings_onnx(ckpt.encoder, traced, options.opset, contrib=contrib)
@@ -304,7 +305,7 @@ def _encodings_fp32(ckpt: Checkpoint, staging: Path, probes, options: ExportOpti
         raise ExportError("parity gate of the fp32 encodings graph failed: nothing published")
     return VariantInfo(
         file=target, precision="fp32", opset=onnx_export.graph_opset(staging / target),
-        inputs=list(INPUT_NAMES), outputs=list(outputs), optimizer=optimize.optimizer_label(fusions),
+        inputs=list(INPUT_NAMES), outputs=list(outputs), optimizer=optimize.optimizer_label(fusions, kind),
         fusions=fusions, providers=["CUDAExecutionProvider", "CPUExecutionProvider"], parity=report,
     )
 
@@ -364,8 +365,8 @@ def _lossy_variant(
     elif precision == "fp16":
         with tempfile.TemporaryDirectory(prefix="encodings-") as scratch:
             traced = Path(scratch) / "traced.onnx"
-            onnx_export.export_encodings_onnx(ckpt.encoder, traced, options.opset,
-                                              contrib=optimize.has_contrib_attention(fp32.fusions))
+            onnx_export.export_encodings_onnx(ckpt.encoder, traced, options.opset,  # CUDA: the contrib operators
+                                              contrib=onnx_export.contrib_attention_kind(ckpt.encoder) is not None)
             fusions = optimize.optimize_fp16(traced, target, ckpt.config)
         providers = ["CUDAExecutionProvider"]
     else:
@@ -385,7 +386,8 @@ def _lossy_variant(
     return VariantInfo(
         file=target.name, precision=precision, opset=onnx_export.graph_opset(target), inputs=list(INPUT_NAMES),
         outputs=list(ENCODINGS_OUTPUT_NAMES),
-        optimizer=optimize.optimizer_label(fusions) + (", quantize_dynamic int8 weights" if precision == "int8" else ", float16"),
+        optimizer=optimize.optimizer_label(fusions, onnx_export.contrib_attention_kind(ckpt.encoder))
+        + (", quantize_dynamic int8 weights" if precision == "int8" else ", float16"),
         fusions=fusions, providers=providers, quality=gate,
     )
 
