@@ -107,7 +107,7 @@ class MultiHeadAttention(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, q, k, v, key_padding_mask, attention_bias, heads: int, scale: float):
-        padding, bias = (x if not symbolic_helper._is_none(x) else _absent(g) for x in (key_padding_mask, attention_bias))
+        padding, bias = (_absent(g) if symbolic_helper._is_none(x) else x for x in (key_padding_mask, attention_bias))
         # inputs: query, key, value, bias (of the projections: none, they stay MatMul + Add), key_padding_mask,
         # attention_bias
         out = g.op(f"{DOMAIN}::MultiHeadAttention", q, k, v, _absent(g), padding, bias,

@@ -18,7 +18,8 @@ from export.config import EncoderConfig
 OPTIMIZER = "onnxruntime.transformers.optimizer (model_type bert)"
 # what the encoder emits itself at export (export/contrib_ops.py), before the optimizer fuses the rest
 CONTRIB_OPERATORS = ("MultiHeadAttention", "RotaryEmbedding")
-CONTRIB_OPTIMIZER = "export.contrib_ops (com.microsoft MultiHeadAttention, RotaryEmbedding at export), then " + OPTIMIZER
+CONTRIB_OPTIMIZER = ("export.contrib_ops (com.microsoft MultiHeadAttention, RotaryEmbedding at export), then "
+                     + OPTIMIZER)
 # The contrib graph against the optimizer-only one, by attention kind (export.onnx_export.contrib_attention_kind):
 # unfused CPU time / contrib CPU time (above 1 the contrib graph is faster) on onnxruntime CPU fp32 and on OpenVINO
 # bf16 (which compiles the same fp32 file), one thread, the median of rounds run back to back (2026-11-27, 2-core

@@ -293,14 +293,15 @@ def _encodings_fp32(ckpt: Checkpoint, staging: Path, probes, options: ExportOpti
             onnx_export.export_encodings_onnx(ckpt.encoder, traced, options.opset, contrib=contrib)
             fusions = optimize.optimize_fp32(traced, staging / target, cfg)
         progress(f"      fused: {', '.join(f'{n} {op}' for op, n in fusions.items()) or 'nothing'}")
-        report = parity.check_parity(ckpt.encoder, staging / target, probes, options.atol, options.rtol, outputs=outputs)
+        report = parity.check_parity(ckpt.encoder, staging / target, probes, options.atol, options.rtol,
+                                     outputs=outputs)
         report = _representation_parity(ckpt, staging / target, report, options)
         for line in parity_lines(report):
             progress("      " + line)
         if report.passed:
             break
         if contrib:
-            progress("      contrib attention operators failed the gate: the graph onnxruntime's optimizer fuses instead")
+            progress("      contrib attention failed the gate: the graph onnxruntime's optimizer fuses instead")
     if not report.passed:
         raise ExportError("parity gate of the fp32 encodings graph failed: nothing published")
     return VariantInfo(
