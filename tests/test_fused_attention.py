@@ -45,16 +45,6 @@ def fused_graphs(tmp_path_factory) -> dict[str, tuple]:
     return graphs
 
 
-class OpenVinoWithTokenTypes(OpenVinoSession):
-    """export.sessions.OpenVinoSession, but fed the probes' token_type_ids too: that one feeds zeros (the service
-    sends zeros), so the sentence-pair probe of a family with two token types (NomicBert) would differ from
-    PyTorch's run on any graph, fused or not."""
-
-    def run(self, outputs, feed):
-        got = self.graph.run(feed["input_ids"], feed["attention_mask"], outputs, feed["token_type_ids"])
-        return [got[name] for name in outputs]
-
-
 def contrib_nodes(graph: Path) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in onnx.load(str(graph)).graph.node:
@@ -72,7 +62,7 @@ def test_the_fused_graph_holds_the_strict_gate_on_onnxruntime_and_openvino(famil
     assert contrib_nodes(graph) == {k: n * layers for k, n in
                                     (("MultiHeadAttention", attention), ("RotaryEmbedding", rotary)) if n}
     outputs = encodings_output_names(ckpt.task)
-    for session in (None, OpenVinoWithTokenTypes(graph, outputs, "fp32")):  # None: onnxruntime's CPU session
+    for session in (None, OpenVinoSession(graph, outputs, "fp32")):  # None: onnxruntime's CPU session
         report = parity.check_parity(ckpt.encoder, graph, probes, DEFAULT_ATOL, DEFAULT_RTOL, outputs=outputs,
                                      session=session)
         assert report.passed, [(line.output, line.max_abs_diff, line.problems) for line in report.outputs]
