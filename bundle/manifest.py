@@ -31,7 +31,10 @@ from bundle.contract import (
 # 5: a classifier's score activation (CrossEncoder.predict's); schema 3 and 4 embedding bundles are still read,
 #    a classifier of schema 3 or 4 must be exported again (its rerank scores assumed a sigmoid)
 # 7: a model's sparse and multi-vector representations (ModelInfo.sparse, .multivector) and their gates
-SCHEMA_VERSION = 7
+# 8: lossy variants of classifiers (VariantInfo.head_gate), the floor `auto` holds a lossy variant to
+#    (QualityGate.auto_min_cosine) and the token encodings' gate (QualityGate.tokens); schema 3 to 7 bundles are
+#    read, their variants held to AUTO_MIN_COSINE
+SCHEMA_VERSION = 8
 # sentence-transformers 6's pooling modes (its Pooling module), one per model; splade_max and splade_sum are
 # SparseEncoder's SpladePooling (the masked-LM head's logits per token, log(1 + relu), max or sum over real
 # tokens): the graph's pooled output is then one weight per vocabulary entry
@@ -120,6 +123,42 @@ class RepresentationGate(_Strict):
     passed: bool
 
 
+# The fidelity `auto` holds a lossy variant to: every probe text's embedding within cosine 0.999 of PyTorch fp32's
+# (the export gate's floor, DEFAULT_COSINE_FLOOR, is 0.95). A variant that passed its gate but not this is
+# published and served when asked for by name (`precision: bf16`), never by `auto`.
+AUTO_MIN_COSINE = 0.999
+
+
+class TokenGate(_Strict):
+    """A lossy variant's token encodings (last_hidden_state: /v1/encode's token outputs) against PyTorch fp32:
+    the cosine of every real token's vector, the smallest over all tokens of the gate's texts."""
+
+    tokens: int = Field(ge=0, description="real (unpadded) tokens compared")
+    min_cosine: float
+    mean_cosine: float
+    min_cosine_required: float
+    passed: bool
+
+
+class HeadGate(_Strict):
+    """The gate of a classifier's lossy variant: its logits against PyTorch fp32 on probe inputs (texts for a
+    classifier of several labels, (query, document) pairs for a cross-encoder of one): every logit within
+    `atol`, every label (argmax) unchanged, and each query's order of its documents CrossEncoder's (documents
+    the reference scores within `atol` of each other are ties)."""
+
+    passed: bool
+    reference: str = "pytorch fp32"
+    provider: str
+    inputs: Literal["texts", "pairs"]
+    count: int = Field(ge=0, description="probe texts or pairs compared")
+    max_abs_diff: float = Field(description="the largest |candidate logit - reference logit|")
+    atol: float
+    labels: int = Field(ge=0, description="inputs whose argmax label is the reference's (several labels)")
+    queries: int = Field(ge=0, description="queries whose documents were ranked (pairs)")
+    rankings_kept: int = Field(ge=0, description="queries whose documents the candidate orders as the reference")
+    problems: list[str] = Field(default_factory=list)
+
+
 class QualityGate(_Strict):
     """The gate of a lossy variant: embeddings close to fp32 PyTorch, and retrieval unchanged.
 
@@ -144,6 +183,10 @@ class QualityGate(_Strict):
     problems: list[str] = Field(default_factory=list)
     representations: list[RepresentationGate] = Field(
         default_factory=list, description="the gates of the sparse and multi-vector outputs of this variant")
+    auto_min_cosine: float = Field(
+        AUTO_MIN_COSINE, description="the smallest min_cosine with which `auto` serves this variant; below it, "
+        "only a request for the precision by name does")
+    tokens: TokenGate | None = Field(None, description="the token encodings' gate (null: measured before schema 8)")
 
 
 def quality_line(precision: str, gate: QualityGate) -> str:
@@ -155,6 +198,20 @@ def quality_line(precision: str, gate: QualityGate) -> str:
         f"{'PASS' if gate.passed else 'FAIL'}" + "".join(f"; {p}" for p in gate.problems)
         + "".join(f"; {g.representation} {g.metric} {g.value:.5f} (required {g.required:g}): "
                   f"{'PASS' if g.passed else 'FAIL'}" for g in gate.representations)
+        + (f"; token encodings min cosine {gate.tokens.min_cosine:.5f} (>= {gate.tokens.min_cosine_required:g}) over "
+           f"{gate.tokens.tokens} tokens: {'PASS' if gate.tokens.passed else 'FAIL'}" if gate.tokens else "")
+        + f"; auto serves it: {'yes' if gate.min_cosine >= gate.auto_min_cosine else 'no'} "
+          f"(min cosine >= {gate.auto_min_cosine:g})"
+    )
+
+
+def head_line(precision: str, gate: HeadGate) -> str:
+    """One line: a classifier's lossy variant's head gate figures and verdict."""
+    return (
+        f"{precision}: logits vs {gate.reference} on {gate.count} {gate.inputs}, max abs diff {gate.max_abs_diff:.2e} "
+        f"(<= {gate.atol:g})" + (f", labels kept {gate.labels}/{gate.count}" if gate.inputs == "texts" else
+                                 f", rankings kept {gate.rankings_kept}/{gate.queries}")
+        + f": {'PASS' if gate.passed else 'FAIL'}" + "".join(f"; {p}" for p in gate.problems)
     )
 
 
@@ -177,11 +234,34 @@ class VariantInfo(_Strict):
     attention_gate: ParityReport | None = Field(
         None, description="the full graph's attention weights at this precision vs PyTorch fp32 (1e-3 absolute): "
         "requests for attention weights run at this precision only if it passed, else on the fp32 graph")
+    head_gate: HeadGate | None = Field(None, description="a classifier's logits vs PyTorch fp32 (lossy precisions)")
 
     @property
     def passed(self) -> bool:
-        gates = [g for g in (self.parity, self.quality) if g is not None]
+        gates = [g for g in (self.parity, self.quality, self.head_gate) if g is not None]
         return bool(gates) and all(g.passed for g in gates)
+
+    @property
+    def auto_verdict(self) -> tuple[bool, str]:
+        """Whether `auto` may serve this variant, and why, with the figure: fp32 always; a lossy variant only
+        where its gate holds the model's fidelity (an embedding's min cosine >= its auto_min_cosine and its
+        token encodings' gate passed; a classifier's head gate passed)."""
+        if self.precision == "fp32":
+            return True, "fp32"
+        if self.head_gate is not None:
+            g = self.head_gate
+            return g.passed, (f"its head gate: logits within {g.max_abs_diff:.2e} of PyTorch fp32 (<= {g.atol:g}), "
+                              f"labels and rankings kept" if g.passed else f"its head gate failed ({g.problems})")
+        q = self.quality
+        if q is None:
+            return False, "no quality gate"
+        if q.min_cosine < q.auto_min_cosine:
+            return False, (f"its gate's min cosine {q.min_cosine:.5f} vs PyTorch fp32 is below the {q.auto_min_cosine:g} "
+                           f"auto holds the model to (it passed the export gate: served only when asked for by name)")
+        if q.tokens is not None and not q.tokens.passed:
+            return False, (f"its token encodings' min cosine {q.tokens.min_cosine:.5f} is below "
+                           f"{q.tokens.min_cosine_required:g} (served only when asked for by name)")
+        return True, f"its gate: min cosine {q.min_cosine:.5f} vs PyTorch fp32 (>= {q.auto_min_cosine:g})"
 
 
 class PackedInfo(_Strict):
@@ -362,7 +442,7 @@ class GraphInfo(_Strict):
 
 
 class BundleManifest(_Strict):
-    schema_version: Literal[3, 4, 5, 6, 7] = SCHEMA_VERSION
+    schema_version: Literal[3, 4, 5, 6, 7, 8] = SCHEMA_VERSION
     model: ModelInfo
     graph: GraphInfo = Field(description="the full graph: every output, attention weights included")
     tokenizer: str
@@ -537,7 +617,7 @@ def _logits_width(report: ParityReport) -> int | None:
 
 
 def _check_classifier(manifest: BundleManifest, manifest_path: Path) -> None:
-    """One label per logits column, in both graphs; no lossy variant, whose gate compares embeddings."""
+    """One label per logits column, in both graphs; a lossy variant only with a head gate (logits compared)."""
     labels = manifest.model.labels or []
     for what, report in (("graph", manifest.parity), ("fp32 encodings graph", manifest.variants["fp32"].parity)):
         width = _logits_width(report)
@@ -546,9 +626,9 @@ def _check_classifier(manifest: BundleManifest, manifest_path: Path) -> None:
                 f"{manifest_path}: {len(labels)} label(s) {labels}, but the {what}'s logits have "
                 f"{width if width is not None else 'no fixed number of'} column(s)"
             )
-    if lossy := sorted(set(manifest.variants) - {"fp32"}):
-        raise BundleError(f"{manifest_path}: variant(s) {lossy} of a classifier: no gate compares logits at a lossy "
-                          "precision yet")
+    if lossy := sorted(p for p, v in manifest.variants.items() if p != "fp32" and v.head_gate is None):
+        raise BundleError(f"{manifest_path}: variant(s) {lossy} of a classifier without a head gate (its logits "
+                          "compared at that precision): export it again with this version")
 
 
 def load_bundle(root: str | Path) -> Bundle:

@@ -21,10 +21,8 @@ from tokenizers import Tokenizer
 from bundle.contract import (
     DEFAULT_COSINE_FLOOR,
     DEFAULT_MEAN_COSINE,
-    ENCODINGS_OUTPUT_NAMES,
     GRAPH_FILE,
     INPUT_NAMES,
-    OUTPUT_NAMES,
     PACKED_FILE,
     PACKED_INPUT_NAMES,
     PACKED_POOLINGS,
@@ -35,7 +33,9 @@ from bundle.contract import (
     packed_output_names,
 )
 from bundle.manifest import (
+    AUTO_MIN_COSINE,
     HEADS_FILE,
+    HeadGate,
     BundleManifest,
     GraphInfo,
     ModelInfo,
@@ -47,6 +47,7 @@ from bundle.manifest import (
     VariantInfo,
     file_entry,
     load_bundle,
+    head_line,
     parity_lines,
     quality_line,
 )
@@ -58,6 +59,8 @@ from service.runtimes.onnxruntime import OrtPackedGraph
 
 # the attention weights' gate at a lossy precision: probabilities within 1e-3 of PyTorch fp32
 ATTENTION_ATOL_BF16 = 1e-3
+# a classifier's lossy variants (their gate: quality.check_heads); int8 is not made for classifiers
+CLASSIFIER_LOSSY = ("fp16", "bf16")
 
 
 class ExportError(Exception):
@@ -169,23 +172,25 @@ def build_bundle(options: ExportOptions, progress: Progress = print) -> ExportRe
         packed = _packed(ckpt, staging, probes, options, progress)
         progress(f"      ({time.perf_counter() - started:.1f}s)")
 
-        if ckpt.classifier is not None:  # logits need a lossy gate of their own; until then, fp32 only
-            _step(progress, 5, total, "lossy variants: not for classifiers yet (their gate compares embeddings)")
+        lossy = _lossy_precisions(ckpt, options)
+        if ckpt.classifier is not None:
+            what = (f"head gate: logits within {quality.HEAD_LOGITS_ATOL:g} of PyTorch fp32, labels and each query's "
+                    "ranking kept")
         else:
-            started = _step(progress, 5, total, f"lossy variants {', '.join(options.lossy) or '(none)'}: "
-                            f"gate mean cosine >= {options.mean_cosine:g} and every text >= {options.cosine_floor:g} "
-                            "vs PyTorch fp32, retrieval unchanged")
-            for precision in options.lossy:
-                if precision == "bf16":
-                    variant = _bf16_variant(ckpt, tokenizer, staging, variants["fp32"], probes, options, progress)
-                    if variant is not None and packed is not None:
-                        packed = packed.model_copy(update={"bf16": _packed_bf16(ckpt, tokenizer, staging, packed,
-                                                                                 options, progress)})
-                else:
-                    variant = _lossy_variant(precision, ckpt, tokenizer, staging, variants["fp32"], options, progress)
-                if variant is not None:
-                    variants[precision] = variant
-            progress(f"      ({time.perf_counter() - started:.1f}s)")
+            what = (f"gate mean cosine >= {options.mean_cosine:g} and every text >= {options.cosine_floor:g} vs PyTorch "
+                    f"fp32, retrieval unchanged; auto serves a variant only at min cosine >= {AUTO_MIN_COSINE:g}")
+        started = _step(progress, 5, total, f"lossy variants {', '.join(lossy) or '(none)'}: {what}")
+        for precision in lossy:
+            if precision == "bf16":
+                variant = _bf16_variant(ckpt, tokenizer, staging, variants["fp32"], probes, options, progress)
+                if variant is not None and packed is not None and ckpt.classifier is None:
+                    packed = packed.model_copy(update={"bf16": _packed_bf16(ckpt, tokenizer, staging, packed,
+                                                                             options, progress)})
+            else:
+                variant = _lossy_variant(precision, ckpt, tokenizer, staging, variants["fp32"], options, progress)
+            if variant is not None:
+                variants[precision] = variant
+        progress(f"      ({time.perf_counter() - started:.1f}s)")
 
         _step(progress, 6, total, "writing tokenizer, manifest and hashes")
         _save_tokenizer(ckpt.tokenizer_path, staging / TOKENIZER_FILE, ckpt.max_tokens)
@@ -372,25 +377,47 @@ def _lossy_variant(
         providers = ["CUDAExecutionProvider"]
     else:
         raise ExportError(f"unknown precision {precision!r}: expected int8 or fp16")
-    session = ort_session(target)
-    gate = quality.check_quality(
-        ckpt.encoder, tokenizer, target, ckpt.max_tokens, ckpt.config.pad_token_id, options.mean_cosine,
-        options.cosine_floor, session=session,
-    )
-    gate = _representation_quality(ckpt, tokenizer, ort_session(target, ["CPUExecutionProvider"]), gate)
-    gate = _sparse_gate(gate, ckpt, tokenizer, session)
-    progress("      " + quality_line(precision, gate))
-    if not gate.passed:
+    gate, head = _lossy_gates(precision, ckpt, tokenizer, target, lambda: ort_session(target), options, progress)
+    if not (head or gate).passed:
         _remove_graph(target)
         progress(f"      {precision} rejected by its gate: not published")
         return None
     return VariantInfo(
         file=target.name, precision=precision, opset=onnx_export.graph_opset(target), inputs=list(INPUT_NAMES),
-        outputs=list(ENCODINGS_OUTPUT_NAMES),
+        outputs=list(encodings_output_names(ckpt.task)),
         optimizer=optimize.optimizer_label(fusions, onnx_export.contrib_attention_kind(ckpt.encoder))
         + (", quantize_dynamic int8 weights" if precision == "int8" else ", float16"),
-        fusions=fusions, providers=providers, quality=gate,
+        fusions=fusions, providers=providers, quality=gate, head_gate=head,
     )
+
+
+def _lossy_precisions(ckpt: Checkpoint, options: ExportOptions) -> tuple[str, ...]:
+    """The lossy variants to build: those asked for; for a classifier, those its head gate covers."""
+    if ckpt.classifier is None:
+        return tuple(options.lossy)
+    return tuple(p for p in options.lossy if p in CLASSIFIER_LOSSY)
+
+
+def _lossy_gates(precision: str, ckpt: Checkpoint, tokenizer: Tokenizer, graph: Path, session, options: ExportOptions,
+                 progress: Progress, suffix: str = "") -> tuple[QualityGate | None, HeadGate | None]:
+    """A lossy graph's gates, one line of progress: a classifier's head gate (quality.check_heads); an embedding
+    model's quality gate (cosine, retrieval, its sparse and multi-vector rows) with its token encodings' gate
+    (quality.check_tokens). `session()` makes what runs the graph (onnxruntime, or OpenVINO at bf16)."""
+    cfg = ckpt.config
+    if ckpt.classifier is not None:
+        head = quality.check_heads(ckpt.encoder, tokenizer, session(), ckpt.max_tokens, cfg.pad_token_id,
+                                   ckpt.classifier.num_labels, segments=cfg.type_vocab_size > 1)
+        progress("      " + head_line(precision, head) + suffix)
+        return None, head
+    first = session()
+    gate = quality.check_quality(ckpt.encoder, tokenizer, graph, ckpt.max_tokens, cfg.pad_token_id, options.mean_cosine,
+                                 options.cosine_floor, session=first)
+    gate = _representation_quality(ckpt, tokenizer, session(), gate)
+    gate = _sparse_gate(gate, ckpt, tokenizer, first)
+    gate = gate.model_copy(update={"tokens": quality.check_tokens(ckpt.encoder, tokenizer, first, ckpt.max_tokens,
+                                                                  cfg.pad_token_id)})
+    progress("      " + quality_line(precision, gate) + suffix)
+    return gate, None
 
 
 def _bf16_variant(
@@ -414,29 +441,25 @@ def _bf16_variant(
     if not check.bf16_units:
         progress(f"      bf16 not gated, not published: {check.reason}")
         return None
-    graph = staging / fp32.file
-    session = OpenVinoSession(graph, ENCODINGS_OUTPUT_NAMES, "bf16")
-    gate = quality.check_quality(
-        ckpt.encoder, tokenizer, graph, ckpt.max_tokens, ckpt.config.pad_token_id, options.mean_cosine,
-        options.cosine_floor, session=session,
-    )
-    gate = _representation_quality(ckpt, tokenizer, OpenVinoSession(graph, ENCODINGS_OUTPUT_NAMES, "bf16"), gate)
-    gate = _sparse_gate(gate, ckpt, tokenizer, session)
-    progress("      " + quality_line("bf16", gate) + f" (OpenVINO {check.version}, {check.cpu})")
-    if not gate.passed:
+    graph, outputs = staging / fp32.file, encodings_output_names(ckpt.task)
+    gate, head = _lossy_gates("bf16", ckpt, tokenizer, graph, lambda: OpenVinoSession(graph, outputs, "bf16"), options,
+                              progress, f" (OpenVINO {check.version}, {check.cpu})")
+    if not (head or gate).passed:
         progress("      bf16 rejected by its gate: not published")
         return None
+    full_outputs = output_names(ckpt.task)
     attention = parity.check_parity(
-        ckpt.encoder, staging / GRAPH_FILE, probes, ATTENTION_ATOL_BF16, 0.0, outputs=OUTPUT_NAMES,
-        session=OpenVinoSession(staging / GRAPH_FILE, OUTPUT_NAMES, "bf16"), compare=("attentions",),
+        ckpt.encoder, staging / GRAPH_FILE, probes, ATTENTION_ATOL_BF16, 0.0, outputs=full_outputs,
+        session=OpenVinoSession(staging / GRAPH_FILE, full_outputs, "bf16"), compare=("attentions",),
     )
     line = attention.outputs[0]
     progress(f"      bf16 attention weights: max abs diff {line.max_abs_diff:.2e} vs {ATTENTION_ATOL_BF16:g}: "
              + ("PASS, served in bf16" if attention.passed else "FAIL, requests for them run on the fp32 graph"))
     return VariantInfo(
         file=fp32.file, precision="bf16", opset=fp32.opset, inputs=list(INPUT_NAMES),
-        outputs=list(ENCODINGS_OUTPUT_NAMES), optimizer=fp32.optimizer + "; OpenVINO INFERENCE_PRECISION_HINT=bf16",
-        fusions=fp32.fusions, providers=["OpenVINO CPU"], runtime="openvino", quality=gate, attention_gate=attention,
+        outputs=list(outputs), optimizer=fp32.optimizer + "; OpenVINO INFERENCE_PRECISION_HINT=bf16",
+        fusions=fp32.fusions, providers=["OpenVINO CPU"], runtime="openvino", quality=gate, head_gate=head,
+        attention_gate=attention,
     )
 
 

@@ -8,7 +8,11 @@ results. So the gate measures exactly that, against PyTorch fp32 on the same tex
   (0.99 by default), and no single text below a floor (0.95);
 - a small labelled retrieval set: each query's top-ranked document must be the reference's,
   and no query the reference answers correctly may be lost;
-- a SPLADE model's sparse vectors (check_sparse): the top terms the service would return.
+- a SPLADE model's sparse vectors (check_sparse): the top terms the service would return;
+- the token encodings (check_tokens): every real token's vector, by cosine;
+- a classifier's logits (check_heads): within HEAD_LOGITS_ATOL, labels and each query's ranking kept.
+
+`auto` serves a variant only where its embeddings held bundle.manifest.AUTO_MIN_COSINE (recorded in the gate).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import onnxruntime as ort
 import torch
 from tokenizers import Tokenizer
 
-from bundle.manifest import QualityGate, RepresentationGate
+from bundle.manifest import HeadGate, QualityGate, RepresentationGate, TokenGate
 from bundle.representations import splade_terms, top_terms
 from export.encoder import Encoder
 from export.parity import PROBE_TEXTS, _pad
@@ -82,13 +86,17 @@ DOCUMENTS = (
 )
 
 
-def _batches(tokenizer: Tokenizer, texts: Sequence[str], max_tokens: int, pad_id: int, size: int = 16):
+def _batches(tokenizer: Tokenizer, texts: Sequence, max_tokens: int, pad_id: int, size: int = 16,
+             segments: bool = False):
+    """Padded batches of `texts` (or (query, document) pairs, joined by the tokenizer's template); `segments`:
+    the second text's token types are 1 (a model with segment embeddings), else every type is 0."""
     tokenizer = Tokenizer.from_str(tokenizer.to_str())  # a copy: settings made here must not leak
     tokenizer.no_padding()
     tokenizer.enable_truncation(max_tokens)
-    encodings = [e.ids for e in tokenizer.encode_batch(list(texts))]
-    for start in range(0, len(encodings), size):
-        yield _pad(encodings[start : start + size], None, pad_id)
+    encodings = tokenizer.encode_batch(list(texts))
+    ids, types = [e.ids for e in encodings], [e.type_ids for e in encodings] if segments else None
+    for start in range(0, len(ids), size):
+        yield _pad(ids[start : start + size], types[start : start + size] if types else None, pad_id)
 
 
 def embed_reference(encoder: Encoder, batches) -> np.ndarray:
@@ -304,3 +312,88 @@ def check_sparse(
         RepresentationGate(representation="sparse", metric=f"top-{top_k} term overlap, lowest text",
                            value=low, required=min_overlap, passed=low >= min_overlap),
     ]
+
+
+# The token encodings' gate (TokenGate): the smallest cosine of one real token's vector against PyTorch fp32's, over
+# every token of the gate's texts. Measured on the tests' tiny random models and all-MiniLM-L6-v2 (bf16 on
+# OpenVINO, fp16): see docs/export.md; 0.99 lets a token of bf16's rounding through and stops a wrong kernel.
+TOKEN_MIN_COSINE = 0.99
+
+
+def check_tokens(encoder: Encoder, tokenizer: Tokenizer, session, max_tokens: int, pad_id: int,
+                 required: float = TOKEN_MIN_COSINE) -> TokenGate:
+    """last_hidden_state of the gate's texts, per real token, candidate graph vs PyTorch fp32 (cosine)."""
+    texts = [*CORPUS, *(q for q, _ in QUERIES), *DOCUMENTS]
+    encoder.eval()
+    cosines = []
+    for p in _batches(tokenizer, texts, max_tokens, pad_id):
+        with torch.no_grad():
+            reference = encoder(torch.from_numpy(p.input_ids), torch.from_numpy(p.attention_mask),
+                                torch.from_numpy(p.token_type_ids))[0].numpy().astype(np.float64)
+        feed = {"input_ids": p.input_ids, "attention_mask": p.attention_mask, "token_type_ids": p.token_type_ids}
+        candidate = session.run(["last_hidden_state"], feed)[0].astype(np.float64)
+        real = p.attention_mask.astype(bool)
+        cosines.append(np.nan_to_num((_unit(reference[real]) * _unit(candidate[real])).sum(axis=-1), nan=-1.0))
+    values = np.concatenate(cosines)
+    low = float(values.min())
+    return TokenGate(tokens=len(values), min_cosine=low, mean_cosine=float(values.mean()),
+                     min_cosine_required=required, passed=low >= required)
+
+
+# A classifier's logits at a lossy precision (HeadGate): within HEAD_LOGITS_ATOL of PyTorch fp32's. bf16 keeps 8 bits
+# of mantissa (a relative step of 2**-8 = 0.0039 per product); over a base-sized encoder's layers the logits of a
+# trained cross-encoder (values of about -10 to 10) moved by about 0.02 to 0.05 in sentence-transformers' own bf16;
+# 0.1 is a tenth of a unit of logit, far below what moves a sigmoid's relevance score by a rank that matters, and
+# far below a wrong kernel (a missing bias or activation moves them by whole units, tests/families.py draws the
+# heads wide for that). The order of each query's documents must be kept besides: documents the reference scores
+# within HEAD_RANK_TIE of each other are ties. bf16 cannot tell such documents apart (its step is 2**-8 of a logit's
+# magnitude: 0.016 at a logit of 4), and a trained cross-encoder's scores for different documents sit whole units
+# apart; the tests' tiny random rankers score all of a query's documents within about 0.005 (fp32 std 0.001 to 0.003),
+# where bf16 (max error 0.008) reordered every query at a tie of 1e-3.
+HEAD_LOGITS_ATOL = 0.1
+HEAD_RANK_TIE = 0.01
+
+
+def _logits(encoder: Encoder, session, batches) -> tuple[np.ndarray, np.ndarray]:
+    encoder.eval()
+    reference, candidate = [], []
+    for p in batches:
+        with torch.no_grad():
+            reference.append(encoder(torch.from_numpy(p.input_ids), torch.from_numpy(p.attention_mask),
+                                     torch.from_numpy(p.token_type_ids))[1].numpy())
+        feed = {"input_ids": p.input_ids, "attention_mask": p.attention_mask, "token_type_ids": p.token_type_ids}
+        candidate.append(session.run(["logits"], feed)[0])
+    return np.concatenate(reference).astype(np.float64), np.concatenate(candidate).astype(np.float64)
+
+
+def check_heads(encoder: Encoder, tokenizer: Tokenizer, session, max_tokens: int, pad_id: int, num_labels: int,
+                segments: bool, atol: float = HEAD_LOGITS_ATOL) -> HeadGate:
+    """A classifier's candidate graph vs PyTorch fp32: a cross-encoder (one label) on every QUERIES x DOCUMENTS
+    pair (logits, and each query's ranking of the documents), a classifier of several labels on the gate's texts
+    (logits, and each text's label)."""
+    problems: list[str] = []
+    if num_labels == 1:
+        pairs = [(q, d) for q, _ in QUERIES for d in DOCUMENTS]
+        reference, candidate = _logits(encoder, session, _batches(tokenizer, pairs, max_tokens, pad_id,
+                                                                  segments=segments))
+        ref, got = reference[:, 0].reshape(len(QUERIES), -1), candidate[:, 0].reshape(len(QUERIES), -1)
+        kept = 0
+        for r, c in zip(ref, got, strict=True):
+            # every pair of documents the reference orders (not tied), the candidate orders alike
+            apart = np.abs(r[:, None] - r[None, :]) > HEAD_RANK_TIE
+            kept += bool(np.all((np.sign(r[:, None] - r[None, :]) == np.sign(c[:, None] - c[None, :]))[apart]))
+        queries, labels, inputs, count = len(QUERIES), 0, "pairs", len(pairs)
+        if kept < queries:
+            problems.append(f"the order of the documents changed for {queries - kept} of {queries} queries")
+    else:
+        texts = [*CORPUS, *(q for q, _ in QUERIES), *DOCUMENTS]
+        reference, candidate = _logits(encoder, session, _batches(tokenizer, texts, max_tokens, pad_id))
+        labels = int((reference.argmax(axis=1) == candidate.argmax(axis=1)).sum())
+        queries, kept, inputs, count = 0, 0, "texts", len(texts)
+        if labels < count:
+            problems.append(f"the label (argmax) changed on {count - labels} of {count} texts")
+    diff = float(np.nan_to_num(np.abs(candidate - reference), nan=np.inf).max())
+    if diff > atol:
+        problems.append(f"logits differ by up to {diff:.3g} > {atol:g}")
+    return HeadGate(passed=not problems, provider=session.get_providers()[0], inputs=inputs, count=count,
+                    max_abs_diff=diff, atol=atol, labels=labels, queries=queries, rankings_kept=kept, problems=problems)

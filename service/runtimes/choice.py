@@ -14,7 +14,10 @@ units, a bundle whose bf16 gate passed). The first row that matches says what se
 - `runtime: openvino` keeps onnxruntime's full graph (attention weights) on the CPU too: a GPU never
   turns a replica asked to run OpenVINO into one that runs onnxruntime on CUDA.
 int8 is never picked by `auto`: its cosine loss is two orders of magnitude above bf16's
-(docs/performance.md).
+(docs/performance.md). Nor is a bf16 (or, on CUDA, fp16) variant whose gate did not hold the model's
+fidelity (VariantInfo.auto_verdict: an embedding's min cosine >= bundle.manifest.AUTO_MIN_COSINE and its token
+encodings' gate, a classifier's head gate): such a variant is served when asked for by name, and the
+note says which floor it missed, with the figure.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from functools import cached_property
 
 import numpy as np
 
+from bundle.contract import encodings_output_names
 from bundle.manifest import Bundle, BundleError
 from service.config import ServiceSettings
 from service.runtimes import Runtime
@@ -46,7 +50,8 @@ class Rule:
     """One row: the configuration it matches (ANY: whatever it is) -> what serves, and why.
 
     `note` becomes the runtime's precision_note, with {ort} (onnxruntime's own note), {why} (why not
-    OpenVINO bf16) and {gate} (the bf16 gate's figure) filled in; `warning`, where set, is logged once."""
+    OpenVINO bf16) and {gate} (the bf16 gate's figure and whether `auto` may serve it) filled in; `warning`,
+    where set, is logged once. `fidelity`: the bundle's bf16 variant holds the floor `auto` serves at."""
 
     runtime: tuple[str, ...] | None  # settings.runtime
     precision: tuple[str, ...] | None  # settings.precision, as asked
@@ -56,13 +61,15 @@ class Rule:
     precision_served: str  # fp32 | bf16 | as resolved (by onnxruntime's resolve_precision)
     note: str
     warning: str = ""
+    fidelity: bool | None = ANY  # the bf16 variant's gate holds auto's floor (VariantInfo.auto_verdict)
 
     def matches(self, found: Found) -> bool:
         """Lazily: OpenVINO is probed (imported) only when a row that looks at it is reached."""
         return ((self.runtime is ANY or found.runtime in self.runtime)
                 and (self.precision is ANY or found.precision in self.precision)
                 and (self.cuda is ANY or found.cuda == self.cuda)
-                and (self.bf16 is ANY or found.bf16 == self.bf16))
+                and (self.bf16 is ANY or found.bf16 == self.bf16)
+                and (self.fidelity is ANY or found.fidelity == self.fidelity))
 
     def line(self) -> str:
         """The row as /info shows it."""
@@ -72,6 +79,8 @@ class Rule:
         found = [column("runtime", self.runtime), column("precision", self.precision)]
         found += [] if self.cuda is ANY else ["CUDA" if self.cuda else "no CUDA"]
         found += [] if self.bf16 is ANY else ["OpenVINO bf16 can run" if self.bf16 else "OpenVINO bf16 cannot run"]
+        found += [] if self.fidelity is ANY else ["its gate holds auto's fidelity floor" if self.fidelity
+                                                  else "its gate misses auto's fidelity floor"]
         if self.serves == FASTER:
             serves = "the faster on a probe batch of openvino bf16 and onnxruntime fp32"
         elif self.precision_served == ORT:
@@ -92,13 +101,16 @@ RULES: tuple[Rule, ...] = (
     Rule(ANY, ANY, True, ANY, "onnxruntime", ORT, "{ort}"),
     Rule(("auto",), ("fp32",), False, ANY, "onnxruntime", "fp32", "{ort}"),
     Rule(("auto",), ("auto",), False, False, "onnxruntime", "fp32", "{ort}; not OpenVINO bf16: {why}"),
+    Rule(("auto",), ("auto",), False, True, "onnxruntime", "fp32", "{ort}; not OpenVINO bf16 under auto: {gate}",
+         fidelity=False),
     Rule(("auto",), ("auto",), False, True, FASTER, "bf16|fp32", "(both probe figures: _faster)"),
     Rule(("auto",), ("bf16",), False, False, "onnxruntime", "fp32", "bf16 asked for, fp32 on onnxruntime: {why}",
          BF16_ASKED_NOT_SERVED),
-    Rule(("auto", OV), ("bf16",), False, True, OV, "bf16", "bf16 as configured{gate}"),
+    Rule(("auto", OV), ("bf16",), False, True, OV, "bf16", "bf16 as configured ({gate})"),
     Rule((OV,), ("fp32",), False, ANY, OV, "fp32", "fp32 as configured, on OpenVINO"),
     Rule((OV,), ("auto",), False, False, OV, "fp32", "fp32 on OpenVINO: {why}"),
-    Rule((OV,), ("auto",), False, True, OV, "bf16", "auto on runtime openvino: bf16{gate}"),
+    Rule((OV,), ("auto",), False, True, OV, "fp32", "auto on runtime openvino: fp32, not bf16: {gate}", fidelity=False),
+    Rule((OV,), ("auto",), False, True, OV, "bf16", "auto on runtime openvino: bf16 ({gate})"),
     Rule((OV,), ("bf16",), False, False, OV, "fp32", "fp32 on OpenVINO: {why}", BF16_ASKED_NOT_SERVED),
 )
 TABLE = [rule.line() for rule in RULES]  # /info's runtime_choice.table
@@ -131,14 +143,20 @@ class Found:
                            "existed: export it again on a CPU with bf16 units)")
         return "; ".join(reasons)
 
+    @cached_property
+    def fidelity(self) -> bool:
+        """The bf16 variant's gate holds the floor `auto` serves a lossy variant at (asked only where bf16 can run)."""
+        return self.bundle.manifest.variants["bf16"].auto_verdict[0]
+
     @property
     def gate(self) -> str:
-        quality = self.bundle.manifest.variants["bf16"].quality
-        return f" (its gate: min cosine {quality.min_cosine:.5f} vs PyTorch fp32)" if quality else ""
+        """The bf16 variant's gate, its figure and whether `auto` may serve it."""
+        return self.bundle.manifest.variants["bf16"].auto_verdict[1]
 
     def describe(self) -> dict:
         return {"runtime": self.runtime, "precision": self.precision, "cuda": self.cuda,
-                "openvino_bf16": self.__dict__.get("bf16")}  # None: no row needed to ask
+                "openvino_bf16": self.__dict__.get("bf16"),  # None: no row needed to ask
+                "bf16_holds_auto_floor": self.__dict__.get("fidelity")}
 
 
 def choose_runtime(bundle: Bundle, settings: ServiceSettings, threads: int, gpu: GpuAssignment,
@@ -177,7 +195,7 @@ def choose_runtime(bundle: Bundle, settings: ServiceSettings, threads: int, gpu:
         runtime = encoder
     elif rule.serves == FASTER:  # each candidate's note says both figures (_faster)
         candidate = _openvino(bundle, settings, threads, streams, encoder, "bf16", wanted, "")
-        runtime = encoder if candidate is None else _faster(candidate, encoder, variants["bf16"].quality)
+        runtime = encoder if candidate is None else _faster(candidate, encoder, variants["bf16"].auto_verdict[1])
     else:
         runtime = _openvino(bundle, settings, threads, streams, encoder, rule.precision_served, wanted, note) or encoder
     runtime.choice = choice
@@ -219,24 +237,24 @@ def probe_ms(runtimes: list[Runtime], repeats: int = 7) -> list[float]:
     vocab = runtimes[0].manifest.model.vocab_size
     ids = rng.integers(min(1000, vocab - 1), min(vocab, 20000), PROBE_SHAPE, dtype=np.int64)
     mask = np.ones_like(ids)
+    pooled = encodings_output_names(runtimes[0].manifest.model.task)[-1]  # sentence_embedding, or a classifier's logits
     times: list[list[float]] = [[] for _ in runtimes]
     for i in range(repeats + 2):
         for runtime, own in zip(runtimes, times, strict=True):
             started = time.perf_counter()
-            runtime.fast.run(ids, mask, ["sentence_embedding"])
+            runtime.fast.run(ids, mask, [pooled])
             if i >= 2:
                 own.append((time.perf_counter() - started) * 1000)
     return [float(np.median(t)) for t in times]
 
 
-def _faster(openvino: OvEncoder, ort: OrtEncoder, gate) -> Runtime:
-    """auto: the candidate that ran the probe batch faster, with both figures in its note."""
+def _faster(openvino: OvEncoder, ort: OrtEncoder, gate: str) -> Runtime:
+    """auto: the candidate that ran the probe batch faster, with both figures in its note (and bf16's gate)."""
     ov_ms, ort_ms = probe_ms([openvino, ort])
     shape = "x".join(map(str, PROBE_SHAPE))
     figures = f"a probe batch of {shape} tokens in {ov_ms:.1f} ms on OpenVINO bf16 and {ort_ms:.1f} ms on onnxruntime fp32"
     if ov_ms < ort_ms:
-        openvino.precision_note = (f"auto: bf16 on OpenVINO, {figures}"
-                                   + (f"; its gate: min cosine {gate.min_cosine:.5f} vs PyTorch fp32" if gate else ""))
+        openvino.precision_note = f"auto: bf16 on OpenVINO, {figures}; {gate}"
         return openvino
     ort.precision_note = f"auto: fp32 on onnxruntime, {figures}"
     return ort

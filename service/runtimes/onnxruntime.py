@@ -276,15 +276,20 @@ class OrtEncoder(TwoGraphs):
 
 def resolve_precision(bundle: Bundle, precision: str, provider: str) -> tuple[str, str]:
     """The precision a replica on `provider` serves, and why: `auto` is fp16 on CUDA where the
-    bundle has a gated fp16 graph (it exists only if its gate passed), fp32 otherwise; an explicit
+    bundle has a gated fp16 graph (it exists only if its gate passed) that holds the fidelity floor of
+    `auto` (VariantInfo.auto_verdict), fp32 otherwise; an explicit
     precision is served where its graph is meant for `provider`, else fp32. A precision the bundle
     lacks is an error, never a silent change."""
     variants = bundle.manifest.variants
     if precision == "auto":
         fp16 = variants.get("fp16")
         if provider == CUDA and fp16 is not None and provider in fp16.providers and fp16.passed:
+            served, why = fp16.auto_verdict  # the fidelity floor auto holds a lossy variant to
             gate = fp16.quality
-            return "fp16", ("auto: fp16 on CUDA" + (f" (its gate: mean cosine {gate.mean_cosine:.5f} vs fp32)" if gate else ""))
+            mean = f"mean cosine {gate.mean_cosine:.5f} vs fp32; " if gate else ""
+            if served:
+                return "fp16", f"auto: fp16 on CUDA ({mean}{why})"
+            return "fp32", f"auto: fp32 on CUDA, not the fp16 graph ({mean}{why}) (TF32 off unless cuda_tf32)"
         if provider == CUDA:
             return "fp32", "auto: fp32 on CUDA, this bundle has no gated fp16 graph (TF32 off unless cuda_tf32)"
         return "fp32", f"auto: fp32 on {provider}"

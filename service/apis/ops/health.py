@@ -100,6 +100,7 @@ def describe_model(m, state: dict) -> dict:
         "precision": state["precision"],
         "precision_requested": state["precision_requested"],
         "precision_note": state["precision_note"],
+        "precisions": output_precisions(state, manifest),  # per output: pooled, token encodings, attention
         "runtime_choice": state["runtime_choice"],  # why this runtime and precision: the matched row of the table
         "cuda": state["cuda"],  # each check step, the device, the provider options of the sessions
         "graphs": state["graphs"],
@@ -109,11 +110,33 @@ def describe_model(m, state: dict) -> dict:
         "parity": manifest.parity.model_dump(mode="json"),
         "variants": {
             p: {"file": v.file, "runtime": v.runtime, "fusions": v.fusions, "providers": v.providers,
-                "gate": (v.quality or v.parity).model_dump(mode="json"),
-                "attention_gate": v.attention_gate.model_dump(mode="json") if v.attention_gate else None}
+                "gate": (v.head_gate or v.quality or v.parity).model_dump(mode="json"),
+                "attention_gate": v.attention_gate.model_dump(mode="json") if v.attention_gate else None,
+                "served_by_auto": v.auto_verdict[0], "auto_note": v.auto_verdict[1]}
             for p, v in manifest.variants.items()
         },
         "versions": manifest.versions,
+    }
+
+
+def output_precisions(state: dict, manifest) -> dict:
+    """The precision each kind of output is served at, and the gate that let it: pooled outputs (embeddings,
+    logits) and token encodings come from the encodings graph, attention weights from the full graph (at bf16
+    only where its attention gate passed)."""
+    precision = state["precision"]
+    variant = manifest.variants.get(precision)
+    tokens = variant.quality.tokens if variant is not None and variant.quality is not None else None
+    attention = "bf16" if "bf16" in state["graphs"]["attentions"] else "fp32"
+    attention_gate = manifest.variants["bf16"].attention_gate if attention == "bf16" else None
+    return {
+        "pooled": precision,
+        "token_encodings": precision,
+        "token_encodings_gate": None if precision == "fp32" or tokens is None else
+        f"min cosine per token {tokens.min_cosine:.5f} vs PyTorch fp32 over {tokens.tokens} tokens (>= "
+        f"{tokens.min_cosine_required:g}: {'PASS' if tokens.passed else 'FAIL'})",
+        "attention": attention,
+        "attention_gate": None if attention_gate is None else
+        f"max abs diff {attention_gate.outputs[0].max_abs_diff:.2e} vs PyTorch fp32 (<= {attention_gate.outputs[0].atol:g})",
     }
 
 
