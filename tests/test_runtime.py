@@ -123,22 +123,24 @@ def test_resized_sessions_run_with_the_new_threads_while_the_old_keep_theirs(def
     assert new.resized(1, 3) is new  # onnxruntime has no streams: the same threads need no new sessions
 
 
-def expected_choice(runtime: str, precision: str, cuda: bool, bf16: bool) -> tuple[str, str] | None:
+def expected_choice(runtime: str, precision: str, cuda: bool, bf16: bool, fidelity: bool) -> tuple[str, str] | None:
     """What serves the encodings graph, (runtime, precision), written from docs/configuration.md's `runtime`
     and `precision` rows, independently of choice.RULES: onnxruntime resolves its own precision ("as
     resolved") on CUDA, for int8 and fp16, and when asked for by name; `auto` on a CPU serves OpenVINO
     bf16 only where it can run (measuring it against onnxruntime fp32 unless bf16 is asked for), else
     onnxruntime fp32; `openvino` runs on the CPU (None: its onnxruntime side never asks for CUDA),
-    bf16 where it can run and is not declined, else f32."""
+    bf16 where it can run and is not declined, else f32. Under precision `auto`, bf16 only where its gate
+    holds the fidelity floor (`fidelity`); asked for by name, bf16 whatever the floor says."""
     if runtime == "openvino" and cuda:
         return None
     if runtime == "onnxruntime" or precision in ("int8", "fp16") or cuda:
         return ("onnxruntime", "as resolved")
     if runtime == "auto":
-        if precision == "auto" and bf16:
+        if precision == "auto" and bf16 and fidelity:
             return ("faster", "bf16|fp32")
         return ("openvino", "bf16") if precision == "bf16" and bf16 else ("onnxruntime", "fp32")
-    return ("openvino", "bf16") if precision in ("auto", "bf16") and bf16 else ("openvino", "fp32")
+    served_bf16 = bf16 and (precision == "bf16" or (precision == "auto" and fidelity))
+    return ("openvino", "bf16") if served_bf16 else ("openvino", "fp32")
 
 
 def test_the_runtime_table_decides_every_configuration_the_settings_accept():
@@ -152,16 +154,17 @@ def test_the_runtime_table_decides_every_configuration_the_settings_accept():
     from service.runtimes import choice
 
     decided = 0
-    for runtime, precision, cuda, bf16 in product(("auto", "onnxruntime", "openvino"), ("auto", "fp32", "bf16", "int8", "fp16"),
-                                                  (False, True), (False, True)):
+    for runtime, precision, cuda, bf16, fidelity in product(("auto", "onnxruntime", "openvino"),
+                                                            ("auto", "fp32", "bf16", "int8", "fp16"),
+                                                            (False, True), (False, True), (False, True)):
         try:
             ServiceSettings(runtime=runtime, precision=precision)
         except ValueError:
             continue  # refused at start-up (a runtime that cannot run the precision)
-        expected = expected_choice(runtime, precision, cuda, bf16)
+        expected = expected_choice(runtime, precision, cuda, bf16, fidelity)
         if expected is None:
             continue  # cannot happen: runtime openvino's onnxruntime encoder runs on the CPU (choose_runtime)
-        found = SimpleNamespace(runtime=runtime, precision=precision, cuda=cuda, bf16=bf16)
+        found = SimpleNamespace(runtime=runtime, precision=precision, cuda=cuda, bf16=bf16, fidelity=fidelity)
         rows = [r for r in choice.RULES if r.matches(found)]
         assert rows, f"no row for {found}"
         assert (rows[0].serves, rows[0].precision_served) == expected, (found, rows[0])
@@ -173,6 +176,6 @@ def test_the_runtime_table_decides_every_configuration_the_settings_accept():
         else:
             assert line.split(" -> ")[1].startswith("onnxruntime"), line
         decided += 1
-    # 3 runtimes x 5 precisions x CUDA or not x bf16 or not = 60, less 12 refused (onnxruntime bf16; openvino
-    # int8, fp16), less 6 unreachable (openvino on CUDA)
-    assert decided == 42
+    # 3 runtimes x 5 precisions x CUDA or not x bf16 or not x the floor held or not = 120, less 24 refused
+    # (onnxruntime bf16; openvino int8, fp16), less 12 unreachable (openvino on CUDA)
+    assert decided == 84
