@@ -10,11 +10,18 @@ Requests whose caller gave up (cancelled: a deadline passed, the client left) le
 before a batch forms, so nothing is computed for nobody. The knobs are read on every batch, so
 a new budget, wait or concurrency (Serve's user_config) applies to the next batch; `knobs_changed()`
 wakes the former, since a raised concurrency frees a slot that no arrival or finished batch announces.
+
+A slot no batch holds is lent to the running batch: when nothing is queued and no other model of the
+replica has a batch in flight, the runner runs a batch's independent pieces (sub-batches, packed rows)
+on the free slots at once (`lend`), so one large request uses every core of an idle replica. A lent
+slot goes back after the piece it runs as soon as work is queued (`slot_wanted`), so a batch forms
+within one piece's time and, under load, every batch has one slot, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
@@ -28,12 +35,16 @@ Result = TypeVar("Result")
 class Batcher(Generic[Job, Result]):
     """submit(job) -> its result, computed in a batch by `run(jobs) -> results` (list in, list out)."""
 
-    def __init__(self, run: Callable[[list[Job]], Awaitable[list[Result]]], knobs: Callable[[], BatchingSettings],
-                 cost: Callable[[Job], int]) -> None:
+    def __init__(self, run: Callable[..., Awaitable[list[Result]]], knobs: Callable[[], BatchingSettings],
+                 cost: Callable[[Job], int], lends: bool = False) -> None:
         self.run = run
         self.knobs = knobs  # the live batching settings
         self.cost = cost  # a job's share of max_batch_tokens
+        self.lends = lends  # run(jobs, self): the runner may borrow free slots for a batch's pieces
         self.running = 0  # batches being computed now
+        self.lent = 0  # slots lent to a running batch's pieces (borrowed and given back in its worker threads)
+        self.neighbours: list[Batcher] = []  # the batch queues of the replica's other models
+        self._slots = threading.Lock()  # running + lent, read and changed from the loop and the runner's threads
         self._queue: deque[tuple[Job, asyncio.Future]] = deque()
         self._changed = asyncio.Event()  # a job arrived or a batch finished
         self._former: asyncio.Task | None = None
@@ -72,11 +83,38 @@ class Batcher(Generic[Job, Result]):
         else:  # asyncio.Event is not thread-safe: set it on its own loop
             loop.call_soon_threadsafe(self._changed.set)
 
+    @property
+    def held(self) -> int:
+        """Runner slots in use: one per running batch, and those lent to their pieces."""
+        return self.running + self.lent
+
+    def slot_wanted(self) -> bool:
+        """Whether a lent slot must go back: work is queued here, or another model of the replica is computing.
+        Read from the runner's threads: len() of the deque and the neighbours' counts are single reads."""
+        return bool(len(self._queue)) or any(n.held for n in self.neighbours)
+
+    def lend(self) -> bool:
+        """One free slot for a running batch's pieces, if the replica is otherwise idle: nothing queued, no
+        other model computing, a slot no batch holds. True: the caller must give_back() it. Any thread."""
+        if self.slot_wanted():
+            return False
+        with self._slots:
+            if self.held >= self.knobs().max_concurrent_batches:
+                return False
+            self.lent += 1
+            return True
+
+    def give_back(self) -> None:
+        """A lent slot returned; the former is woken (a batch may form on it). Any thread."""
+        with self._slots:
+            self.lent -= 1
+        self.knobs_changed()
+
     async def _form_batches(self) -> None:
         while True:
             knobs = self.knobs()
             self._drop_abandoned()
-            if not self._queue or self.running >= knobs.max_concurrent_batches:
+            if not self._queue or self.held >= knobs.max_concurrent_batches:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
@@ -86,7 +124,8 @@ class Batcher(Generic[Job, Result]):
                 if not self._queue:
                     continue
             batch = self._take(knobs.max_batch_tokens)
-            self.running += 1
+            with self._slots:
+                self.running += 1
             asyncio.ensure_future(self._compute(batch))
 
     def _drop_abandoned(self) -> None:
@@ -118,7 +157,8 @@ class Batcher(Generic[Job, Result]):
             if not live:
                 return
             try:
-                results = await self.run([job for job, _ in live])
+                jobs = [job for job, _ in live]
+                results = await (self.run(jobs, self) if self.lends else self.run(jobs))
             except Exception as exc:  # noqa: BLE001 - every caller of the batch gets its failure
                 for _, future in live:
                     if not future.done():
@@ -128,5 +168,6 @@ class Batcher(Generic[Job, Result]):
                 if not future.done():
                     future.set_result(result)
         finally:
-            self.running -= 1
+            with self._slots:
+                self.running -= 1
             self._changed.set()

@@ -11,6 +11,13 @@ encodings-only graph of the configured precision (the `graph` label of the infer
 says which graph ran: full, encodings-<precision>, packed-<precision>). How a text's pooled output
 is made for its job's `normalize` (the graph's as it is, L2-normalised here, or pooled again from
 the token encodings) is decided in one place, `pooled_output`.
+
+The runs of a batch (its pieces: packed rows, padded sub-batches) are independent. One after another
+in the batch's worker thread under load; when the batch queue lends free runner slots (an otherwise
+idle replica, batcher.py), they run on those slots at once, each in a thread of the runner's pool
+(onnxruntime's run and OpenVINO's infer requests release the GIL), and a batch of one large piece is
+cut in two first. The sessions stay as sized for the throughput configuration (intra_op_threads per
+slot): a lent slot is one more run at once, never more threads per run.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -142,6 +151,18 @@ def plan_sub_batches(lengths: list[int], token_budget: int, max_size: int, max_p
     return groups
 
 
+def halves(row: list[int], lengths: list[int]) -> list[list[int]]:
+    """A packed row's texts in two rows of about equal tokens (longest first, each to the lighter row),
+    each in the row's order: the two runs of a row cut for two slots take about the same time."""
+    rows: tuple[list[int], list[int]] = ([], [])
+    tokens = [0, 0]
+    for index in sorted(row, key=lengths.__getitem__, reverse=True):
+        lighter = tokens.index(min(tokens))
+        rows[lighter].append(index)
+        tokens[lighter] += lengths[index]
+    return [sorted(r, key=row.index) for r in rows]
+
+
 def pad_types(types: list[np.ndarray | None], longest: int) -> np.ndarray:
     """Token types of a sub-batch, right-padded with 0 (None: a single text, all 0)."""
     out = np.zeros((len(types), longest), dtype=np.int64)
@@ -257,6 +278,8 @@ class Tally:
     real: int = 0  # tokens of the texts
     padded: int = 0  # tokens computed, padding included
     runs: dict[str, int] = field(default_factory=dict)  # runs by graph label
+    lent_runs: int = 0  # runs on a slot the batch queue lent (an otherwise idle replica)
+    widest: int = 1  # the most runs of the batch that were computing at one moment
 
     def add(self, graph: str, real: int, padded: int) -> None:
         self.runs[graph] = self.runs.get(graph, 0) + 1
@@ -321,6 +344,33 @@ class Batch:
         return attended[t] if attended else None
 
 
+class Lender(Protocol):
+    """What the batch queue (batcher.py) lends a running batch: free runner slots, while nothing else wants them."""
+
+    def lend(self) -> bool: ...  # one more slot, or False (work queued, another model computing, none free)
+
+    def give_back(self) -> None: ...
+
+    def slot_wanted(self) -> bool: ...  # a lent slot must go back after its current piece
+
+
+class Run(NamedTuple):
+    """What one piece ran, for the batch's tally: its graph's label, real and padded tokens."""
+
+    graph: str
+    real: int
+    padded: int
+
+
+Piece = Callable[[], Run]  # one independent run of a batch (a packed row, a padded sub-batch): runs it, fills its texts in
+
+# a batch of one piece is cut in two for a lent slot only from this many real tokens: below it, the second
+# run's fixed cost (the session call, its kernels' dispatch: about 1 ms on MiniLM-L6) eats most of what the
+# second core saves (half of a 128-token run: about 3 ms there on one thread)
+SPLIT_MIN_TOKENS = 128
+LENT_WORKERS = 16  # the runner's pool: threads that run pieces on lent slots (at most the free slots at once)
+
+
 class BatchRunner:
     """Computes one batch of jobs on a replica's onnxruntime sessions, and counts what it did.
 
@@ -336,8 +386,10 @@ class BatchRunner:
         self.manifest = manifest
         self.batching = batching
         self.metrics = service_metrics()
+        # lent_runs: runs on a slot lent by an otherwise idle replica; wide_batches: batches whose runs
+        # computed on more than one slot at once
         self.counters = {"batches": 0, "requests": 0, "texts": 0, "real_tokens": 0, "padded_tokens": 0, "ort_runs": 0,
-                         "compute_ms": 0.0}
+                         "compute_ms": 0.0, "lent_runs": 0, "wide_batches": 0}
         self.runs_by_graph = {runtime.full.label: 0, runtime.fast.label: 0,
                               **({runtime.packed.label: 0} if runtime.packed is not None else {})}
         # what one text's pooled output is: a sentence embedding, or a classifier's logits
@@ -347,6 +399,7 @@ class BatchRunner:
         self.pooled_width = len(manifest.model.labels or []) if classifier else manifest.model.sentence_dim
         self.running = 0  # batches being computed now
         self._counters_lock = threading.Lock()
+        self._lent_pool = ThreadPoolExecutor(LENT_WORKERS, thread_name_prefix="lent-slot")
 
     def warm_up(self) -> None:
         """Run the shapes traffic will bring, so the first real request does not pay for allocation."""
@@ -361,21 +414,28 @@ class BatchRunner:
             for lengths in ([8] * 4, [self.manifest.model.max_tokens]):
                 self._run_packed(self.runtime.packed, [np.full(n, token, dtype=np.int64) for n in lengths], None)
 
-    def compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
+    def compute(self, jobs: list[EncodeJob], lender: Lender | None = None) -> list[EncodeResult]:
         """List in, list out: each job's result, in order. The batch's texts are grouped by what they
-        need; each group runs packed or in length-sorted padded sub-batches; each text's outputs go
-        back to its job's result; then the batch is counted."""
+        need; each group runs packed or in length-sorted padded sub-batches (the batch's pieces); each
+        text's outputs go back to its job's result; then the batch is counted. `lender`: the batch
+        queue, which lends free slots to the pieces (None: one after another, in this thread)."""
         with self._counters_lock:
             self.running += 1
         try:
             started = time.perf_counter()
             self._observe_queue(jobs, started)
             batch = self._new_batch(jobs)
-            for needs, texts in self._group(batch).items():
-                if self._packs(batch, needs):
-                    self._run_packed_rows(batch, texts)
-                else:
-                    self._run_padded(batch, needs, texts)
+            pieces = self._plan(batch)
+            # a batch of one piece, on an otherwise idle replica: cut in two where it is large enough,
+            # the second half on a slot taken before the cut (none free: it stays whole)
+            held = lender is not None and len(pieces) == 1 and lender.lend()
+            if held:
+                pieces = self._plan(batch, split=True)
+                if len(pieces) == 1:
+                    lender.give_back()
+                    held = False
+            for run in self._run_pieces(pieces, lender, batch.tally, held):
+                batch.tally.add(*run)
             ended = time.perf_counter()
             self._count(batch, ended - started)
             if tracing.enabled():
@@ -413,24 +473,40 @@ class BatchRunner:
             groups.setdefault(needs, []).extend((j, t) for t in range(len(job.ids)))
         return groups
 
+    def _plan(self, batch: Batch, split: bool = False) -> list[Piece]:
+        """The batch's pieces in order: each group of texts (by what they need) in packed rows or padded
+        sub-batches. `split`: a group of one large piece is cut in two (_packed_rows, _padded)."""
+        pieces: list[Piece] = []
+        for needs, texts in self._group(batch).items():
+            if self._packs(batch, needs):
+                pieces += self._packed_rows(batch, texts, split)
+            else:
+                pieces += self._padded(batch, needs, texts, split)
+        return pieces
+
     @staticmethod
     def _packs(batch: Batch, needs: Needs) -> bool:
         """Whether texts that need this run packed: only the pooled output, and packing on and served."""
         return not (needs.attention or needs.hidden) and batch.packs
 
-    def _run_packed_rows(self, batch: Batch, texts: list[TextRef]) -> None:
-        """Texts in rows of the packed graph, each row up to packed_tokens long, with no padding."""
-        packed = batch.runtime.packed
+    def _packed_rows(self, batch: Batch, texts: list[TextRef], split: bool = False) -> list[Piece]:
+        """Texts in rows of the packed graph, each row up to packed_tokens long, with no padding: a piece
+        per row. `split`: a lone row of SPLIT_MIN_TOKENS or more is cut into two rows of about half each."""
         lengths = [int(batch.ids(text).shape[0]) for text in texts]
-        for row in plan_packs(lengths, batch.batching.packed_tokens):
-            members = [texts[i] for i in row]
-            pooled, width = self._run_packed(packed, [batch.ids(m) for m in members],
-                                             [batch.type_ids(m) for m in members],
-                                             [batch.jobs[j].pool_skip for j, _ in members])
-            batch.tally.add(packed.label, sum(lengths[i] for i in row), width)
-            for (j, t), vector in zip(members, pooled, strict=True):
-                batch.results[j].embeddings[t] = batch.pooled[j].make(vector, None, self.manifest.model.pooling)
-                self._representations(batch, (j, t), None)
+        rows = plan_packs(lengths, batch.batching.packed_tokens)
+        if split and len(rows) == 1 and len(rows[0]) > 1 and sum(lengths) >= SPLIT_MIN_TOKENS:
+            rows = halves(rows[0], lengths)
+        return [lambda members=[texts[i] for i in row]: self._packed_row(batch, members) for row in rows]
+
+    def _packed_row(self, batch: Batch, members: list[TextRef]) -> Run:
+        packed = batch.runtime.packed
+        pooled, width = self._run_packed(packed, [batch.ids(m) for m in members],
+                                         [batch.type_ids(m) for m in members],
+                                         [batch.jobs[j].pool_skip for j, _ in members])
+        for (j, t), vector in zip(members, pooled, strict=True):
+            batch.results[j].embeddings[t] = batch.pooled[j].make(vector, None, self.manifest.model.pooling)
+            self._representations(batch, (j, t), None)
+        return Run(packed.label, sum(int(batch.ids(m).shape[0]) for m in members), width)
 
     def _run_packed(self, packed: PackedGraph, ids: list[np.ndarray], types: list[np.ndarray | None] | None,
                     skip: list[int] | None = None) -> tuple[np.ndarray, int]:
@@ -441,25 +517,85 @@ class BatchRunner:
                     skip if skip and any(skip) else None)
         return packed.run_packed(feed), int(feed["input_ids"].shape[1])
 
-    def _run_padded(self, batch: Batch, needs: Needs, texts: list[TextRef]) -> None:
-        """Texts length-sorted into padded sub-batches, on the graph that has every output they need."""
+    def _padded(self, batch: Batch, needs: Needs, texts: list[TextRef], split: bool = False) -> list[Piece]:
+        """Texts length-sorted into padded sub-batches, on the graph that has every output they need: a
+        piece per sub-batch. `split`: a lone sub-batch of SPLIT_MIN_TOKENS or more is cut into its shorter
+        and its longer half (each padded less than the whole)."""
         outputs = [self.pooled, *(["last_hidden_state"] if needs.hidden else []),
                    *(["attentions"] if needs.attention else [])]
         graph = batch.runtime.graph_for(outputs)
         lengths = [int(batch.ids(text).shape[0]) for text in texts]
         settings = batch.batching
-        for group in plan_sub_batches(lengths, settings.sub_batch_tokens, settings.max_sub_batch_size,
-                                      settings.max_padding):
-            members = [texts[i] for i in group]
-            attended = [batch.attended(m) for m in members]
-            input_ids, mask = pad([batch.ids(m) for m in members], self.manifest.model.pad_token_id,
-                                  attended if any(a is not None for a in attended) else None)
-            types = None
-            if any(batch.jobs[j].type_ids is not None for j, _ in members):
-                types = pad_types([batch.type_ids(m) for m in members], input_ids.shape[1])
-            out = graph.run(input_ids, mask, outputs, types)
-            batch.tally.add(graph.label, sum(lengths[i] for i in group), int(mask.size))
-            self._scatter(batch, members, out)
+        groups = plan_sub_batches(lengths, settings.sub_batch_tokens, settings.max_sub_batch_size, settings.max_padding)
+        if split and len(groups) == 1 and len(groups[0]) > 1 and sum(lengths) >= SPLIT_MIN_TOKENS:
+            half = len(groups[0]) // 2
+            groups = [groups[0][:half], groups[0][half:]]
+        return [lambda members=[texts[i] for i in group]: self._padded_run(batch, graph, outputs, members)
+                for group in groups]
+
+    def _padded_run(self, batch: Batch, graph, outputs: list[str], members: list[TextRef]) -> Run:
+        attended = [batch.attended(m) for m in members]
+        input_ids, mask = pad([batch.ids(m) for m in members], self.manifest.model.pad_token_id,
+                              attended if any(a is not None for a in attended) else None)
+        types = None
+        if any(batch.jobs[j].type_ids is not None for j, _ in members):
+            types = pad_types([batch.type_ids(m) for m in members], input_ids.shape[1])
+        out = graph.run(input_ids, mask, outputs, types)
+        self._scatter(batch, members, out)
+        return Run(graph.label, sum(int(batch.ids(m).shape[0]) for m in members), int(mask.size))
+
+    def _run_pieces(self, pieces: list[Piece], lender: Lender | None, tally: Tally, held: bool = False) -> list[Run]:
+        """Every piece run, their Runs in plan order. With a lender, as many at once as it lends slots
+        (each lent slot given back once its pieces are done, or after its current piece when work is
+        queued); without, or when it lends none, one after another in this thread, as under load. `held`:
+        one slot already lent (for a cut piece's second half). A failure stops the pieces not yet started
+        and raises the first failed piece's error, as in order."""
+        if lender is None:
+            return [piece() for piece in pieces]
+        runs: list[Run | None] = [None] * len(pieces)
+        errors: dict[int, BaseException] = {}
+        lock = threading.Lock()
+        state = {"next": 0, "computing": 0}
+
+        def work(lent: bool) -> None:
+            while True:
+                with lock:
+                    k = state["next"]
+                    if errors or k >= len(pieces):
+                        return
+                    state["next"] = k + 1
+                    state["computing"] += 1
+                    tally.widest = max(tally.widest, state["computing"])
+                try:
+                    runs[k] = pieces[k]()
+                except BaseException as exc:  # noqa: BLE001 - raised in the batch's thread, in piece order
+                    with lock:
+                        errors[k] = exc
+                    return
+                finally:
+                    with lock:
+                        state["computing"] -= 1
+                if lent:
+                    with lock:
+                        tally.lent_runs += 1
+                    if lender.slot_wanted():
+                        return
+
+        def on_lent_slot() -> None:
+            try:
+                work(lent=True)
+            finally:
+                lender.give_back()
+
+        helpers = [self._lent_pool.submit(on_lent_slot)] if held else []
+        while lender is not None and len(helpers) < len(pieces) - 1 and lender.lend():
+            helpers.append(self._lent_pool.submit(on_lent_slot))
+        work(lent=False)
+        for helper in helpers:
+            helper.result()
+        if errors:
+            raise errors[min(errors)]
+        return runs  # type: ignore[return-value]
 
     def _scatter(self, batch: Batch, members: list[TextRef], out: dict[str, np.ndarray]) -> None:
         """Copy each text's slice of a sub-batch's outputs (its real tokens only) into its job's result."""
@@ -528,6 +664,8 @@ class BatchRunner:
             self.counters["padded_tokens"] += tally.padded
             self.counters["ort_runs"] += sum(tally.runs.values())
             self.counters["compute_ms"] += elapsed * 1000
+            self.counters["lent_runs"] += tally.lent_runs
+            self.counters["wide_batches"] += tally.widest > 1
         stats = {"batch_requests": len(batch.jobs), "batch_texts": batch.n_texts, "ort_runs": sum(tally.runs.values()),
                  "padding_ratio": tally.padding_ratio}
         for result in batch.results:
