@@ -15,7 +15,9 @@ A slot no batch holds is lent to the running batch: when nothing is queued and n
 replica has a batch in flight, the runner runs a batch's independent pieces (sub-batches, packed rows)
 on the free slots at once (`lend`), so one large request uses every core of an idle replica. A lent
 slot goes back after the piece it runs as soon as work is queued (`slot_wanted`), so a batch forms
-within one piece's time and, under load, every batch has one slot, as before.
+within one piece's time and, under load, every batch has one slot, as before. The batch's task holds
+its batch queue in `HOLDER` (a context variable: `run(jobs)` keeps its one argument, and a request run
+alone, batching off, holds no slot and is lent none).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Generic, TypeVar
 
 from service.config import BatchingSettings
@@ -31,16 +34,18 @@ from service.config import BatchingSettings
 Job = TypeVar("Job")
 Result = TypeVar("Result")
 
+# the batch queue whose runner slot the current batch's task holds (set in that task only), its lender
+HOLDER: ContextVar[Batcher | None] = ContextVar("batch_slot_holder", default=None)
+
 
 class Batcher(Generic[Job, Result]):
     """submit(job) -> its result, computed in a batch by `run(jobs) -> results` (list in, list out)."""
 
-    def __init__(self, run: Callable[..., Awaitable[list[Result]]], knobs: Callable[[], BatchingSettings],
-                 cost: Callable[[Job], int], lends: bool = False) -> None:
+    def __init__(self, run: Callable[[list[Job]], Awaitable[list[Result]]], knobs: Callable[[], BatchingSettings],
+                 cost: Callable[[Job], int]) -> None:
         self.run = run
         self.knobs = knobs  # the live batching settings
         self.cost = cost  # a job's share of max_batch_tokens
-        self.lends = lends  # run(jobs, self): the runner may borrow free slots for a batch's pieces
         self.running = 0  # batches being computed now
         self.lent = 0  # slots lent to a running batch's pieces (borrowed and given back in its worker threads)
         self.neighbours: list[Batcher] = []  # the batch queues of the replica's other models
@@ -157,8 +162,8 @@ class Batcher(Generic[Job, Result]):
             if not live:
                 return
             try:
-                jobs = [job for job, _ in live]
-                results = await (self.run(jobs, self) if self.lends else self.run(jobs))
+                HOLDER.set(self)  # this task's context only: what run() lends the batch's pieces from
+                results = await self.run([job for job, _ in live])
             except Exception as exc:  # noqa: BLE001 - every caller of the batch gets its failure
                 for _, future in live:
                     if not future.done():

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from bundle.manifest import HEADS_FILE, BundleError, BundleManifest, ModelInfo, load_bundle
 from bundle.representations import Heads, HeadsError, load_heads
-from service.engine.batcher import Batcher
-from service.engine.runner import BatchRunner, EncodeJob, EncodeResult, Lender, intra_op_threads
+from service.engine.batcher import HOLDER, Batcher
+from service.engine.runner import BatchRunner, EncodeJob, EncodeResult, intra_op_threads
 from service.config import BatchingSettings, BundleRef, ServiceSettings
 from service.engine.errors import InvalidRequest, NotFound
 from service.runtimes.cuda import GpuAssignment
@@ -75,11 +75,11 @@ class Engine:
         self.runtime = runtime
         self.runner.runtime = runtime
 
-    async def compute(self, jobs: list[EncodeJob], lender: Lender | None = None) -> list[EncodeResult]:
+    async def compute(self, jobs: list[EncodeJob]) -> list[EncodeResult]:
         """One batch computed off the event loop (the runtime releases the GIL): where the batch
-        queue sends its batches (`lender`: itself, which lends the batch's pieces the slots no batch
-        holds), and where a request goes alone when batching is off (no lender: nothing counts slots)."""
-        return await asyncio.to_thread(self.runner.compute, jobs, lender)
+        queue sends its batches (its task holds the queue, which lends the batch's pieces the slots no
+        batch holds: batcher.HOLDER), and where a request goes alone when batching is off (none lent)."""
+        return await asyncio.to_thread(self.runner.compute, jobs, HOLDER.get())
 
 
 def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | None = None) -> Engine:
@@ -92,8 +92,8 @@ def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | 
     runner = BatchRunner(runtime, bundle.manifest, settings.batching, name, heads=read_heads(bundle.root, bundle.manifest))
     engine: Engine
 
-    async def compute(jobs: list[EncodeJob], lender: Lender | None = None) -> list[EncodeResult]:
-        return await engine.compute(jobs, lender)
+    async def compute(jobs: list[EncodeJob]) -> list[EncodeResult]:
+        return await engine.compute(jobs)
 
     engine = Engine(
         name=name,
@@ -103,7 +103,7 @@ def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | 
         tokenizer=TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens),
         runtime=runtime,
         runner=runner,
-        batcher=Batcher(compute, lambda: runner.batching, lambda job: job.cost(runner.batching), lends=True),
+        batcher=Batcher(compute, lambda: runner.batching, lambda job: job.cost(runner.batching)),
         aliases=tuple(ref.aliases),
     )
     return engine
