@@ -40,6 +40,7 @@ class EmbedSpec:
     truncate: bool = True  # as /v1/embeddings; False: a text past the model's limit is a bad row
     precision: str = "auto"  # the service's setting (auto: as a replica chooses)
     num_cpus: float | None = None  # per actor; None: 1 with a GPU, else 2
+    nice: int = 0  # added to the actors' OS niceness: a job beside online replicas (the Batch API's) yields the CPU to them
 
     def __post_init__(self) -> None:
         self.bundle, self.output = Path(self.bundle), Path(self.output)
@@ -177,6 +178,8 @@ class Embedder:
         from service.runtimes.cuda import ray_gpu_assignment
 
         self.spec = EmbedSpec(**spec)
+        if self.spec.nice > 0:  # before the runtime's threads start: they inherit it
+            os.nice(self.spec.nice)
         gpu = ray_gpu_assignment(1.0) if os.environ.get("CUDA_VISIBLE_DEVICES") else None
         self.settings = ServiceSettings(bundle=self.spec.bundle, precision=self.spec.precision,
                                         intra_op_threads=threads, num_cpus=threads)

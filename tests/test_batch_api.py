@@ -137,6 +137,36 @@ def test_the_sdks_whole_flow_with_a_malformed_line_and_outputs_equal_to_v1_embed
         client.files.retrieve(uploaded.id)
 
 
+def test_a_batchs_embeddings_are_computed_by_the_embedding_job_not_by_the_replica(client, service_url, batch_jobs_dir):
+    """The job's output directory under jobs_dir ends with _SUCCESS, its rows the batch's texts (one per text
+    of the lines it can do), every shard written by a process that is not the replica answering
+    /v1/embeddings (jobs/batch.py's actor); a line with chunking runs in the replica, and its answer is
+    the route's all the same."""
+    texts = [[f"job text {i} {j} " * (1 + j) for j in range(3)] for i in range(40)]
+    lines = [embedding_line(f"t-{i}", {"input": t, **({"encoding_format": "base64"} if i % 7 == 3 else {})})
+             for i, t in enumerate(texts)]
+    lines.append(embedding_line("chunked", {"input": "chunking runs in process " * 20, "chunking": {"tokens": 16}}))
+    uploaded = client.files.create(file=("job.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    batch = finished(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                                   completion_window="24h").id)
+    assert batch.status == "completed" and batch.request_counts.completed == len(lines), batch
+
+    out = batch_jobs_dir / "batches" / f"{batch.id}.job" / "out"
+    summary = json.loads((out / "_SUCCESS").read_text())
+    n_texts = sum(len(t) for t in texts)
+    assert summary["rows"] == summary["written"] == n_texts and summary["failures"] == 0, summary
+    records = [json.loads(p.read_text()) for p in (out / "_progress").glob("part-*.json")]
+    assert sum(r["last"] - r["first"] + 1 for r in records) == n_texts
+    replica_pid = httpx.get(f"{service_url}/info", timeout=30).json()["replica"]["pid"]
+    assert {r["worker"] for r in records} and replica_pid not in {r["worker"] for r in records}
+
+    outputs = {o["custom_id"]: o for o in lines_of(client, batch.output_file_id)}
+    for line in lines:  # the job's lines (base64 among them) and the in-process one, as the route answers
+        direct = httpx.post(f"{service_url}/v1/embeddings", json=line["body"], timeout=60)
+        assert direct.status_code == 200
+        assert_same_embeddings_answer(outputs[line["custom_id"]]["response"]["body"], direct.json())
+
+
 def test_cancelled_batches_and_the_limit_of_unfinished_batches_per_token(client):
     uploaded = client.files.create(file=("big.jsonl", io.BytesIO(big_file(300, 8))), purpose="batch")
     limit = BATCH_LIMITS["batch_max_per_token"]

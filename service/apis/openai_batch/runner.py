@@ -2,15 +2,18 @@
 per replica; a batch's lock says which runs it, and is freed when that process dies, so a restarted or
 surviving replica resumes it), runs its lines a chunk at a time, and writes OpenAI's output and error files.
 
-How a line runs: in this process, through the service's own HTTP app (the real routes, engines and
-limits, called over ASGI with the replica's token), so a line's `response.body` is by construction what
-its route (/v1/embeddings, /v1/rerank, /v1/score) answers for that body. Lines wait while online requests
-are inside this replica (at most YIELD_MAX_S each), so a batch takes the capacity they leave.
-
-When the embedding job lands (`python -m jobs embed`, issue 50), a batch's /v1/embeddings lines go to it
-as a Ray job beside the Serve application instead: `job_rows` below is its input (one row per text,
-id = custom_id#position); what switches is `BatchRunner.answer_chunk` (docs/batch-api.md, "When the
-embedding job lands").
+How a line runs. A /v1/embeddings line the embedding job can do (texts, `model`, `dimensions`,
+`encoding_format`: no prompt, input_type or chunking) runs in the embedding job (jobs/embed.py), as a
+detached Ray actor of its own beside the Serve application (jobs/batch.py), not in a replica: its
+Ray Data actor takes JOB_CPUS with one intra-op thread at OS niceness JOB_NICE, a bounded and lower-priority
+share of the node's CPUs. The runner writes the batch's texts as the job's input (`job_rows`: one row per
+text, id = custom_id#position), waits for the job's shards to cover a chunk's rows, and builds each line's
+body as /v1/embeddings answers it (`dimensions`, `encoding_format`, `model`, `usage` from the route's own
+tokenization). Every other line (prompts, chunking, /v1/rerank, /v1/score, a line the route would refuse,
+a row the job failed) runs in this process, through the service's own HTTP app (the real routes, engines
+and limits, called over ASGI with the replica's token), so its `response.body` is by construction what
+its route answers; those lines wait while online requests are inside this replica (at most YIELD_MAX_S
+each), so they take the capacity online requests leave.
 
 Resumption: each chunk's outcomes are one file under the batch's parts/ folder (written whole), so a
 restart redoes at most the chunk in flight; finalizing writes the output and error files under ids made
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from service.apis.openai_batch.store import TERMINAL, Store, atomic_write, creation_order, derived_id, store_at
 from service.config import ServiceSettings
@@ -42,6 +46,11 @@ CONCURRENT_LINES = 4  # lines of a chunk in the engine at once (enough to fill i
 POLL_S = 0.5  # how often an idle runner looks for unfinished batches
 YIELD_MAX_S = 1.0  # longest a line waits for online requests to leave before it runs anyway
 RETRIES = 5  # tries of a line answered 503 (overloaded, not ready) before its answer is kept
+JOB_CPUS = 1  # the embedding job's share of the cluster: one Ray Data actor, this many CPUs and intra-op threads
+JOB_NICE = 10  # and its OS niceness: on a node shared with replicas, the online requests' threads go first
+JOB_RANGE_ROWS = 256  # texts per job shard (one actor call): how often the runner sees the job's progress
+JOB_POLL_S = 0.25  # how often the runner looks at the job's progress while it waits for a chunk
+JOB_END_WAIT_S = 120.0  # how long a finished batch waits for its job's _SUCCESS before stopping the actor
 
 
 @dataclass(frozen=True)
@@ -109,10 +118,211 @@ def request_line(custom_id: str | None, response: dict | None, error: dict | Non
     return {"id": f"batch_req_{secrets.token_hex(12)}", "custom_id": custom_id, "response": response, "error": error}
 
 
+@dataclass(frozen=True)
+class JobLine:
+    """A /v1/embeddings line the embedding job does: its request, engine and texts, and its job rows."""
+
+    request: Any  # OpenAIEmbeddingRequest
+    engine: Any  # service.engine.engine.Engine
+    texts: list[str]
+    first_row: int  # its texts are job rows first_row .. first_row + len(texts) - 1
+
+
+def job_request(svc: Any, body: dict) -> tuple[Any, Any, list[str]] | None:
+    """(request, engine, texts) when the embedding job answers this body exactly as /v1/embeddings would;
+    None for anything else (a prompt, input_type, chunking, a body the route refuses: those run in process,
+    where the route answers or refuses them itself)."""
+    from jobs.embed import bad_text
+    from service.apis.openai.schemas import OpenAIEmbeddingRequest
+    from service.engine.prompts import check_dimensions
+
+    try:
+        request = OpenAIEmbeddingRequest.model_validate(body)
+        if request.prompt_name is not None or request.input_type is not None or request.chunking is not None:
+            return None
+        engine = svc.model_for(request.model, "/v1/embeddings", True, "embedding")
+        svc.check_representations(engine, ["dense"])
+        check_dimensions(engine.model, engine.name, request.dimensions)
+        texts = svc.texts(request.input)
+        svc.prompted(engine, texts, None, None)
+    except Exception:  # noqa: BLE001 - the route's own refusal, in process
+        return None
+    if not texts or any(bad_text(t) is not None for t in texts):  # the job's bad rows, which the route embeds
+        return None
+    return request, engine, texts
+
+
+class EmbeddingJob:
+    """A batch's /v1/embeddings lines as the embedding job (jobs/batch.py's actor), and their answers."""
+
+    def __init__(self, batch_id: str, directory: Path, lines: dict[int, JobLine]) -> None:
+        self.batch_id, self.directory, self.lines = batch_id, directory, lines
+        self.output = directory / "out"
+        self.failed: str | None = None  # why the job stopped short: its lines then run in process
+        self.shards: dict[str, tuple[int, dict[str, np.ndarray]]] = {}  # read shards: (last row, id -> embedding)
+        self.actor: Any = None
+
+    @classmethod
+    async def start(cls, settings: ServiceSettings, svc: Any, batch_id: str, directory: Path,
+                    lines: list[Line]) -> EmbeddingJob | None:
+        """The job of a batch's lines that it can do (None when there are none): its input written once
+        (a restarted runner finds it), its actor found running or started."""
+        from jobs.batch import start_job
+
+        chosen: dict[int, JobLine] = {}
+        engine, row = None, 0
+        for line in lines:
+            found = job_request(svc, line.body) if line.problem is None else None
+            if found is None or (engine is not None and found[1] is not engine):  # one bundle per job
+                continue
+            request, engine, texts = found
+            chosen[line.position] = JobLine(request, engine, texts, row)
+            row += len(texts)
+        if not chosen:
+            return None
+        job = cls(batch_id, directory, chosen)
+        source = directory / "input.jsonl"
+        if not source.exists():
+            rows = job_rows([line for line in lines if line.position in chosen])
+            await asyncio.to_thread(atomic_write, source, b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+        spec = {"bundle": str(Path(engine.path).resolve()), "inputs": [str(source)], "output": str(job.output),
+                "id_column": "id", "format": "jsonl", "precision": settings.precision, "batch_size": JOB_RANGE_ROWS,
+                "concurrency": 1, "num_cpus": JOB_CPUS, "nice": JOB_NICE}
+        job.actor = start_job(batch_id, spec)
+        return job
+
+    def covered(self) -> list:
+        from jobs.shards import read_records
+
+        return read_records(self.output)
+
+    async def state(self) -> dict:
+        try:
+            return await self.actor.state.remote()
+        except Exception as exc:  # noqa: BLE001 - the actor died (its node lost, killed): said as the job's end
+            return {"done": True, "summary": None, "error": f"the job's actor is gone ({type(exc).__name__}: {exc})"}
+
+    async def wait_for(self, first: int, last: int, stop) -> bool:
+        """Wait until the job's records cover rows first..last (True), the job ends short of them (False,
+        self.failed says why) or `stop()` (None: the batch is being cancelled or expired)."""
+        while True:
+            records = await asyncio.to_thread(self.covered)
+            if covers(records, first, last):
+                return True
+            state = await self.state()
+            if state["done"]:  # re-read: the last records may have landed since
+                if covers(await asyncio.to_thread(self.covered), first, last):
+                    return True
+                self.failed = state["error"] or "the job ended without those rows"
+                logger.error("openai batch %s: the embedding job failed (%s); its lines run in the replica",
+                             self.batch_id, self.failed)
+                return False
+            if stop():
+                return None
+            await asyncio.sleep(JOB_POLL_S)
+
+    def vectors(self, first: int, last: int) -> dict[str, np.ndarray]:
+        """The embeddings of rows first..last, by job row id, from the shards that hold them."""
+        import pyarrow.parquet as pq
+
+        from jobs.shards import shard_path
+
+        found: dict[str, np.ndarray] = {}
+        for record in self.covered():
+            if record.last < first or record.first > last:
+                continue
+            if record.name not in self.shards:
+                table = pq.read_table(shard_path(self.output, record.first, record.last), columns=["id", "embedding"])
+                ids = table.column("id").to_pylist()
+                vectors = [np.asarray(v, dtype=np.float32) for v in table.column("embedding").to_pylist()]
+                self.shards[record.name] = (record.last, dict(zip(ids, vectors, strict=True)))
+            found.update(self.shards[record.name][1])
+        # chunks come in row order: a shard wholly before this one's rows is done with
+        self.shards = {name: held for name, held in self.shards.items() if held[0] >= first}
+        return found
+
+    async def outcomes(self, chunk: list[Line], stop) -> dict[int, tuple[bool, dict]] | None:
+        """The outcomes of the chunk's lines the job did, by position (the rest run in process); None when
+        `stop()` came first."""
+        mine = [line for line in chunk if line.position in self.lines]
+        if not mine or self.failed is not None:
+            return {}
+        first = self.lines[mine[0].position].first_row
+        last_line = self.lines[mine[-1].position]
+        last = last_line.first_row + len(last_line.texts) - 1
+        ready = await self.wait_for(first, last, stop)
+        if ready is None:
+            return None
+        if not ready:
+            return {}
+        vectors = await asyncio.to_thread(self.vectors, first, last)
+        out = {}
+        for line in mine:
+            answer = await self.answer(line, vectors)
+            if answer is not None:
+                out[line.position] = answer
+        return out
+
+    async def answer(self, line: Line, vectors: dict[str, np.ndarray]) -> tuple[bool, dict] | None:
+        """The line's output as /v1/embeddings answers its body, from the job's vectors; None when the job
+        has not every one of its texts (a failed row) or the route would refuse it (too many tokens)."""
+        from service.engine.prompts import shortened
+        from service.front.deps import service
+        from service.front.responses import encode_array
+
+        job_line = self.lines[line.position]
+        request, engine = job_line.request, job_line.engine
+        keys = [f"{line.custom_id}#{i}" for i in range(len(job_line.texts))]
+        if any(k not in vectors for k in keys):
+            return None
+        svc = await service()
+        try:  # usage as the route counts it (and its token limit), from the replica's tokenizer
+            tokenized = await svc.tokenize(engine, job_line.texts, True, "/v1/embeddings")
+        except Exception:  # noqa: BLE001 - the route's refusal: in process
+            return None
+        stacked = np.stack([vectors[k] for k in keys])
+        if request.dimensions is not None:
+            stacked = shortened(stacked, request.dimensions)
+        data = []
+        for i, vector in enumerate(stacked):
+            encoded = encode_array(vector, request.encoding_format, "float32")
+            data.append({"object": "embedding", "index": i,
+                         "embedding": encoded if isinstance(encoded, str) else encoded.tolist()})
+        tokens = sum(t.n_tokens for t in tokenized)
+        body = {"object": "list", "data": data, "model": engine.name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        response = {"status_code": 200, "request_id": f"batch_req-{secrets.token_hex(12)}", "body": body}
+        return True, request_line(line.custom_id, response, None)
+
+    async def end(self, completed: bool) -> None:
+        """A completed batch lets its job write _SUCCESS first; then the actor is stopped (it is detached:
+        nothing else ends it) and the shards, whose vectors are in the output file now, are removed."""
+        from jobs.batch import stop_job
+
+        deadline = time.monotonic() + JOB_END_WAIT_S
+        while completed and self.failed is None and time.monotonic() < deadline and not (await self.state())["done"]:
+            await asyncio.sleep(JOB_POLL_S)
+        await asyncio.to_thread(stop_job, self.batch_id)
+        for shard in self.output.glob("part-*.parquet"):
+            shard.unlink(missing_ok=True)
+
+
+def covers(records: list, first: int, last: int) -> bool:
+    """Whether the records (disjoint ranges) cover every row first..last."""
+    at = first
+    for record in sorted(records, key=lambda r: r.first):
+        if record.first <= at <= record.last:
+            at = record.last + 1
+        if at > last:
+            return True
+    return at > last
+
+
 class BatchRunner:
     """This replica's runner of batches: started with the replica, on its event loop."""
 
     def __init__(self, settings: ServiceSettings, app: Any) -> None:
+        self.settings = settings
         self.root = settings.jobs_dir
         self.app = app
         self.retry_after_s = max(settings.retry_after_s, 1)
@@ -171,6 +381,16 @@ class BatchRunner:
         done = {int(p.name.split("-")[0]) for p in parts.glob("*.jsonl")}
         # the counts of the chunks done before a restart, added to as chunks end
         counts = await asyncio.to_thread(self.counts, parts, len(lines))
+        job = None
+        if record["endpoint"] == "/v1/embeddings" and len(done) * CHUNK_LINES < len(lines):
+            from service.front.deps import service
+
+            job = await EmbeddingJob.start(self.settings, await service(), batch_id,
+                                           (self.root.expanduser() / "batches" / f"{batch_id}.job").resolve(), lines)
+
+        def stopping() -> bool:
+            return store.cancel_asked_at(batch_id) is not None or time.time() > record["expires_at"]
+
         ending = "completed"
         for start in range(0, len(lines), CHUNK_LINES):
             if start in done:
@@ -182,23 +402,34 @@ class BatchRunner:
                 ending = "expired"
                 break
             chunk = lines[start:start + CHUNK_LINES]
-            outcomes = await self.answer_chunk(record["endpoint"], chunk)
+            by_job = {} if job is None else await job.outcomes(chunk, stopping)
+            if by_job is None:  # cancelled or expired while the job ran
+                ending = "cancelled" if store.cancel_asked_at(batch_id) is not None else "expired"
+                break
+            outcomes = await self.answer_chunk(record["endpoint"], chunk, by_job)
             await asyncio.to_thread(atomic_write, parts / f"{start:08d}-{start + len(chunk):08d}.jsonl",
                                     b"".join(json.dumps({"ok": ok, "line": line}).encode() + b"\n" for ok, line in outcomes))
             counts["completed"] += sum(ok for ok, _ in outcomes)
             counts["failed"] += sum(not ok for ok, _ in outcomes)
             record["request_counts"] = dict(counts)
             await asyncio.to_thread(store.save_batch, record)
+        if job is not None:
+            await job.end(ending == "completed")
         await asyncio.to_thread(self.finalize, store, record, parts, len(lines), ending)
 
-    async def answer_chunk(self, endpoint: str, chunk: list[Line]) -> list[tuple[bool, dict]]:
-        """Each line's outcome (whether it goes to the output file, and its line there), in order. The switch
-        point of issue 50's embedding job: /v1/embeddings chunks go to it then (job_rows)."""
-        outcomes: list[tuple[bool, dict]] = []
-        for group in range(0, len(chunk), CONCURRENT_LINES):
-            outcomes += await asyncio.gather(*(self.answer(endpoint, line)
-                                               for line in chunk[group:group + CONCURRENT_LINES]))
-        return outcomes
+    async def answer_chunk(self, endpoint: str, chunk: list[Line],
+                           by_job: dict[int, tuple[bool, dict]] | None = None) -> list[tuple[bool, dict]]:
+        """Each line's outcome (whether it goes to the output file, and its line there), in order: those the
+        embedding job answered (`by_job`, by position), the others run in process."""
+        by_job = by_job or {}
+        rest = [line for line in chunk if line.position not in by_job]
+        answered: dict[int, tuple[bool, dict]] = dict(by_job)
+        for group in range(0, len(rest), CONCURRENT_LINES):
+            some = rest[group:group + CONCURRENT_LINES]
+            for line, outcome in zip(some, await asyncio.gather(*(self.answer(endpoint, line) for line in some)),
+                                     strict=True):
+                answered[line.position] = outcome
+        return [answered[line.position] for line in chunk]
 
     async def answer(self, endpoint: str, line: Line) -> tuple[bool, dict]:
         """A line run through its route, in this process, after online requests."""
