@@ -261,6 +261,24 @@ def test_rayservice_manifests_are_rendered_from_the_current_serve_config():
 
 GPU_ARGS = {"provider": "cuda", "num_gpus": 0.25}  # all that a GPU cluster's Serve config changes
 CPU_CLUSTER_ARGS = {"max_replicas_per_node": 1}  # and a CPU cluster's
+BATCH_ARGS = {"jobs_dir": "/data/openai-batches"}  # and both: the Batch API's files and batches on the jobs volume
+
+
+@pytest.mark.parametrize("name", RAYSERVICES)
+def test_every_rayservice_pod_mounts_the_jobs_claim_at_the_serve_configs_jobs_dir(name):
+    """OpenAI's Batch API keeps its files and batches in jobs_dir, and a batch's embedding job (a Ray actor
+    on any pod) writes its shards there: every pod mounts the jobs PersistentVolumeClaim where the embedded
+    Serve config's jobs_dir is."""
+    manifest = load(name)
+    jobs_dir = Path(yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]["jobs_dir"])
+    templates = pod_templates(manifest)
+    assert len(templates) >= 2
+    for group, template in templates:
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in template["spec"].get("volumes", [])
+                  if "persistentVolumeClaim" in v}
+        for c in template["spec"]["containers"]:
+            mounted = [m for m in c.get("volumeMounts", []) if claims.get(m["name"]) == "mha-encoder-jobs"]
+            assert any(jobs_dir.is_relative_to(m["mountPath"]) for m in mounted), (group, c["name"], mounted)
 
 
 @pytest.mark.parametrize("name", RAYSERVICES)
@@ -273,10 +291,13 @@ def test_serve_config_v2_is_the_serve_config_file(name):
     for app in expected["applications"]:
         for deployment in app["deployments"]:
             deployment["autoscaling_config"]["min_replicas"] = 2
-    if "gpu" in name:
-        assert embedded == yaml.safe_load((ROOT / "deploy/serve_config.gpu.yaml").read_text())
+    if "gpu" in name:  # the file for `serve deploy` on GPUs, plus the jobs volume's jobs_dir
+        gpu_file = yaml.safe_load((ROOT / "deploy/serve_config.gpu.yaml").read_text())
+        for app in gpu_file["applications"]:
+            app["args"].update(BATCH_ARGS)
+        assert embedded == gpu_file
     for app in expected["applications"]:
-        app["args"].update(GPU_ARGS if "gpu" in name else CPU_CLUSTER_ARGS)
+        app["args"].update({**(GPU_ARGS if "gpu" in name else CPU_CLUSTER_ARGS), **BATCH_ARGS})
     assert embedded == expected
     assert serve_config()["applications"][0]["deployments"][0]["autoscaling_config"]["min_replicas"] == 1  # make run
 

@@ -6,8 +6,9 @@ RayJob of the embedding job (python -m jobs embed, docs/jobs.md).
     python deploy/k8s/render.py --check  # exit 1 if the committed files are stale (the tests run this)
 
 The RayServices' serveConfigV2 is deploy/serve_config.yaml, so `make run` and the cluster cannot drift,
-with CLUSTER_DEPLOYMENT applied (at least two replicas) and CPU_CLUSTER_ARGS (one replica a worker
-pod) for the CPU one or GPU_ARGS for the GPU one; the GPU config is also written to
+with CLUSTER_DEPLOYMENT applied (at least two replicas), CPU_CLUSTER_ARGS (one replica a worker
+pod) for the CPU one or GPU_ARGS for the GPU one, and BATCH_ARGS (the Batch API's jobs_dir on the
+PersistentVolumeClaim every pod mounts); the GPU config (without BATCH_ARGS) is also written to
 deploy/serve_config.gpu.yaml for `serve deploy` on a GPU cluster. deploy/k8s/kuberay.py turns a rendered manifest into the containers KubeRay would run.
 """
 
@@ -44,6 +45,25 @@ CLUSTER_DEPLOYMENT = {"autoscaling_config": {"min_replicas": 2}}
 # per-node resource) and every pod loss leaves one replica serving. Not for GPUs: one GPU pod's
 # replicas share its GPU.
 CPU_CLUSTER_ARGS = {"max_replicas_per_node": 1}
+# The jobs' storage: one PersistentVolumeClaim (ReadWriteMany) mounted on every pod of the RayServices and
+# the RayJob, since each actor reads its rows and writes its shards itself. The RayServices keep the Batch
+# API's files and batches on it (jobs_dir, in the Serve config they embed): every replica and every
+# batch's embedding job (jobs/batch.py: a Ray actor on any pod) sees the same batches, and a restarted
+# service resumes them.
+JOBS_CLAIM = "mha-encoder-jobs"
+JOBS_MOUNT = "/data"
+BATCH_ARGS = {"jobs_dir": f"{JOBS_MOUNT}/openai-batches"}
+
+
+def jobs_volume() -> dict:
+    """A pod spec's volumes: the jobs claim (a new dict each time: shared ones would be YAML anchors)."""
+    return {"volumes": [{"name": "jobs", "persistentVolumeClaim": {"claimName": JOBS_CLAIM}}]}
+
+
+def jobs_volume_mounts() -> list[dict]:
+    return [{"name": "jobs", "mountPath": JOBS_MOUNT}]
+
+
 CPU_WORKER_PODS = 2  # the CPU worker group's replicas and minReplicas: one replica each, on two nodes
 IMAGE = "REGISTRY/mha-encoder:0.1.0"  # replace REGISTRY with yours (docs/deploy.md)
 RAY_VERSION = "2.60.0"
@@ -99,6 +119,7 @@ HEAD_READINESS = {
 
 
 def container(name: str, image: str, resources: dict, readiness: dict, ports: list[dict], env: list[dict] = ENV) -> dict:
+    """A RayService pod's container, with the jobs volume at JOBS_MOUNT (the Batch API's jobs_dir)."""
     return {
         "name": name,
         "image": image,
@@ -112,6 +133,7 @@ def container(name: str, image: str, resources: dict, readiness: dict, ports: li
         "readinessProbe": readiness,
         # Stop taking traffic before Ray is torn down, so in-flight requests finish.
         "lifecycle": {"preStop": {"exec": {"command": ["bash", "-c", "sleep 5 && ray stop"]}}},
+        "volumeMounts": jobs_volume_mounts(),
     }
 
 
@@ -162,7 +184,7 @@ def rayservice(variant: str) -> dict:
             # Zero downtime: on a cluster-level change a new RayCluster is brought up and serves
             # before traffic moves and the old one is deleted.
             "upgradeStrategy": {"type": "NewCluster"},
-            "serveConfigV2": cluster_serve_config(gpu),
+            "serveConfigV2": cluster_serve_config(gpu, batches=True),
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
                 "enableInTreeAutoscaling": True,  # Serve autoscaling asks for replicas; Ray adds pods
@@ -172,7 +194,7 @@ def rayservice(variant: str) -> dict:
                     "template": pod([container("ray-head", image,
                                                {"requests": {"cpu": "1", "memory": "3Gi"},
                                                 "limits": {"cpu": "2", "memory": "3Gi"}},
-                                               HEAD_READINESS, head_ports)]),
+                                               HEAD_READINESS, head_ports)], jobs_volume()),
                 },
                 "workerGroupSpecs": [
                     {
@@ -183,7 +205,7 @@ def rayservice(variant: str) -> dict:
                         "maxReplicas": 4,
                         "rayStartParams": {"metrics-export-port": "8080", **({"num-gpus": "1"} if gpu else {})},
                         "template": pod([container("ray-worker", image, worker_resources, READINESS, ports, worker_env)],
-                                        worker_pod_extra),
+                                        {**worker_pod_extra, **jobs_volume()}),
                     }
                 ],
             },
@@ -191,10 +213,7 @@ def rayservice(variant: str) -> dict:
     }
 
 
-# The embedding job's storage: one PersistentVolumeClaim (ReadWriteMany) mounted on every pod, since each
-# actor reads its rows and writes its shards itself; the inputs and the output directory live on it.
-JOBS_CLAIM = "mha-encoder-jobs"
-JOBS_MOUNT = "/data"
+# The embedding job's inputs and output directory live on the jobs volume (JOBS_CLAIM, above).
 JOB_ARGS = ["--bundle", "bundles/all-MiniLM-L6-v2", "--input", f"{JOBS_MOUNT}/input", "--output",
             f"{JOBS_MOUNT}/output"]
 
@@ -205,7 +224,7 @@ def job_container(name: str, image: str, resources: dict, ports: list[dict]) -> 
         "name": name, "image": image, "imagePullPolicy": "IfNotPresent", "workingDir": "/home/ray/app",
         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}], "ports": ports, "resources": resources,
         "securityContext": SECURITY, "livenessProbe": LIVENESS,
-        "volumeMounts": [{"name": "jobs", "mountPath": JOBS_MOUNT}],
+        "volumeMounts": jobs_volume_mounts(),
     }
 
 
@@ -214,7 +233,6 @@ def rayjob() -> dict:
     submitted to it and the cluster deleted when it ends. A retried submission (backoffLimit) resumes: the
     job skips the rows its output already records (docs/jobs.md#resumption)."""
     image = f"{IMAGE}-cpu"
-    volume = {"volumes": [{"name": "jobs", "persistentVolumeClaim": {"claimName": JOBS_CLAIM}}]}
     worker = {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"cpu": "4", "memory": "8Gi"}}
     return {
         "apiVersion": "ray.io/v1",
@@ -233,12 +251,12 @@ def rayjob() -> dict:
                     "template": pod([job_container("ray-head", image, {"requests": {"cpu": "1", "memory": "3Gi"},
                                                                        "limits": {"cpu": "2", "memory": "3Gi"}},
                                                    [{"containerPort": 6379, "name": "gcs"},
-                                                    {"containerPort": 8265, "name": "dashboard"}])], volume),
+                                                    {"containerPort": 8265, "name": "dashboard"}])], jobs_volume()),
                 },
                 "workerGroupSpecs": [{
                     "groupName": "embed-workers", "replicas": 2, "minReplicas": 2, "maxReplicas": 2,
                     "rayStartParams": {},
-                    "template": pod([job_container("ray-worker", image, worker, [])], volume),
+                    "template": pod([job_container("ray-worker", image, worker, [])], jobs_volume()),
                 }],
             },
         },
@@ -254,16 +272,19 @@ _Dumper.add_representer(
 )
 
 
-def cluster_serve_config(gpu: bool) -> str:
+def cluster_serve_config(gpu: bool, batches: bool = False) -> str:
     """deploy/serve_config.yaml with CLUSTER_DEPLOYMENT in its Encoder deployment and, in its
-    application's args, GPU_ARGS for a GPU cluster or CPU_CLUSTER_ARGS for a CPU one."""
+    application's args, GPU_ARGS for a GPU cluster or CPU_CLUSTER_ARGS for a CPU one; `batches`: and
+    BATCH_ARGS (jobs_dir on the jobs volume, which the RayServices mount; not deploy/serve_config.gpu.yaml,
+    for `serve deploy` where no such volume is)."""
     config = yaml.safe_load(SERVE_CONFIG.read_text())
+    args = {**(GPU_ARGS if gpu else CPU_CLUSTER_ARGS), **(BATCH_ARGS if batches else {})}
     for app in config["applications"]:
-        app["args"].update(GPU_ARGS if gpu else CPU_CLUSTER_ARGS)
+        app["args"].update(args)
         for deployment in app.get("deployments", []):
             for key, value in CLUSTER_DEPLOYMENT.items():
                 deployment[key] = {**deployment.get(key, {}), **value}
-    changes = {**CLUSTER_DEPLOYMENT, **(GPU_ARGS if gpu else CPU_CLUSTER_ARGS)}
+    changes = {**CLUSTER_DEPLOYMENT, **args}
     header = ("# Generated by deploy/k8s/render.py: deploy/serve_config.yaml (read its comments) with\n"
               f"# {changes}\n# for a cluster of {'GPU' if gpu else 'CPU'} nodes. Edit those, not this.\n"
               + ("#   serve deploy deploy/serve_config.gpu.yaml\n" if gpu else ""))
