@@ -291,6 +291,9 @@ def test_a_service_restarted_mid_batch_resumes_it_and_another_token_sees_none_of
         assert [o["custom_id"] for o in outputs] == [f"req-{i}" for i in range(n_lines)]  # each once, in order
         assert all(len(o["response"]["body"]["data"]) == 16 for o in outputs)
         assert done["error_file_id"] is None
+        # the embedding job did the lines, resumed in the new service's cluster on the same output
+        job = json.loads((jobs_dir / "batches" / f"{batch.id}.job" / "out" / "_SUCCESS").read_text())
+        assert job["rows"] == job["written"] == n_lines * 16 and job["rows_this_run"] < n_lines * 16, job
         stop_with_sigterm(proc)
     finally:
         for proc in procs:
