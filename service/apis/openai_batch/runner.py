@@ -122,34 +122,53 @@ def request_line(custom_id: str | None, response: dict | None, error: dict | Non
 class JobLine:
     """A /v1/embeddings line the embedding job does: its request, engine and texts, and its job rows."""
 
-    request: Any  # OpenAIEmbeddingRequest
+    request: JobRequest
     engine: Any  # service.engine.engine.Engine
     texts: list[str]
     first_row: int  # its texts are job rows first_row .. first_row + len(texts) - 1
 
 
-def job_request(svc: Any, body: dict) -> tuple[Any, Any, list[str]] | None:
-    """(request, engine, texts) when the embedding job answers this body exactly as /v1/embeddings would;
-    None for anything else (a prompt, input_type, chunking, a body the route refuses: those run in process,
-    where the route answers or refuses them itself)."""
-    from jobs.embed import bad_text
-    from service.apis.openai.schemas import OpenAIEmbeddingRequest
-    from service.engine.prompts import check_dimensions
+JOB_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}  # what the job's answer covers
 
+
+@dataclass(frozen=True)
+class JobRequest:
+    """The fields of a /v1/embeddings body that shape the job's answer."""
+
+    model: str | None
+    encoding_format: str
+    dimensions: int | None
+
+
+def job_request(svc: Any, body: dict) -> tuple[JobRequest, Any, list[str]] | None:
+    """(request, engine, texts) when the embedding job answers this body exactly as /v1/embeddings would;
+    None for anything else (a prompt, input_type, chunking, any other field, a body the route refuses or
+    would read otherwise: those run in process, where the route answers or refuses them itself). Checked
+    here by hand, strictly: an API does not import another's schemas (tests/test_layout.py)."""
+    from jobs.embed import bad_text
+    from service.engine.prompts import check_dimensions
+    from service.front.schemas import strings_only
+
+    dimensions, fmt, model, user = (body.get(k) for k in ("dimensions", "encoding_format", "model", "user"))
+    if (not set(body) <= JOB_FIELDS or fmt not in (None, "float", "base64") or not isinstance(model, str | None)
+            or not isinstance(user, str | None)
+            or not (dimensions is None or (type(dimensions) is int and dimensions >= 1))):
+        return None
+    raw = body.get("input")
+    if not isinstance(raw, str | list):
+        return None
     try:
-        request = OpenAIEmbeddingRequest.model_validate(body)
-        if request.prompt_name is not None or request.input_type is not None or request.chunking is not None:
-            return None
-        engine = svc.model_for(request.model, "/v1/embeddings", True, "embedding")
+        strings_only(raw)
+        engine = svc.model_for(model, "/v1/embeddings", True, "embedding")
         svc.check_representations(engine, ["dense"])
-        check_dimensions(engine.model, engine.name, request.dimensions)
-        texts = svc.texts(request.input)
+        check_dimensions(engine.model, engine.name, dimensions)
+        texts = svc.texts(raw)
         svc.prompted(engine, texts, None, None)
     except Exception:  # noqa: BLE001 - the route's own refusal, in process
         return None
     if not texts or any(bad_text(t) is not None for t in texts):  # the job's bad rows, which the route embeds
         return None
-    return request, engine, texts
+    return JobRequest(model, fmt or "float", dimensions), engine, texts
 
 
 class EmbeddingJob:
