@@ -25,7 +25,7 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install reference-envs run test export bundle bench bench-representations bench-families embed bench-jobs profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
+.PHONY: help install reference-envs run test export bundle bench bench-representations bench-families bench-int8 embed bench-jobs profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
@@ -34,6 +34,7 @@ help:
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes docs/performance.md and the README's headline"
 	@echo "make bench-representations  issue 48's rows alone: BGE-M3's three outputs in one pass vs three and vs FlagEmbedding, SPLADE vs SparseEncoder (REPRESENTATIONS_ARGS=...)"
 	@echo "make bench-families  MPNet, ModernBERT and Qwen3 shapes at real sizes: the service at its default precision and fp32 vs sentence-transformers fp32 and bf16 (PEERS=infinity: and infinity-emb at both), the engine alone, the physical bound (BENCH_ARGS=--tiny: a smoke run)"
+	@echo "make bench-int8  every int8 method (dynamic, static onnxruntime, NNCF) vs the 0.999 floor, and its speed vs fp32 and bf16"
 	@echo "make embed  embed every row of INPUT (Parquet, JSONL, CSV) into Parquet shards in OUTPUT, on Ray Data; run again to resume (EMBED_ARGS=...; docs/jobs.md)"
 	@echo "make bench-jobs  the embedding job's texts/s on JOB_TEXTS short texts vs the engine alone, same run (BENCH_JOBS_ARGS=...)"
 	@echo "make profile py-spy flame graphs of the replica (and the proxy actor) under load -> results/profile/"
@@ -106,6 +107,10 @@ bench-jobs: bundle
 # sentence-transformers (and infinity-emb with PEERS=infinity); rows into docs/performance.md
 bench-families: bundle
 	$(BIN)/python -m benchmarks.families $(if $(PEERS),--peers $(PEERS)) $(BENCH_ARGS)
+
+# int8 methods on the default model and the base shapes (random weights): gate figures and speed in one run
+bench-int8: bundle
+	$(BIN)/python -m benchmarks.int8 --bundle $(BUNDLE) $(BENCH_ARGS)
 
 # py-spy flame graphs of the replica under single-text load (PROFILE_ARGS='--ingress proxy --precision int8')
 PROFILE_ARGS ?=
