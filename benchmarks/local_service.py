@@ -26,7 +26,7 @@ class LocalService:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service", "--bundle", str(bundle), "--port", str(port), "--replicas", "1",
-             "--metrics-port", str(free_port()), *flags],
+             "--metrics-port", str(free_port()), "--grpc-port", str(free_port()), *flags],
             cwd=ROOT, env={**os.environ, **local_cluster_ports()},  # never another cluster's Serve ports
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )

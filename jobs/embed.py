@@ -126,7 +126,10 @@ def _pipeline(spec: EmbedSpec, files, todo: list[tuple[int, int]]) -> tuple[str 
     gpus = int(ray.cluster_resources().get("GPU", 0))
     cpus = ray.cluster_resources().get("CPU", 1)
     num_cpus = spec.num_cpus if spec.num_cpus is not None else (1 if gpus else min(2, cpus))
-    concurrency = spec.concurrency or (gpus or max(1, int(cpus // max(num_cpus, 1))))
+    # actors for the CPUs free now, not the cluster's total: beside a serving application, actors asked for
+    # past what its replicas leave would wait for ever
+    free = ray.available_resources().get("CPU", cpus)
+    concurrency = spec.concurrency or (gpus or max(1, int(free // max(num_cpus, 1))))
     ranges = [{"first": a, "last": b} for a, b in todo]
     ds = ray.data.from_items(ranges, override_num_blocks=len(ranges))
     ds = ds.map_batches(read_ranges, fn_kwargs={"files": [asdict(f) for f in files], "text_column": spec.text_column,

@@ -394,9 +394,14 @@ def test_an_alias_names_one_model():
 
     from service.engine.engine import EngineTable
 
-    a, b = SimpleNamespace(name="a", aliases=("embed-v4.0",)), SimpleNamespace(name="b", aliases=("rerank-v3.5",))
+    def model(name: str, aliases: tuple[str, ...]) -> SimpleNamespace:
+        """What the table reads of an engine: its names, and its batch queue (told of the others')."""
+        return SimpleNamespace(name=name, aliases=aliases, batcher=SimpleNamespace(neighbours=[]))
+
+    a, b = model("a", ("embed-v4.0",)), model("b", ("rerank-v3.5",))
     table = EngineTable([a, b])
     assert table.get("embed-v4.0") is a and table.get("rerank-v3.5") is b and table.get("a") is a
+    assert a.batcher.neighbours == [b.batcher] and b.batcher.neighbours == [a.batcher]
     for clash in (("a",), ("embed-v4.0",)):
         with pytest.raises(ValueError, match="an alias names one model"):
-            EngineTable([a, SimpleNamespace(name="c", aliases=clash)])
+            EngineTable([a, model("c", clash)])

@@ -44,15 +44,12 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A local Ray of 2 CPUs for this module's jobs; its GCS address for drivers in other processes."""
+def cluster(ray_serve):
+    """The session's Ray (conftest's ray_serve: one Ray per test process, the service's apps running on it, as a
+    job runs beside a serving cluster); its GCS address for drivers in other processes."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
+    return ray.get_runtime_context().gcs_address
 
 
 def corpus(n: int, seed: int = 0) -> list[str]:

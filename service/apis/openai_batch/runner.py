@@ -205,7 +205,10 @@ class EmbeddingJob:
             rows = job_rows([line for line in lines if line.position in chosen])
             await asyncio.to_thread(atomic_write, source, b"".join(json.dumps(r).encode() + b"\n" for r in rows))
         spec = {"bundle": str(Path(engine.path).resolve()), "inputs": [str(source)], "output": str(job.output),
-                "id_column": "id", "format": "jsonl", "precision": settings.precision, "batch_size": JOB_RANGE_ROWS,
+                "id_column": "id", "format": "jsonl", "batch_size": JOB_RANGE_ROWS,
+                # the precision this replica serves, not the setting: under `auto` the job's own start-up probe
+                # could choose the other runtime, and its vectors would differ from /v1/embeddings' answers
+                "precision": engine.runtime.precision,
                 "concurrency": 1, "num_cpus": JOB_CPUS, "nice": JOB_NICE}
         job.actor = start_job(batch_id, spec)
         return job
@@ -352,6 +355,13 @@ class BatchRunner:
     def start(self) -> None:
         """Run from now on, on the running event loop (the replica's, when Serve builds the deployment)."""
         self.task = asyncio.get_running_loop().create_task(self.run_forever(), name="openai-batch-runner")
+
+    async def stop(self) -> None:
+        """Stop taking lines and chunks (the replica is stopping): what is recorded stays, and a runner started
+        later (this service restarted, another replica) resumes the batch from its records."""
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
 
     async def run_forever(self) -> None:
         transport = httpx.ASGITransport(app=self.app)
