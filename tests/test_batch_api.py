@@ -246,13 +246,19 @@ def test_a_service_restarted_mid_batch_resumes_it_and_another_token_sees_none_of
     config = service_config(tmp_path, jobs_dir)
     n_lines = 160
     procs = []
-    try:
+
+    def started(token: str):
+        """`python -m service` on the same jobs_dir with `token` as its API token: its process and URL, once healthy."""
         port = free_port()
         proc, output = start_service(default_bundle, port, "--config", str(config),
-                                     env={**service_env(), "ENCODER_API_TOKEN": "token-a"})
+                                     env={**service_env(), "ENCODER_API_TOKEN": token})
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         wait_for_health(url, proc, output)
+        return proc, url
+
+    try:
+        proc, url = started("token-a")
         with openai.OpenAI(base_url=f"{url}/v1", api_key="token-a", max_retries=0, timeout=60) as a:
             uploaded = a.files.create(file=("big.jsonl", io.BytesIO(big_file(n_lines, 16))), purpose="batch")
             batch = a.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
@@ -262,12 +268,7 @@ def test_a_service_restarted_mid_batch_resumes_it_and_another_token_sees_none_of
         stored = json.loads((jobs_dir / "batches" / f"{batch.id}.json").read_text())
         assert stored["status"] == "in_progress" and 0 < stored["request_counts"]["completed"] < n_lines, stored
 
-        port = free_port()
-        proc, output = start_service(default_bundle, port, "--config", str(config),
-                                     env={**service_env(), "ENCODER_API_TOKEN": "token-b"})
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        wait_for_health(url, proc, output)
+        proc, url = started("token-b")
         with openai.OpenAI(base_url=f"{url}/v1", api_key="token-b", max_retries=0, timeout=60) as b:
             with pytest.raises(openai.NotFoundError):
                 b.batches.retrieve(batch.id)
