@@ -27,7 +27,8 @@ from tests.conftest import deploy
 from tests.families import classifier_labels, make_classifier
 
 BF16 = check_openvino().bf16_units
-pytestmark = pytest.mark.skipif(not BF16, reason="bf16 is gated (and so exported) only on a CPU with bf16 units")
+# bf16 is gated (and so exported) only on a CPU with bf16 units; the fp16 head gate and CUDA's floor run everywhere
+needs_bf16 = pytest.mark.skipif(not BF16, reason="bf16 is gated (and so exported) only on a CPU with bf16 units")
 PREFIX = "/fidelity"
 MISSES = 0.998  # a figure that passes the export gate (0.95) and misses auto's floor
 
@@ -50,11 +51,12 @@ def heads_bf16(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def misses_the_floor(default_bundle, tmp_path_factory):
-    """The default bundle, its bf16 and fp16 gates' min cosine written as MISSES (the gate still passed)."""
+    """The default bundle, its bf16 (where this CPU made one) and fp16 gates' min cosine written as MISSES (the gate
+    still passed)."""
     copy = tmp_path_factory.mktemp("floor") / "misses"
     shutil.copytree(default_bundle, copy)
     manifest = json.loads((copy / "bundle.json").read_text())
-    for precision in ("bf16", "fp16"):
+    for precision in ("bf16", "fp16") if BF16 else ("fp16",):
         assert manifest["variants"][precision]["quality"]["passed"]
         manifest["variants"][precision]["quality"]["min_cosine"] = MISSES
     (copy / "bundle.json").write_text(json.dumps(manifest))
@@ -66,6 +68,7 @@ def runtime_for(bundle_dir, tmp_path, **settings):
     return load_runtime(load_bundle(bundle_dir), ServiceSettings.model_validate(values), 1, GpuAssignment(), 1)
 
 
+@needs_bf16
 def test_head_gates_are_in_the_manifest(heads_bf16):
     ranker, sentiment = (load_bundle(heads_bf16[n][1]).manifest.variants["bf16"] for n in ("ranker", "sentiment"))
     for variant in (ranker, sentiment):
@@ -80,6 +83,7 @@ def test_head_gates_are_in_the_manifest(heads_bf16):
     assert sentiment.head_gate.inputs == "texts" and sentiment.head_gate.labels == sentiment.head_gate.count > 0
 
 
+@needs_bf16
 def test_embedding_gates_record_the_floor_and_the_token_gate(default_bundle):
     for precision in ("bf16", "fp16"):
         gate = load_bundle(default_bundle).manifest.variants[precision].quality
@@ -88,6 +92,7 @@ def test_embedding_gates_record_the_floor_and_the_token_gate(default_bundle):
         assert gate.tokens.tokens > 0 and gate.tokens.passed == (gate.tokens.min_cosine >= TOKEN_MIN_COSINE)
 
 
+@needs_bf16
 def test_auto_serves_a_head_at_bf16_where_its_gate_passed(heads_bf16, tmp_path):
     for name in ("ranker", "sentiment"):
         runtime = runtime_for(heads_bf16[name][1], tmp_path, runtime="openvino")
@@ -98,6 +103,7 @@ def test_auto_serves_a_head_at_bf16_where_its_gate_passed(heads_bf16, tmp_path):
         assert "OpenVINO bf16 can run -> the faster" in auto.choice["matched"], auto.choice
 
 
+@needs_bf16
 def test_a_variant_below_the_floor_is_served_by_name_never_by_auto(misses_the_floor, tmp_path):
     auto = runtime_for(misses_the_floor, tmp_path)
     assert (auto.runtime, auto.precision) == ("onnxruntime", "fp32")
@@ -107,12 +113,31 @@ def test_a_variant_below_the_floor_is_served_by_name_never_by_auto(misses_the_fl
     assert (on_ov.runtime, on_ov.precision) == ("openvino", "fp32") and "below the 0.999" in on_ov.precision_note
     named = runtime_for(misses_the_floor, tmp_path, precision="bf16")
     assert (named.runtime, named.precision) == ("openvino", "bf16") and "below the 0.999" in named.precision_note
-    # CUDA's fp16 the same way: by name it is served, under auto fp32
+
+
+def test_cudas_fp16_below_the_floor_is_served_by_name_never_by_auto(misses_the_floor, default_bundle):
+    """onnxruntime's resolve_precision holds CUDA's fp16 to the floor as the table holds bf16 (on any CPU: the
+    fp16 variant is gated on onnxruntime's CPU provider)."""
+    assert resolve_precision(load_bundle(default_bundle), "auto", CUDA)[0] == "fp16"  # its gate holds the floor
     bundle = load_bundle(misses_the_floor)
     precision, note = resolve_precision(bundle, "auto", CUDA)
     assert precision == "fp32" and f"min cosine {MISSES:.5f}" in note
     assert resolve_precision(bundle, "fp16", CUDA) == ("fp16", "fp16 as configured")
     assert resolve_precision(bundle, "auto", CPU)[0] == "fp32"
+
+
+def test_a_cross_encoders_fp16_variant_has_a_head_gate_on_any_cpu(tmp_path):
+    """The head gate runs on onnxruntime (fp16) where no bf16 can be made: logits, rankings, verdict recorded."""
+    from export.pipeline import ExportOptions, build_bundle
+
+    checkpoint = make_classifier("bert", tmp_path / "ranker-ckpt", 1)
+    build_bundle(ExportOptions(str(checkpoint), tmp_path / "ranker", DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL,
+                               name="ranker", lossy=("fp16",)), progress=lambda _: None)
+    variant = load_bundle(tmp_path / "ranker").manifest.variants["fp16"]
+    gate = variant.head_gate
+    assert gate is not None and gate.passed and variant.quality is None and variant.auto_verdict[0]
+    assert (gate.inputs, gate.count) == ("pairs", len(QUERIES) * len(DOCUMENTS)) and gate.atol == HEAD_LOGITS_ATOL
+    assert 0 < gate.max_abs_diff <= HEAD_LOGITS_ATOL and gate.rankings_kept == gate.queries == len(QUERIES)
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +156,7 @@ def fidelity_app(ray_serve, heads_bf16, misses_the_floor):
         serve.delete("fidelity")
 
 
+@needs_bf16
 def test_info_says_what_serves_each_output_and_why(fidelity_app):
     models = {m["model"]: m for m in fidelity_app.get("/info").json()["models"]}
     for name in ("ranker", "sentiment"):
@@ -148,6 +174,7 @@ def test_info_says_what_serves_each_output_and_why(fidelity_app):
     assert misses["runtime_choice"]["found"]["bf16_holds_auto_floor"] is False
 
 
+@needs_bf16
 def test_bf16_rerank_and_classify_are_the_references_within_the_head_gate(fidelity_app, heads_bf16):
     import torch
     from sentence_transformers import CrossEncoder
