@@ -182,7 +182,7 @@ class EmbeddingJob:
         self.actor: Any = None
 
     @classmethod
-    async def start(cls, settings: ServiceSettings, svc: Any, batch_id: str, directory: Path,
+    async def start(cls, svc: Any, batch_id: str, directory: Path,
                     lines: list[Line]) -> EmbeddingJob | None:
         """The job of a batch's lines that it can do (None when there are none): its input written once
         (a restarted runner finds it), its actor found running or started."""
@@ -414,7 +414,7 @@ class BatchRunner:
         if record["endpoint"] == "/v1/embeddings" and len(done) * CHUNK_LINES < len(lines):
             from service.front.deps import service
 
-            job = await EmbeddingJob.start(self.settings, await service(), batch_id,
+            job = await EmbeddingJob.start(await service(), batch_id,
                                            (self.root.expanduser() / "batches" / f"{batch_id}.job").resolve(), lines)
 
         def stopping() -> bool:
