@@ -47,8 +47,9 @@ def assert_no_orphans(pids: set[int], timeout: float = 30) -> None:
 
 
 def wait_for_health(url: str, proc: subprocess.Popen, lines: list[str] | None = None,
-                    timeout: float = 120) -> httpx.Response:
+                    timeout: float = 240) -> httpx.Response:
     """Wait for this service's own answer on /health: 200 with its JSON (not another server's).
+    The bound is start-up on a loaded 2-core CI machine (make run once took over 120 s beside the other worker's tests).
     On failure, say what the service printed (`lines`, from collect())."""
     output = lambda: f"\n--- its output ---\n{''.join(lines or [])[-4000:]}"  # noqa: E731
 
