@@ -236,3 +236,35 @@ def test_sparse_vectors_are_sparse_encoders(cluster, tmp_path_factory, tmp_path)
                                     expected, strict=True):
         assert indices == np.flatnonzero(row).tolist()
         np.testing.assert_allclose(values, row[row != 0], atol=1e-4)
+
+
+def test_multivector_rows_are_pylates_document_vectors(cluster, tmp_path_factory, tmp_path):
+    """--outputs multivector on a tiny PyLate ColBERT (exported where conftest's representation_bundles puts it):
+    every row's token vectors = PyLate's ColBERT.encode(is_query=False), run in the reference environment, at 1e-4
+    (a job embeds documents: their marker, no query expansion, the skiplist applied)."""
+    from export.pipeline import ExportOptions, build_bundle
+    from jobs.embed import run
+    from tests.late_interaction_models import make_pylate_colbert
+    from tests.reference_env import run_references
+
+    root = shared_dir(tmp_path_factory, "representations")
+
+    def export(out: Path) -> None:
+        checkpoint = make_pylate_colbert(root / "colbert-ckpt")
+        build_bundle(ExportOptions(str(checkpoint), out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name="colbert"),
+                     progress=lambda _: None)
+
+    bundle = exported_once(root / "colbert", export)
+    texts = sentences(40, min_words=2, max_words=12, seed=5) + ["Stocks fell, again; sadly!", "A zebra."]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "in.parquet")
+    summary = run({"bundle": bundle, "inputs": [tmp_path / "in.parquet"], "output": tmp_path / "out",
+                   "outputs": "multivector", "precision": "fp32", "batch_size": 16})
+    assert summary["written"] == len(texts) and summary["failures"] == 0 and summary["outputs"] == ["multivector"]
+    table = shards_of(tmp_path / "out", "row")
+    assert table.column_names == ["row", "text_sha256", "multivector"]
+    [expected] = run_references([("pylate-encode", {"model": str(root / "colbert-ckpt"), "texts": texts,
+                                                    "is_query": False})])
+    for got, reference, text in zip(table.column("multivector").to_pylist(), expected, texts, strict=True):
+        got = np.array(got, dtype=np.float32)
+        assert got.shape == reference.shape, text
+        np.testing.assert_allclose(got, reference, atol=1e-4)
