@@ -175,7 +175,7 @@ def test_cancelled_batches_and_the_limit_of_unfinished_batches_per_token(client)
     with pytest.raises(openai.BadRequestError, match="batch_max_per_token"):
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
     wait_until(lambda: client.batches.retrieve(batches[0].id).request_counts.completed > 0,
-               "the first batch to have lines done", timeout=120, interval=0.2)
+               "the first batch to have lines done", timeout=300, interval=0.2)
     for batch in batches:
         assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     for batch in batches:
@@ -263,7 +263,7 @@ def test_a_service_restarted_mid_batch_resumes_it_and_another_token_sees_none_of
             uploaded = a.files.create(file=("big.jsonl", io.BytesIO(big_file(n_lines, 16))), purpose="batch")
             batch = a.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
             wait_until(lambda: a.batches.retrieve(batch.id).request_counts.completed > 0,
-                       "lines of the batch to be done", timeout=120, interval=0.2)
+                       "lines of the batch to be done", timeout=300, interval=0.2)
         stop_with_sigterm(proc)
         stored = json.loads((jobs_dir / "batches" / f"{batch.id}.json").read_text())
         assert stored["status"] == "in_progress" and 0 < stored["request_counts"]["completed"] < n_lines, stored
