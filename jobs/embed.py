@@ -104,7 +104,7 @@ def run(spec: EmbedSpec | dict) -> dict:
         "tokens_s": done.tokens / wall if done.rows else previous.get("tokens_s", 0.0),
         "seconds": wall, "model": model.name, "bundle_sha256": bundle.sha256,
         "precision": precision or previous.get("precision"), "output": str(spec.output.resolve()),
-        "outputs": list(spec.outputs),
+        "outputs": list(spec.outputs), "rows_by_node": shards.rows_by_node(records),
     }
     shards.finish(spec.output, records, summary)
     return summary
@@ -176,6 +176,8 @@ class Embedder:
     def __init__(self, spec: dict, threads: int) -> None:
         import os
 
+        import ray
+
         from service.config import ServiceSettings
         from service.engine.engine import load_engine
         from service.runtimes.cuda import ray_gpu_assignment
@@ -189,6 +191,7 @@ class Embedder:
         self.engine = load_engine(self.settings.bundles[0], self.settings, gpu)
         self.engine.runner.warm_up()
         self.pid = os.getpid()
+        self.node = ray.get_runtime_context().get_node_id()  # in each record: which node did which rows
         model = self.engine.model
         self.metadata = {"model": self.engine.name, "bundle_sha256": self.engine.sha256,
                          "runtime": self.engine.runtime.runtime, "precision": self.engine.runtime.precision,
@@ -250,10 +253,10 @@ class Embedder:
                                                   pa.list_(pa.list_(pa.float32())))
         table_out = self.shard_table(table, good, texts, columns)
         failures = [{"row": rows[i], "id": ids[i], "reason": errors[i]} for i in range(len(rows)) if errors[i]]
-        record = Record(rows[0], rows[-1], len(good), failures, tokens, self.pid)
+        record = Record(rows[0], rows[-1], len(good), failures, tokens, self.pid, self.node)
         write_shard(Path(spec.output), table_out, record, self.metadata)
         return {"first": rows[0], "last": rows[-1], "rows": len(rows), "failures": len(failures), "tokens": tokens,
-                "actor": self.pid, "precision": f"{self.metadata['runtime']} {self.metadata['precision']}"}
+                "actor": self.pid, "node": self.node, "precision": f"{self.metadata['runtime']} {self.metadata['precision']}"}
 
     def shard_table(self, table, good: list[int], texts: list, columns: dict):
         import pyarrow as pa

@@ -3,11 +3,12 @@
     part-<first>-<last>.parquet   rows first..last (job row numbers) that embedded, whole: written under a
                                   temporary name, then renamed; the same range in its metadata
     _progress/part-<first>-<last>.json   the record that those rows are done (and which of them failed,
-                                  with why), renamed into place after the shard: a range is done when its
-                                  record exists, so a crash between the two only recomputes the range
+                                  with why, and the actor's process and Ray node), renamed into place after
+                                  the shard: a range is done when its record exists, so a crash between the
+                                  two only recomputes the range
     _progress/job.json            what the output was made with (bundle hash, inputs, columns, outputs): a
                                   different job on the same directory is refused, never mixed in
-    errors.jsonl, _SUCCESS        written at the end from the records
+    errors.jsonl, _SUCCESS        written at the end from the records (_SUCCESS: the summary, rows by node)
 
 A run first tidies what a crash left (temporary files, shards without a record), then plans the rows no
 record covers; Ray retries a batch whose actor died, and a retried batch writes the same file names.
@@ -34,6 +35,7 @@ class Record:
     failures: list  # [{"row", "id", "reason"}]
     tokens: int
     worker: int = 0  # the process id of the actor that wrote it (which worker did what, after a crash)
+    node: str = ""  # the Ray node id of that actor; "" in records written before it was recorded
 
     @property
     def name(self) -> str:
@@ -56,7 +58,8 @@ def write_shard(output: Path, table, record: Record, metadata: dict) -> None:
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), b"jobs.embed": json.dumps(meta).encode()})
     atomic_write(shard_path(output, record.first, record.last), lambda f: pq.write_table(table, f))
     body = json.dumps({"first": record.first, "last": record.last, "written": record.written,
-                       "failures": record.failures, "tokens": record.tokens, "worker": record.worker}).encode()
+                       "failures": record.failures, "tokens": record.tokens, "worker": record.worker,
+                       "node": record.node}).encode()
     atomic_write(record_path(output, record.first, record.last), lambda f: f.write(body))
 
 
@@ -65,8 +68,21 @@ def read_records(output: Path) -> list[Record]:
     for path in (output / PROGRESS).glob("part-*.json"):
         raw = json.loads(path.read_text())
         records.append(Record(raw["first"], raw["last"], raw["written"], raw["failures"], raw["tokens"],
-                              raw.get("worker", 0)))
+                              raw.get("worker", 0), raw.get("node", "")))
     return sorted(records, key=lambda r: (r.first, r.last))
+
+
+UNKNOWN_NODE = "unknown"  # rows_by_node's key for records that name no node (written before nodes were recorded)
+
+
+def rows_by_node(records: list[Record]) -> dict[str, int]:
+    """The rows each Ray node computed (failed rows included: the node did them), by node id, most first;
+    they add up to the rows the records cover."""
+    rows: dict[str, int] = {}
+    for r in records:
+        node = r.node or UNKNOWN_NODE
+        rows[node] = rows.get(node, 0) + r.last - r.first + 1
+    return dict(sorted(rows.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def tidy(output: Path) -> list[Record]:

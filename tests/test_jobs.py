@@ -99,6 +99,9 @@ def test_parquet_and_jsonl_in_vectors_equal_sentence_transformers(tiny, cluster,
     assert summary["rows"] == 3000 and summary["written"] == 3000 and summary["failures"] == 0
     assert summary["model"] == "tiny" and summary["precision"] == "onnxruntime fp32"
     assert json.loads((tmp_path / "out" / "_SUCCESS").read_text())["rows"] == 3000
+    import ray
+
+    assert summary["rows_by_node"] == {ray.get_runtime_context().get_node_id(): 3000}  # the one node's actors did all
     assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
     table = shards_of(tmp_path / "out", "doc_id")
     assert table.column_names == ["doc_id", "text_sha256", "embedding"]
@@ -191,6 +194,28 @@ def test_the_driver_killed_then_run_again_resumes_without_a_duplicate(tiny, clus
     assert summary["rows_this_run"] <= 3000 - done_before + 100  # at most a block in flight is computed again
     assert summary["output"] == str(output.resolve()) and "texts_s" in summary and "tokens_s" in summary
     assert_every_row_once(output, 3000)
+
+
+def test_records_with_and_without_their_node_load_and_rows_by_node_adds_up(tmp_path):
+    """A record written before records named their Ray node still loads (its rows under "unknown"), and the
+    rows by node (the summary's, make bench-jobs --nodes') add up to the rows the records cover."""
+    from jobs.shards import UNKNOWN_NODE, Record, read_records, rows_by_node, write_shard
+
+    (tmp_path / "_progress").mkdir()
+    (tmp_path / "_progress" / "part-0-99.json").write_text(json.dumps(  # as written before: no "node"
+        {"first": 0, "last": 99, "written": 99, "failures": [{"row": 5, "id": 5, "reason": "empty text"}],
+         "tokens": 900, "worker": 11}))
+    for first, last, node in ((100, 249, "node-a"), (250, 299, "node-b"), (300, 399, "node-a")):
+        write_shard(tmp_path, pa.table({"row": list(range(first, last + 1))}),
+                    Record(first, last, last - first + 1, [], 0, 12, node), {})
+    assert json.loads((tmp_path / "_progress" / "part-250-299.json").read_text())["node"] == "node-b"
+    records = read_records(tmp_path)
+    assert [(r.first, r.worker, r.node) for r in records] == [(0, 11, ""), (100, 12, "node-a"), (250, 12, "node-b"),
+                                                               (300, 12, "node-a")]
+    by_node = rows_by_node(records)
+    assert by_node == {"node-a": 250, UNKNOWN_NODE: 100, "node-b": 50}
+    assert list(by_node) == ["node-a", UNKNOWN_NODE, "node-b"]  # most rows first
+    assert sum(by_node.values()) == sum(r.last - r.first + 1 for r in records) == 400
 
 
 def test_a_bad_argument_is_one_line_on_stderr_and_a_nonzero_exit(tiny, tmp_path):
