@@ -1,15 +1,30 @@
-"""The embedding job's texts/s against the engine alone, in one run (make bench-jobs).
+"""The embedding job's texts/s against the online service and the engine alone, in one run (make bench-jobs).
 
-    python -m benchmarks.jobs [--bundle DIR] [--texts N] [--seconds S] [--json FILE]
+    python -m benchmarks.jobs [--bundle DIR] [--texts N] [--seconds S] [--service-texts M] [--clients 1,2,4]
+                              [--nodes N [--node-cpus C]] [--json FILE]
 
-Writes N short texts of the benchmark corpus (benchmarks/corpus.py) to a Parquet file, runs `python -m jobs
-embed` on them on a local Ray with every CPU (jobs.embed.run: planning, Ray Data, one actor per 2 CPUs,
-shards written), then benchmarks/engine_alone.py's measurement of the same engine at the same precision
-setting (client batches straight into the engine: no Ray, no files; the bound on one node), and prints the
-two rates and their ratio (issue 50's target: the job at least 0.9x the engine alone). The job's rate
-counts everything from its start: Ray's start-up and the actors' engine loading included, so a small N
-understates it; the job's own rate without start-up is printed beside it (from its first shard's time to
-its last). Rows for make bench with --json.
+Three phases on the same short texts of the benchmark corpus (benchmarks/corpus.py, 4-20 words), one after
+the other, never two at once:
+
+1. the online service, started as `make bench` starts its default configuration (bench.service_phase: Ray
+   Serve in a process of its own, on the last ingress of make bench, HAProxy), client batches of 32 texts
+   over HTTP on /v1/embeddings at each client count of --clients, the first M texts; its best rate is the
+   one the job is held to. The process (its Ray and Serve) has exited before phase 2 starts.
+2. the job, `python -m jobs embed` on N texts written to a Parquet file (jobs.embed.run: planning, Ray
+   Data, one actor per 2 CPUs, shards written), on a local Ray with every CPU, or with --nodes on a
+   LoopbackCluster of tests/cluster.py (imported from there: a real Ray cluster on loopback started with
+   `ray start`, as the multinode test's) of a 0-CPU head and N-1 workers of C CPUs, reached through the
+   job's --address; it prints the rows each node computed (from the shards' _progress records) and
+   whether every worker node did some. The cluster (or local Ray) is gone before phase 3.
+3. the engine alone (benchmarks/engine_alone.py: client batches straight into the same engine at the same
+   precision setting, in this process; no Ray, no HTTP, no files): the bound on one node.
+
+It prints the three rates and the job's ratios (issue 50's targets: the job at least 1.3x the online
+service and at least 0.9x the engine alone). The job's rate counts everything from its start (Ray's
+start-up and the actors' engine loading included, so a small N understates it); its rate between its
+first and last shard is printed beside it. With --nodes the cluster's workers share this machine's
+CPUs, so the ratios say what the cluster's overhead costs here, not what more machines give. Rows for
+make bench with --json.
 """
 
 from __future__ import annotations
@@ -20,33 +35,87 @@ import json
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+PER_REQUEST = 32  # the online service's client batch, as make bench's rows
 
-def job_rate(bundle: Path, n: int, precision: str, work: Path) -> dict:
-    """The job on n texts: its summary's texts/s (from its start) and its rate between its first and last shard."""
+
+def short_texts(n: int) -> list[str]:
+    """The benchmark's short texts; the first k of n are the same for any n (one seed)."""
+    from benchmarks.corpus import sentences
+
+    return sentences(n, min_words=4, max_words=20)
+
+
+def online_rate(bundle: Path, precision: str, texts: list[str], clients: list[int]) -> list[dict]:
+    """The service's rows: client batches of 32 on /v1/embeddings at each client count, in a process of its own."""
+    from benchmarks.bench import service_phase
+
+    settings = {"bundle": str(bundle), **({"precision": precision} if precision != "auto" else {})}
+    return service_phase({
+        "label": "default config, haproxy", "ingress": "haproxy", "settings": settings, "texts": texts,
+        "route": "openai", "encoding_format": "base64",
+        "scenarios": [{"label": f"client batches of {PER_REQUEST} (httpx, /v1/embeddings)", "per_request": PER_REQUEST,
+                       "concurrency": c, "loadgen": "httpx"} for c in clients]})
+
+
+@contextmanager
+def job_cluster(nodes: int, node_cpus: int):
+    """None (a local Ray started for the job), or the address of a loopback cluster of a 0-CPU head and
+    nodes-1 workers, torn down (every process of it) on the way out."""
+    if nodes <= 1:
+        yield None
+        return
+    from tests.cluster import LoopbackCluster
+
+    cluster = LoopbackCluster()
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    try:
+        cluster.start_node(0, head=True)
+        for index in range(1, nodes):
+            cluster.start_node(index, num_cpus=node_cpus)
+        os.environ.update({k: cluster.env[k] for k in saved})  # this driver joins with the cluster's token
+        yield f"127.0.0.1:{cluster.gcs_port}"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        left = cluster.shutdown()
+        if left:
+            print(f"warning: processes of the loopback cluster still alive: {sorted(left)}", flush=True)
+
+
+def job_rate(bundle: Path, texts: list[str], precision: str, work: Path, address: str | None) -> dict:
+    """The job on the texts: its summary's texts/s (from its start), its rate between its first and last
+    shard, and the rows each node computed with the CPUs Ray saw on it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import ray
 
-    from benchmarks.corpus import sentences
     from jobs.embed import run
 
-    pq.write_table(pa.table({"text": sentences(n, min_words=4, max_words=20)}), work / "in.parquet")
-    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    n = len(texts)
+    pq.write_table(pa.table({"text": texts}), work / "in.parquet")
+    if address is None:
+        ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         started = time.perf_counter()
-        summary = run({"bundle": bundle, "inputs": [work / "in.parquet"], "output": work / "out",
+        summary = run({"bundle": bundle, "inputs": [work / "in.parquet"], "output": work / "out", "address": address,
                        "precision": precision, "batch_size": max(256, min(4096, n // 16))})
         wall = time.perf_counter() - started
+        node_cpus = {node["NodeID"]: node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]}
     finally:
         ray.shutdown()
-    times = sorted(p.stat().st_mtime for p in (work / "out" / "_progress").glob("part-*.json"))
-    records = [json.loads(p.read_text()) for p in (work / "out" / "_progress").glob("part-*.json")]
+    progress = list((work / "out" / "_progress").glob("part-*.json"))
+    times = sorted(p.stat().st_mtime for p in progress)
+    records = [json.loads(p.read_text()) for p in progress]
     first_shard_rows = min(records, key=lambda r: r["first"])["last"] + 1 if records else 0
     steady = (n - first_shard_rows) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
     return {"texts_s": n / wall, "steady_texts_s": steady, "precision": summary["precision"],
-            "failures": summary["failures"]}
+            "failures": summary["failures"], "rows_by_node": summary["rows_by_node"], "node_cpus": node_cpus}
 
 
 def main() -> int:
@@ -55,34 +124,63 @@ def main() -> int:
     p.add_argument("--bundle", type=Path, default=Path("bundles/all-MiniLM-L6-v2"))
     p.add_argument("--texts", type=int, default=100_000, help="short texts the job embeds (issue 50: 100k)")
     p.add_argument("--seconds", type=float, default=8, help="the engine alone's seconds of load")
-    p.add_argument("--precision", default="auto", help="the service's precision setting, for both")
+    p.add_argument("--service-texts", type=int, default=2048,
+                   help="texts the online service embeds at each client count (the first of the job's)")
+    p.add_argument("--clients", default="1,2,4", help="the online service's client counts; its best rate counts")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="1: the job on a local Ray; N > 1: on a loopback Ray cluster of a 0-CPU head and N-1 workers")
+    p.add_argument("--node-cpus", type=int, default=2, help="CPUs each worker node declares (with --nodes)")
+    p.add_argument("--precision", default="auto", help="the service's precision setting, for all three")
     p.add_argument("--json", type=Path, help="also write the rows there, as JSON")
     args = p.parse_args()
+    clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    if not clients or min(clients) < 1:
+        p.error("--clients: client counts of at least 1, comma-separated")
+    if args.nodes < 1 or args.node_cpus < 1:
+        p.error("--nodes and --node-cpus: at least 1")
 
-    from benchmarks.corpus import sentences
     from benchmarks.engine_alone import measure
     from service.config import ServiceSettings
     from service.engine.encoder_service import EncoderService
     from service.engine.engine import EngineTable, load_engine
 
     bundle = args.bundle.resolve()
-    with tempfile.TemporaryDirectory(prefix="bench-jobs-") as work:
-        job = job_rate(bundle, args.texts, args.precision, Path(work))
+    texts = short_texts(args.texts)
+    service_rows = online_rate(bundle, args.precision, texts[: args.service_texts], clients)
+    online = max(service_rows, key=lambda r: r["texts_s"])
+    with tempfile.TemporaryDirectory(prefix="bench-jobs-") as work, job_cluster(args.nodes, args.node_cpus) as address:
+        job = job_rate(bundle, texts, args.precision, Path(work), address)
     settings = ServiceSettings(bundle=str(bundle), precision=args.precision)
     engine = load_engine(settings.bundles[0], settings)
     svc = EncoderService(settings, EngineTable([engine]))
     svc.warm_up()
-    alone = asyncio.run(measure(svc, engine, sentences(512, min_words=4, max_words=20), args.seconds))
+    alone = asyncio.run(measure(svc, engine, short_texts(512), args.seconds))
+
+    where = (f"a loopback cluster of a 0-CPU head and {args.nodes - 1} workers of {args.node_cpus} CPUs"
+             if args.nodes > 1 else "a local Ray")
     ratio, steady = job["texts_s"] / alone["texts_s"], job["steady_texts_s"] / alone["texts_s"]
-    print(f"embedding job ({job['precision']}, {args.texts} texts, {os.cpu_count()} CPUs): {job['texts_s']:.0f} texts/s "
-          f"from its start = {ratio:.2f}x the engine alone; {job['steady_texts_s']:.0f} texts/s between its first "
-          f"and last shard = {steady:.2f}x", flush=True)
+    vs_online, steady_vs_online = job["texts_s"] / online["texts_s"], job["steady_texts_s"] / online["texts_s"]
+    print(f"embedding job ({job['precision']}, {args.texts} texts, {where}, {os.cpu_count()} CPUs here): "
+          f"{job['texts_s']:.0f} texts/s from its start = {ratio:.2f}x the engine alone, {vs_online:.2f}x the online "
+          f"service; {job['steady_texts_s']:.0f} texts/s between its first and last shard = {steady:.2f}x, "
+          f"{steady_vs_online:.2f}x (targets: >= 0.9x the engine alone, >= 1.3x the online service)", flush=True)
+    workers = [node for node, cpus in job["node_cpus"].items() if cpus > 0]
+    every_worker = bool(workers) and all(job["rows_by_node"].get(node, 0) > 0 for node in workers)
+    for node, rows in job["rows_by_node"].items():
+        print(f"  rows by node: {node[:12]} ({job['node_cpus'].get(node, '?')} CPUs): {rows}", flush=True)
+    print(f"  rows done on every worker node: {'yes' if every_worker else 'no'} ({len(workers)} with CPUs)", flush=True)
+    by_clients = ", ".join(f"{r['concurrency']} clients {r['texts_s']:.0f}" for r in service_rows)
+    print(f"online service ({online['runtime']} {online['precision']}, client batches of {PER_REQUEST} on /v1/embeddings, "
+          f"same run): best {online['texts_s']:.0f} texts/s at {online['concurrency']} clients ({by_clients})", flush=True)
     print(f"engine alone ({engine.runtime.runtime} {engine.runtime.precision}, same run): {alone['texts_s']:.0f} texts/s",
           flush=True)
     if args.json:
         args.json.write_text(json.dumps([
-            {"engine": f"the embedding job ({job['precision']}): python -m jobs embed, {args.texts} texts", "job": True,
-             "texts_s": job["texts_s"], "steady_texts_s": job["steady_texts_s"], "vs_engine_alone": ratio},
+            {"engine": f"the embedding job ({job['precision']}): python -m jobs embed, {args.texts} texts, {where}",
+             "job": True, "texts_s": job["texts_s"], "steady_texts_s": job["steady_texts_s"], "vs_engine_alone": ratio,
+             "vs_online_service": vs_online, "steady_vs_online_service": steady_vs_online, "nodes": args.nodes,
+             "rows_by_node": job["rows_by_node"], "every_worker_node": every_worker},
+            *({**row, "online_service": True, "best": row is online} for row in service_rows),
             {"engine": f"the engine alone ({engine.runtime.runtime} {engine.runtime.precision}), same run",
              "engine_alone": True, "bound": True, "texts_s": alone["texts_s"]}]))
     return 0
