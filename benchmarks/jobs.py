@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -70,12 +71,17 @@ def job_cluster(nodes: int, node_cpus: int):
     from tests.cluster import LoopbackCluster
 
     cluster = LoopbackCluster()
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    # this driver joins with the cluster's token, and on loopback as its nodes do: with Ray's multi-node switch
+    # off (read when ray is imported), 127.0.0.1 is not rewritten into the machine's network address
+    joining = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    saved = {k: os.environ.get(k) for k in joining}
+    if "ray" in sys.modules:
+        raise RuntimeError("benchmarks.jobs: ray was imported before the loopback cluster's driver settings were set")
     try:
         cluster.start_node(0, head=True)
         for index in range(1, nodes):
             cluster.start_node(index, num_cpus=node_cpus)
-        os.environ.update({k: cluster.env[k] for k in saved})  # this driver joins with the cluster's token
+        os.environ.update({k: cluster.env[k] for k in joining})
         yield f"127.0.0.1:{cluster.gcs_port}"
     finally:
         for key, value in saved.items():
@@ -139,17 +145,17 @@ def main() -> int:
     if args.nodes < 1 or args.node_cpus < 1:
         p.error("--nodes and --node-cpus: at least 1")
 
-    from benchmarks.engine_alone import measure
-    from service.config import ServiceSettings
-    from service.engine.encoder_service import EncoderService
-    from service.engine.engine import EngineTable, load_engine
-
     bundle = args.bundle.resolve()
     texts = short_texts(args.texts)
     service_rows = online_rate(bundle, args.precision, texts[: args.service_texts], clients)
     online = max(service_rows, key=lambda r: r["texts_s"])
     with tempfile.TemporaryDirectory(prefix="bench-jobs-") as work, job_cluster(args.nodes, args.node_cpus) as address:
         job = job_rate(bundle, texts, args.precision, Path(work), address)
+    from benchmarks.engine_alone import measure  # imports ray: after the job's cluster (job_cluster)
+    from service.config import ServiceSettings
+    from service.engine.encoder_service import EncoderService
+    from service.engine.engine import EngineTable, load_engine
+
     settings = ServiceSettings(bundle=str(bundle), precision=args.precision)
     engine = load_engine(settings.bundles[0], settings)
     svc = EncoderService(settings, EngineTable([engine]))
