@@ -11,7 +11,7 @@ the other, never two at once:
    over HTTP on /v1/embeddings at each client count of --clients, the first M texts; its best rate is the
    one the job is held to. The process (its Ray and Serve) has exited before phase 2 starts.
 2. the job, `python -m jobs embed` on N texts written to a Parquet file (jobs.embed.run: planning, Ray
-   Data, one actor per 2 CPUs, shards written), on a local Ray with every CPU, or with --nodes on a
+   Data, one actor per CPU, shards written), on a local Ray with every CPU, or with --nodes on a
    LoopbackCluster of tests/cluster.py (imported from there: a real Ray cluster on loopback started with
    `ray start`, as the multinode test's) of a 0-CPU head and N-1 workers of C CPUs, reached through the
    job's --address; it prints the rows each node computed (from the shards' _progress records) and

@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=True,
                    help="cut texts past the model's limit, as /v1/embeddings (default); --no-truncate: a bad row")
     e.add_argument("--batch-size", type=int, default=None, help="rows per shard and per actor call (default 2048)")
-    e.add_argument("--concurrency", type=int, default=None, help="actors (default: one per GPU, else per 2 CPUs)")
+    e.add_argument("--concurrency", type=int, default=None, help="actors (default: one per GPU, else per CPU)")
     e.add_argument("--precision", default="auto", help="the service's precision setting (default auto: as a "
                                                        "replica chooses)")
     p.epilog = e.format_help()  # python -m jobs --help lists embed's flags too

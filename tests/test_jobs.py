@@ -133,7 +133,8 @@ def test_bad_rows_go_to_the_errors_file_and_the_job_goes_on(tiny, cluster, tmp_p
     # a CSV after it: its rows numbered after the JSONL's, a quoted field with a newline in it one row
     (tmp_path / "more.csv").write_text('id,text\nc0,"two\nlines"\nc1,\nc2,plain words\n')
     summary = run({"bundle": bundle, "inputs": [tmp_path / "in.jsonl", tmp_path / "more.csv"],
-                   "output": tmp_path / "out", "id_column": "id", "truncate": False, "batch_size": 16})
+                   "output": tmp_path / "out", "id_column": "id", "truncate": False, "batch_size": 16,
+                   "concurrency": 2})
     errors = [json.loads(line) for line in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()]
     assert [e["id"] for e in errors] == ["empty", "number", "missing", None, "long", "c1"]
     reasons = [e["reason"] for e in errors]
@@ -251,7 +252,7 @@ def test_sparse_vectors_are_sparse_encoders(cluster, tmp_path_factory, tmp_path)
     with pytest.raises(ValueError, match="gives sparse, not dense"):
         run({"bundle": bundle, "inputs": [tmp_path / "in.parquet"], "output": tmp_path / "refused"})
     summary = run({"bundle": bundle, "inputs": [tmp_path / "in.parquet"], "output": tmp_path / "out",
-                   "outputs": "sparse", "precision": "fp32", "batch_size": 64})
+                   "outputs": "sparse", "precision": "fp32", "batch_size": 64, "concurrency": 2})
     assert summary["written"] == 200 and summary["outputs"] == ["sparse"]
     table = shards_of(tmp_path / "out", "row")
     assert table.column_names == ["row", "text_sha256", "sparse_indices", "sparse_values"]
@@ -283,7 +284,8 @@ def test_multivector_rows_are_pylates_document_vectors(cluster, tmp_path_factory
     texts = sentences(40, min_words=2, max_words=12, seed=5) + ["Stocks fell, again; sadly!", "A zebra."]
     pq.write_table(pa.table({"text": texts}), tmp_path / "in.parquet")
     summary = run({"bundle": bundle, "inputs": [tmp_path / "in.parquet"], "output": tmp_path / "out",
-                   "outputs": "multivector", "precision": "fp32", "batch_size": 16})
+                   "outputs": "multivector", "precision": "fp32", "batch_size": 16,
+                   "concurrency": 2})
     assert summary["written"] == len(texts) and summary["failures"] == 0 and summary["outputs"] == ["multivector"]
     table = shards_of(tmp_path / "out", "row")
     assert table.column_names == ["row", "text_sha256", "multivector"]
