@@ -142,7 +142,8 @@ def _pipeline(spec: EmbedSpec, files, todo: list[tuple[int, int]]) -> tuple[str 
                         # flight per actor: unbounded, Ray started a worker process per queued read (20 for
                         # 100,000 rows), whose start-up took CPU from the actors (30,000 texts on 2 cores:
                         # 457-473 texts/s from the start against 413-432)
-                        batch_size=1, batch_format="pyarrow", num_cpus=0, concurrency=concurrency)
+                        batch_size=1, batch_format="pyarrow", num_cpus=0,
+                        compute=ray.data.TaskPoolStrategy(size=concurrency))
     ds = ds.map_batches(Embedder, fn_constructor_kwargs={"spec": _plain(spec), "threads": max(1, math.floor(num_cpus))},
                         batch_size=None, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=concurrency),
                         num_cpus=num_cpus, num_gpus=1 if gpus else 0)
