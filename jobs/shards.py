@@ -117,6 +117,12 @@ def gaps(records: list[Record], total: int, size: int) -> list[tuple[int, int]]:
     return todo
 
 
+def begun_with(output: Path) -> dict:
+    """What the job that began this output was made with (check_job's record), or {} for a new output."""
+    path = output / PROGRESS / "job.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def check_job(output: Path, identity: dict) -> None:
     """Record what this output is made of, or refuse a job that differs from the one that began it."""
     path = output / PROGRESS / "job.json"

@@ -187,6 +187,7 @@ class EmbeddingJob:
         """The job of a batch's lines that it can do (None when there are none): its input written once
         (a restarted runner finds it), its actor found running or started."""
         from jobs.batch import start_job
+        from jobs.shards import begun_with
 
         chosen: dict[int, JobLine] = {}
         engine, row = None, 0
@@ -204,11 +205,14 @@ class EmbeddingJob:
         if not source.exists():
             rows = job_rows([line for line in lines if line.position in chosen])
             await asyncio.to_thread(atomic_write, source, b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+        begun = await asyncio.to_thread(begun_with, job.output)
         spec = {"bundle": str(Path(engine.path).resolve()), "inputs": [str(source)], "output": str(job.output),
                 "id_column": "id", "format": "jsonl", "batch_size": JOB_RANGE_ROWS,
                 # the precision this replica serves, not the setting: under `auto` the job's own start-up probe
-                # could choose the other runtime, and its vectors would differ from /v1/embeddings' answers
-                "precision": engine.runtime.precision,
+                # could choose the other runtime, and its vectors would differ from /v1/embeddings' answers. A
+                # batch resumed after a restart keeps the precision its job began with (a replica restarted
+                # under load can choose another): one batch, one precision, and the job refuses to mix them
+                "precision": begun.get("precision") or engine.runtime.precision,
                 "concurrency": 1, "num_cpus": JOB_CPUS, "nice": JOB_NICE}
         job.actor = start_job(batch_id, spec)
         return job
