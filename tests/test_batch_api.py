@@ -240,17 +240,18 @@ def service_config(tmp_path: Path, jobs_dir: Path) -> Path:
 
 def test_a_service_restarted_mid_batch_resumes_it_and_another_token_sees_none_of_it(default_bundle, tmp_path):
     """Token A submits a batch to `python -m service` and the service is stopped (SIGTERM) mid-batch; started
-    again with token B, the service resumes A's batch to the end (every line once, none lost), while B gets
-    404 for A's batch and file and an empty list."""
+    again with token B and another precision, the service resumes A's batch to the end as the same embedding
+    job, at the precision it began with (every line once, none lost), while B gets 404 for A's batch and file
+    and an empty list."""
     jobs_dir = tmp_path / "jobs"
     config = service_config(tmp_path, jobs_dir)
     n_lines = 160
     procs = []
 
-    def started(token: str):
+    def started(token: str, *flags: str):
         """`python -m service` on the same jobs_dir with `token` as its API token: its process and URL, once healthy."""
         port = free_port()
-        proc, output = start_service(default_bundle, port, "--config", str(config),
+        proc, output = start_service(default_bundle, port, "--config", str(config), *flags,
                                      env={**service_env(), "ENCODER_API_TOKEN": token})
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
@@ -268,7 +269,8 @@ def test_a_service_restarted_mid_batch_resumes_it_and_another_token_sees_none_of
         stored = json.loads((jobs_dir / "batches" / f"{batch.id}.json").read_text())
         assert stored["status"] == "in_progress" and 0 < stored["request_counts"]["completed"] < n_lines, stored
 
-        proc, url = started("token-b")
+        # at another precision than the first (auto never serves int8): the resumed job keeps the one it began with
+        proc, url = started("token-b", "--precision", "int8")
         with openai.OpenAI(base_url=f"{url}/v1", api_key="token-b", max_retries=0, timeout=60) as b:
             with pytest.raises(openai.NotFoundError):
                 b.batches.retrieve(batch.id)
@@ -295,6 +297,7 @@ def test_a_service_restarted_mid_batch_resumes_it_and_another_token_sees_none_of
         # the embedding job did the lines, resumed in the new service's cluster on the same output
         job = json.loads((jobs_dir / "batches" / f"{batch.id}.job" / "out" / "_SUCCESS").read_text())
         assert job["rows"] == job["written"] == n_lines * 16 and job["rows_this_run"] < n_lines * 16, job
+        assert "int8" not in job["precision"], job  # the precision the batch began with, not the new replica's
         stop_with_sigterm(proc)
     finally:
         for proc in procs:
