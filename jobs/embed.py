@@ -141,7 +141,7 @@ def _pipeline(spec: EmbedSpec, files, todo: list[tuple[int, int]]) -> tuple[str 
                         # default) would otherwise leave the reads unscheduled for ever; at most one read in
                         # flight per actor: unbounded, Ray started a worker process per queued read (20 for
                         # 100,000 rows), whose start-up took CPU from the actors (30,000 texts on 2 cores:
-                        # 457-473 texts/s from the start against 413-432)
+                        # 444-473 texts/s from the start against 413-432, noisy)
                         batch_size=1, batch_format="pyarrow", num_cpus=0,
                         compute=ray.data.TaskPoolStrategy(size=concurrency))
     ds = ds.map_batches(Embedder, fn_constructor_kwargs={"spec": _plain(spec), "threads": max(1, math.floor(num_cpus))},
