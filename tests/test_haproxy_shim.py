@@ -150,7 +150,9 @@ def test_in_a_pod_it_runs_the_wheels_haproxy(tmp_path):
 class Replica:
     """A stand-in replica on 127.0.0.1 that answers health checks and handles each POST as `mode`
     says: "answer" 200, "vanish" (closes the connection without a byte, as a replica killed with the
-    request in flight), or "busy" (503, as a replica whose queue is full or whose deadline passed)."""
+    request in flight), "half" (sends an answer's headers, then closes: as a replica killed between an
+    answer's headers and its body) or "busy" (503, as a replica whose queue is full or whose deadline
+    passed)."""
 
     def __init__(self, mode: str) -> None:
         import http.server
@@ -173,6 +175,13 @@ class Replica:
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 replica.posts += 1
                 if replica.mode == "vanish":
+                    self.close_connection = True
+                    return
+                if replica.mode == "half":
+                    self.send_response(200)
+                    self.send_header("Content-Length", "100")
+                    self.end_headers()
+                    self.wfile.flush()
                     self.close_connection = True
                     return
                 status, body = (200, b'{"by": "answer"}') if replica.mode == "answer" else (503, b'{"error": {}}')
@@ -269,6 +278,31 @@ def test_an_answer_is_never_sent_again(tmp_path):
         statuses = [post_in_two_packets(ports["http"], b'{"input": "once"}') for _ in range(6)]
         assert busy.posts >= 1 and statuses.count(503) == busy.posts, (statuses, busy.posts)
         assert answering.posts == statuses.count(200)
+        assert retried(ports["metrics"]) == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_an_answer_cut_after_its_headers_is_not_sent_again_and_the_client_sees_it_cut(tmp_path):
+    """A replica that dies after an answer's headers reached HAProxy leaves an answer begun: HAProxy has
+    forwarded the headers, so it cannot replay the request; the client sees the connection close
+    mid-answer (what test_replica_failure allows for a request in flight at a SIGKILL, by this message)."""
+    from tests.test_replica_failure import CUT_MID_ANSWER
+
+    half, answering = Replica("half"), Replica("answer")
+    proc, ports = haproxy_with(tmp_path, [half, answering])
+    try:
+        outcomes = []
+        for _ in range(6):
+            try:
+                outcomes.append(httpx.post(f"http://127.0.0.1:{ports['http']}/v1/embeddings",
+                                           json={"input": "cut"}, timeout=30).status_code)
+            except httpx.RemoteProtocolError as exc:
+                assert CUT_MID_ANSWER in str(exc), exc
+                outcomes.append("cut")
+        assert half.posts >= 1 and outcomes.count("cut") == half.posts, (outcomes, half.posts)
+        assert answering.posts == outcomes.count(200)  # never sent again
         assert retried(ports["metrics"]) == 0
     finally:
         proc.kill()

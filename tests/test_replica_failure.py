@@ -17,6 +17,8 @@ from tests.conftest import deploy, wait_until
 from tests.reliability import record
 
 TIMEOUT_S = 10
+# what httpx (h11) says when a connection closes after an answer's headers, before its whole body
+CUT_MID_ANSWER = "without sending complete message body"
 
 
 def load(url: str, stop: threading.Event, results: list, workers: int = 4) -> list[threading.Thread]:
@@ -34,7 +36,7 @@ def load(url: str, stop: threading.Event, results: list, workers: int = 4) -> li
                     kind = None if r.status_code == 200 else error_type(r)
                     results.append((started, r.status_code, time.monotonic() - started, kind))
                 except httpx.HTTPError as exc:
-                    results.append((started, type(exc).__name__, time.monotonic() - started, None))
+                    results.append((started, type(exc).__name__, time.monotonic() - started, str(exc)[:90]))
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(workers)]
     for t in threads:
@@ -86,11 +88,19 @@ def test_killed_replica_is_replaced_and_the_run_recovers(ray_serve, default_bund
     after = [r for r in results if r[0] >= ready_at]
     in_flight = [r for r in results if r[0] < killed_at and r[0] + r[2] > killed_at]
     assert in_flight, "no request was in flight on the replica when it was killed: nothing was tested"
-    # No request fails: the ingress replays one whose replica vanished (HAProxy's retry-on
-    # empty-response / conn-failure, the request buffered by service/bin/haproxy) on another
-    # server, here Ray's fallback proxy, which holds it until the replacement answers.
-    failed = [(round(r[0] - killed_at, 2), r[1], r[3]) for r in results if r[1] != 200]
-    assert not failed, f"{len(failed)} of {len(results)} requests failed (s from the kill, status, type): {failed}"
+    # No request fails, but one whose answer the killed replica had begun to send. The ingress replays
+    # a request whose replica vanished (HAProxy's retry-on empty-response / conn-failure, the request
+    # buffered by service/bin/haproxy) on another server, here Ray's fallback proxy, which holds it
+    # until the replacement answers; but only while no byte of its answer has reached the client.
+    # Ray's replica sends an answer's headers and body as two ASGI messages: killed between them, it
+    # leaves HAProxy with headers already forwarded, and the client sees the connection close
+    # mid-answer (a clean error, never a wrong body; a client retries it). CI saw this once, 0.08 s
+    # after a request began; `make containers` once (docs/images.md).
+    cut = [r for r in in_flight if r[1] == "RemoteProtocolError" and CUT_MID_ANSWER in (r[3] or "")]
+    failed = [(round(r[0] - killed_at, 2), round(r[2], 2), r[1], r[3]) for r in results
+              if r[1] != 200 and r not in cut]
+    assert not failed, (f"{len(failed)} of {len(results)} requests failed "
+                        f"(s from the kill, s taken, status, type or message): {failed}")
     # measured in a clean `make test`: 15.4 s for a replayed request, for a replacement of about 11 s
     assert_within_deadline(results, killed_at, ready_at)
     counts: dict[str, int] = {}
@@ -99,7 +109,9 @@ def test_killed_replica_is_replaced_and_the_run_recovers(ray_serve, default_bund
     slowest = max((r[2] for r in during), default=0.0)
     record("replica killed mid-load", "SIGKILL to the only replica under 4 closed-loop clients",
            counts, ready_at - killed_at,
-           note=f"0 failed: the {len(in_flight)} requests in flight on the killed replica and those arriving before "
+           note=(f"{len(cut)} cut mid-answer (the replica killed between an answer's headers and its body, "
+                 "which no ingress can replay); " if cut else "0 failed: ")
+                + f"the {len(in_flight) - len(cut)} requests in flight on the killed replica and those arriving before "
                 f"HAProxy marked it down were sent again by HAProxy (its retry counter, read every 0.1 s: "
                 f"{retries.total:g}) and waited in the ingress "
                 f"(slowest {slowest:.1f} s) for the new replica; {len(after)} requests after recovery all 200")
