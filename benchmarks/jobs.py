@@ -102,6 +102,7 @@ def job_rate(bundle: Path, texts: list[str], precision: str, work: Path, address
     import ray
 
     from jobs.embed import run
+    from jobs.shards import read_records, record_path
 
     n = len(texts)
     pq.write_table(pa.table({"text": texts}), work / "in.parquet")
@@ -115,10 +116,9 @@ def job_rate(bundle: Path, texts: list[str], precision: str, work: Path, address
         node_cpus = {node["NodeID"]: node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]}
     finally:
         ray.shutdown()
-    progress = list((work / "out" / "_progress").glob("part-*.json"))
-    times = sorted(p.stat().st_mtime for p in progress)
-    records = [json.loads(p.read_text()) for p in progress]
-    first_shard_rows = min(records, key=lambda r: r["first"])["last"] + 1 if records else 0
+    records = read_records(work / "out")
+    times = sorted(record_path(work / "out", r.first, r.last).stat().st_mtime for r in records)
+    first_shard_rows = records[0].last + 1 if records else 0
     steady = (n - first_shard_rows) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
     return {"texts_s": n / wall, "steady_texts_s": steady, "precision": summary["precision"],
             "failures": summary["failures"], "rows_by_node": summary["rows_by_node"], "node_cpus": node_cpus}

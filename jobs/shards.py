@@ -117,23 +117,26 @@ def gaps(records: list[Record], total: int, size: int) -> list[tuple[int, int]]:
     return todo
 
 
+def job_path(output: Path) -> Path:
+    return output / PROGRESS / "job.json"
+
+
 def begun_with(output: Path) -> dict:
     """What the job that began this output was made with (check_job's record), or {} for a new output."""
-    path = output / PROGRESS / "job.json"
+    path = job_path(output)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
 def check_job(output: Path, identity: dict) -> None:
     """Record what this output is made of, or refuse a job that differs from the one that began it."""
-    path = output / PROGRESS / "job.json"
-    if path.exists():
-        before = json.loads(path.read_text())
+    before = begun_with(output)
+    if before:
         if before != identity:
             changed = sorted(k for k in set(before) | set(identity) if before.get(k) != identity.get(k))
             raise ValueError(f"{output} holds the output of another job (it differs in {', '.join(changed)}): give a "
                              "new --output, or delete that directory to start again")
         return
-    atomic_write(path, lambda f: f.write(json.dumps(identity, indent=1).encode()))
+    atomic_write(job_path(output), lambda f: f.write(json.dumps(identity, indent=1).encode()))
 
 
 def finish(output: Path, records: list[Record], success: dict) -> None:

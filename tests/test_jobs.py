@@ -219,6 +219,22 @@ def test_records_with_and_without_their_node_load_and_rows_by_node_adds_up(tmp_p
     assert sum(by_node.values()) == sum(r.last - r.first + 1 for r in records) == 400
 
 
+def test_an_output_keeps_the_job_that_began_it_and_refuses_another(tmp_path):
+    """check_job records the first job's identity (begun_with reads it back), lets the same job resume, and
+    refuses one that differs, naming what differs; nothing is rewritten."""
+    from jobs.shards import begun_with, check_job
+
+    assert begun_with(tmp_path) == {}
+    (tmp_path / "_progress").mkdir()
+    first = {"bundle_sha256": "abc", "precision": "openvino bf16", "inputs": ["in.parquet"]}
+    check_job(tmp_path, first)
+    assert begun_with(tmp_path) == first
+    check_job(tmp_path, dict(first))  # the same job, resumed
+    with pytest.raises(ValueError, match=r"holds the output of another job \(it differs in precision\)"):
+        check_job(tmp_path, {**first, "precision": "onnxruntime int8"})
+    assert begun_with(tmp_path) == first
+
+
 def test_a_bad_argument_is_one_line_on_stderr_and_a_nonzero_exit(tiny, tmp_path):
     _, bundle = tiny
     (tmp_path / "in.txt").write_text("hello\n")
