@@ -6,8 +6,10 @@ Dockerfiles. Every check is also shown to fail on a deliberately broken manifest
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import json
+import os
 import re
 import socket
 import subprocess
@@ -25,7 +27,14 @@ from service.config import ServiceSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
-CRD = ROOT.parent / "shared" / "k8s" / "ray.io_rayservices.yaml"
+CRD_NAME = "ray.io_rayservices.yaml"
+CRD_SHARED = ROOT.parent / "shared" / "k8s" / CRD_NAME  # beside the repository, as this workspace and CI have it
+CRD_ENV = "KUBERAY_CRD"  # or a path given by the environment
+# or KubeRay's release, pinned: the same bytes as ../shared/k8s/ (v1.7.0's blob 7ee63d6d)
+CRD_TAG = "v1.7.0"
+CRD_SHA256 = "0a8fc325e6e22b9231c1f282b309555e2ecf94227ca20a03df3d1d9a403907ab"
+CRD_URL = f"https://raw.githubusercontent.com/ray-project/kuberay/{CRD_TAG}/ray-operator/config/crd/bases/{CRD_NAME}"
+CRD_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kuberay" / CRD_TAG / CRD_NAME
 K8S_VERSION = kubernetes_validate.utils.latest_version()  # the newest Kubernetes it has schemas for
 RAY_PORTS = {6379, 8265, 10001}
 RAYSERVICES = ["rayservice-cpu.yaml", "rayservice-gpu.yaml"]
@@ -44,11 +53,44 @@ def k8s_validate(manifest: dict) -> None:
     kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 
 
+def find_crd(env: dict | None = None, shared: Path = CRD_SHARED, cache_file: Path = CRD_CACHE,
+             url: str = CRD_URL, sha256: str = CRD_SHA256) -> Path:
+    """KubeRay's RayService CRD: $KUBERAY_CRD when set, else ../shared/k8s/ beside the repository,
+    else KubeRay's file at the pinned tag, downloaded once into the user's cache and checked against
+    its sha256. Raises FileNotFoundError with one line saying where it looked when none works."""
+    env = os.environ if env is None else env
+    if env.get(CRD_ENV):
+        given = Path(env[CRD_ENV])
+        if not given.is_file():
+            raise FileNotFoundError(f"${CRD_ENV} names {given}, which is not a file")
+        return given
+    if shared.is_file():
+        return shared
+    if cache_file.is_file() and hashlib.sha256(cache_file.read_bytes()).hexdigest() == sha256:
+        return cache_file
+    try:
+        body = httpx.get(url, timeout=30, follow_redirects=True).raise_for_status().content
+    except httpx.HTTPError as e:
+        raise FileNotFoundError(
+            f"KubeRay's CRD is not in {shared} nor ${CRD_ENV}, and its download from {url} failed "
+            f"({type(e).__name__}: {e}); put {CRD_NAME} (KubeRay {CRD_TAG}) in one of them") from None
+    digest = hashlib.sha256(body).hexdigest()
+    if digest != sha256:
+        raise FileNotFoundError(f"{url} has sha256 {digest}, not KubeRay {CRD_TAG}'s {sha256}")
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache_file.with_suffix(f".{os.getpid()}.part")
+    partial.write_bytes(body)
+    partial.replace(cache_file)  # whole or absent, when two workers download at once
+    return cache_file
+
+
 @cache
 def rayservice_schema() -> dict:
-    if not CRD.is_file():
-        pytest.fail(f"{CRD} is missing: the KubeRay CRD ships in shared/k8s beside the repository")
-    crd = yaml.safe_load(CRD.read_text())
+    try:
+        crd_file = find_crd()
+    except FileNotFoundError as e:
+        pytest.fail(str(e), pytrace=False)
+    crd = yaml.safe_load(crd_file.read_text())
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     return version["schema"]["openAPIV3Schema"]
 
@@ -119,6 +161,69 @@ def test_rayservice_pod_templates_are_valid_pod_templates(name):
     assert len(templates) >= 2  # head and at least one worker group
     for group, template in templates:
         validate_pod_template(group, template)
+
+
+def _serve_once(body: bytes):
+    """A loopback HTTP server answering every GET with `body`; returns (url, server)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/{CRD_NAME}", server
+
+
+def test_the_crd_is_found_beside_the_repository_in_an_env_path_or_downloaded_at_its_pinned_sha256(tmp_path):
+    """A clone anywhere finds KubeRay's CRD: $KUBERAY_CRD first, then ../shared/k8s/, then the pinned
+    release downloaded once into a cache (its sha256 checked, a wrong body refused), and one line naming
+    all three when none works. The download is served on loopback here (CI reaches no GitHub)."""
+    shared, cache_file = tmp_path / "shared" / CRD_NAME, tmp_path / "cache" / CRD_NAME
+    given = tmp_path / "given.yaml"
+    given.write_text("kind: CustomResourceDefinition\n")
+    assert find_crd({CRD_ENV: str(given)}, shared, cache_file, url="http://127.0.0.1:1/x") == given
+    with pytest.raises(FileNotFoundError, match=r"\$KUBERAY_CRD names .*missing.yaml, which is not a file"):
+        find_crd({CRD_ENV: str(tmp_path / "missing.yaml")}, shared, cache_file)
+    shared.parent.mkdir()
+    shared.write_text("kind: CustomResourceDefinition\n")
+    assert find_crd({}, shared, cache_file, url="http://127.0.0.1:1/x") == shared
+    shared.unlink()
+
+    body = b"kind: CustomResourceDefinition  # the release's bytes\n"
+    url, server = _serve_once(body)
+    try:
+        with pytest.raises(FileNotFoundError, match="has sha256 .*, not KubeRay v1.7.0's 0+$"):
+            find_crd({}, shared, cache_file, url=url, sha256="0" * 64)
+        assert not cache_file.exists()  # a wrong body is never cached
+        digest = hashlib.sha256(body).hexdigest()
+        assert find_crd({}, shared, cache_file, url=url, sha256=digest) == cache_file
+        assert cache_file.read_bytes() == body
+    finally:
+        server.shutdown()
+        server.server_close()
+    # cached: no server needed any more
+    assert find_crd({}, shared, cache_file, url="http://127.0.0.1:1/x", sha256=digest) == cache_file
+    cache_file.unlink()
+    with pytest.raises(FileNotFoundError) as failed:
+        find_crd({}, shared, cache_file, url="http://127.0.0.1:1/x", sha256=digest)
+    line = str(failed.value)
+    assert "\n" not in line and str(shared) in line and "$KUBERAY_CRD" in line and "127.0.0.1:1" in line, line
+
+
+def test_the_pinned_crd_is_the_one_beside_the_repository():
+    """The pinned sha256 is what ../shared/k8s/ holds (KubeRay v1.7.0's file), so the download and the
+    workspace's copy validate the manifests against the same schema."""
+    found = find_crd()
+    assert hashlib.sha256(found.read_bytes()).hexdigest() == CRD_SHA256, found
 
 
 def test_kubernetes_validate_cannot_check_a_rayservice_by_itself():
