@@ -235,8 +235,9 @@ class Embedder:
         errors = table.column("_error").to_pylist()
         ids = table.column(spec.id_column).to_pylist() if spec.id_column else rows
         for i, text in enumerate(texts):
-            if errors[i] is None:
-                errors[i] = bad_text(text)
+            if errors[i] is None:  # the characters bound's refusal is this row's, never the range's
+                errors[i] = bad_text(text) or engine.tokenizer.refusal(
+                    text, spec.truncate, advice="; truncate is off: run without --no-truncate to cut it")
         good = [i for i, e in enumerate(errors) if e is None]
         tokens, columns = 0, {}
         if good:

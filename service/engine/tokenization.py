@@ -14,6 +14,13 @@ from service.engine.errors import InvalidRequest, TooLarge
 
 
 PLAIN_GROUP = 8  # texts per tokenizer call of encode_plain: its threads share them, the budget is checked between
+# The characters bound (issue 55): a text longer than max_tokens x CHARS_PER_TOKEN characters is never tokenized
+# whole; only that many of its first (or, cutting from the start, last) characters are. 32 is 6 to 8 times an
+# English token's characters and 32 times a CJK one's, so a real text gives its model's limit well inside it;
+# 64 texts of 100k characters were 2.3 s and +413 MiB of tokenizer work before their 413.
+CHARS_PER_TOKEN = 32
+# the first probe takes max_tokens x 8 characters, doubled up to the bound while it gives too few tokens
+PROBE_CHARS_PER_TOKEN = 8
 
 
 @dataclass(frozen=True)
@@ -32,11 +39,27 @@ class TokenizedText:
         return np.asarray(self.encoding.type_ids, dtype=np.int64)
 
 
+@dataclass(frozen=True)
+class Probe:
+    """A long text's first (last) characters, tokenized: `exact` of their tokens are the whole text's own
+    (those of every word but the one the cut may have split, located by the pre-tokenizer's word ids)."""
+
+    piece: str
+    exact: int
+
+
 class TextTokenizer:
-    """Wraps `tokenizers.Tokenizer`; refuses over-long texts when truncation is off."""
+    """Wraps `tokenizers.Tokenizer`; refuses over-long texts when truncation is off.
+
+    A text past `max_chars` (max_tokens x CHARS_PER_TOKEN) is tokenized by a prefix only, never whole, and
+    never to a different answer: its kept tokens are those of the whole text (the prefix's last word, which
+    the cut may split, is never among them), with truncation off it is refused once the prefix has more
+    tokens than the limit, and a prefix with too few tokens for that (tokens of dozens of characters each)
+    is a 413 naming the characters bound rather than a silently different cut."""
 
     def __init__(self, path: Path, max_tokens: int) -> None:
         self.max_tokens = max_tokens
+        self.max_chars = max_tokens * CHARS_PER_TOKEN
         self._truncating = Tokenizer.from_file(str(path))
         self._truncating.no_padding()
         self._truncating.enable_truncation(max_tokens)
@@ -51,6 +74,97 @@ class TextTokenizer:
         self._capped: dict[int, Tokenizer] = {}  # by limit (encode_within)
         self.special_tokens = self._whole.num_special_tokens_to_add(False)  # per single text ([CLS] ... [SEP])
 
+    def probe(self, text: str, need: int, from_start: bool = False) -> Probe:
+        """The shortest of the text's first (`from_start`: last) max_tokens x 8, x16, ... characters, up to
+        max_chars, with more than `need` exact tokens (special tokens not counted), or the longest probed."""
+        size = min(self.max_tokens * PROBE_CHARS_PER_TOKEN, self.max_chars)
+        while True:
+            piece = text[len(text) - size:] if from_start else text[:size]
+            words = self._whole.encode(piece, add_special_tokens=False).word_ids
+            edge = (words[0] if from_start else words[-1]) if words else None
+            exact = sum(1 for w in words if w != edge)
+            if exact > need or size >= self.max_chars:
+                return Probe(piece, exact)
+            size = min(2 * size, self.max_chars)
+
+    def refusal(self, text: str, truncate: bool, limit: int | None = None, advice: str = "") -> str | None:
+        """Why the characters bound refuses a text, or None: a text past max_chars whose first max_chars
+        characters give too few tokens to be cut exactly, or (truncate off) already more than `limit` (the
+        model's limit, special tokens included; `advice` follows its numbers). Per text, for callers that make
+        a refusal one row's error (jobs/embed.py) instead of a request's 413; a length check below the bound."""
+        if len(text) <= self.max_chars:
+            return None
+        limit = min(limit or self.max_tokens, self.max_tokens)
+        room = limit - self.special_tokens
+        found = self.probe(text, room)
+        if found.exact > room:
+            return None if truncate else (f"more than the model's limit of {limit} tokens ({found.exact + self.special_tokens} "
+                                          f"in its first {len(found.piece)} of {len(text)} characters{advice})")
+        return self.bound_reason(len(text), found.exact)
+
+    def bound_reason(self, n_chars: int, exact: int) -> str:
+        """The 413's words for a text the characters bound cannot cut exactly."""
+        return (f"{n_chars} characters, past the characters bound of {self.max_chars} (the model's {self.max_tokens} "
+                f"tokens x {CHARS_PER_TOKEN}), and its first {self.max_chars} characters give only {exact} whole tokens, "
+                f"too few to cut it exactly: send it shorter than {self.max_chars} characters")
+
+    def _bounded(self, texts: list[str], truncate: bool, what: str, advice: str, from_start: bool,
+                 limit: int) -> list[str]:
+        """The texts with each one past max_chars replaced by the prefix (suffix) that gives its kept tokens,
+        or a 413 (truncate off: past `limit` tokens; either way: too few tokens within the bound)."""
+        if all(len(t) <= self.max_chars for t in texts):
+            return texts
+        room = limit - self.special_tokens
+        out = list(texts)
+        for i, text in enumerate(texts):
+            if len(text) <= self.max_chars:
+                continue
+            found = self.probe(text, room, from_start)
+            if found.exact <= room:
+                raise TooLarge(f"{what} {i} has {self.bound_reason(len(text), found.exact)}")
+            if not truncate:
+                raise TooLarge(f"{what} {i} has more than {limit} tokens ({found.exact + self.special_tokens} in its "
+                               f"{'last' if from_start else 'first'} {len(found.piece)} of {len(text)} characters); "
+                               f"the model's limit is {limit} ({advice})")
+            out[i] = found.piece
+        return out
+
+    def _bounded_pairs(self, pairs: list[tuple[str, str]], truncate: bool, advice: str,
+                       from_start: bool) -> list[tuple[str, str]]:
+        """Pairs with each side past max_chars replaced by its prefix (suffix), where `longest_first` then
+        keeps exactly what it keeps of the whole pair: the cut side keeps more exact tokens than the pair's
+        room and than the other side's tokens (the longer side loses the odd token). Both sides past the
+        bound with an odd room cannot be told apart without tokenizing them whole: a 413."""
+        if all(len(a) <= self.max_chars and len(b) <= self.max_chars for a, b in pairs):
+            return pairs
+        room = self.max_tokens - self._whole.num_special_tokens_to_add(True)
+        out = list(pairs)
+        for i, pair in enumerate(pairs):
+            long = [len(side) > self.max_chars for side in pair]
+            if not any(long):
+                continue
+            if not truncate:
+                found = self.probe(pair[long.index(True)], room, from_start)
+                if found.exact <= room:
+                    raise TooLarge(f"pair {i} has a text of {self.bound_reason(len(pair[long.index(True)]), found.exact)}")
+                raise TooLarge(f"pair {i} has more than {self.max_tokens} tokens; the model's limit is {self.max_tokens} "
+                               f"({advice})")
+            if all(long) and room % 2:
+                raise TooLarge(f"pair {i}: both texts are past the characters bound of {self.max_chars} (the model's "
+                               f"{self.max_tokens} tokens x {CHARS_PER_TOKEN}), where which is longer decides the cut: "
+                               "send one of them shorter")
+            sides = list(pair)
+            for k in (0, 1):
+                if not long[k]:
+                    continue
+                other = room if long[1 - k] else max(room, len(self._whole.encode(pair[1 - k], add_special_tokens=False)))
+                found = self.probe(pair[k], other, from_start)
+                if found.exact <= other:
+                    raise TooLarge(f"pair {i} has a text of {self.bound_reason(len(pair[k]), found.exact)}")
+                sides[k] = found.piece
+            out[i] = (sides[0], sides[1])
+        return out
+
     def encode(self, texts: list[str], truncate: bool, from_start: bool = False, kept: int = 0) -> list[TokenizedText]:
         """Tokenize texts; with truncate=False, a text over max_tokens is a 413 naming it. `from_start`:
         a text past the limit loses its first tokens instead of its last, but never its first `kept`
@@ -64,6 +178,15 @@ class TextTokenizer:
         kept token starts (its tokens from the whole text's tokenization) and the prefix and that tail
         are tokenized again: what SentenceTransformer.encode gives for the prompt and the cut text."""
         room = self.max_tokens - self.special_tokens
+        bounded, original = [], texts
+        for i, text in enumerate(texts):  # past the bound: the prompt, then the tail's last exact characters
+            if len(text) > self.max_chars:
+                found = self.probe(text[kept:], room, from_start=True)
+                if found.exact <= room:
+                    raise TooLarge(f"input {i} has {self.bound_reason(len(text), found.exact)}")
+                text = text[:kept] + found.piece
+            bounded.append(text)
+        texts = bounded
         joined, cut = [], []
         for text, e in zip(texts, self._whole.encode_batch(texts, add_special_tokens=False), strict=True):
             n = len(e)
@@ -76,6 +199,7 @@ class TextTokenizer:
             # a prompt that fills the model alone: cut at the end, as right truncation does
             joined.append(text[:kept] + text[e.token_to_chars(n - left)[0]:] if left > 0 else text)
             cut.append(True)
+        cut = [was_cut or len(a) != len(b) for was_cut, a, b in zip(cut, texts, original, strict=True)]
         encodings = self._truncating.encode_batch(joined)
         return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=was_cut or bool(e.overflowing))
                 for e, was_cut in zip(encodings, cut, strict=True)]
@@ -85,6 +209,9 @@ class TextTokenizer:
         truncate=False a 413 naming the first one past it: a ColBERT query's or document's length before
         its marker goes in (PyLate cuts with the tokenizer, as this does)."""
         limit = min(limit, self.max_tokens)
+        bounded = self._bounded(texts, truncate, "input", "send truncate=true to cut it", False, limit)
+        cut = [len(a) != len(b) for a, b in zip(texts, bounded, strict=True)]
+        texts = bounded
         if not truncate:
             encodings = self._whole.encode_batch(texts)
             for i, e in enumerate(encodings):
@@ -97,8 +224,8 @@ class TextTokenizer:
             if tokenizer is None:
                 tokenizer = self._capped[limit] = Tokenizer.from_str(self._truncating.to_str())
                 tokenizer.enable_truncation(limit)
-        return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=bool(e.overflowing))
-                for e in tokenizer.encode_batch(texts)]
+        return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=was_cut or bool(e.overflowing))
+                for e, was_cut in zip(tokenizer.encode_batch(texts), cut, strict=True)]
 
     def encode_pairs(self, pairs: list[tuple[str, str]], truncate: bool, from_start: bool = False) -> list[TokenizedText]:
         """Text pairs (query, document) as the checkpoint's tokenizer joins them: its separators and
@@ -112,13 +239,17 @@ class TextTokenizer:
         against max_tokens (a 413 naming the first over it). `kept`: see encode."""
         if truncate and from_start and kept:
             return self._cut_after_prefix(items, kept)
+        bounded = (self._bounded_pairs(items, truncate, advice, from_start) if what == "pair"
+                   else self._bounded(items, truncate, what, advice, from_start, self.max_tokens))
+        cut = [a is not b for a, b in zip(items, bounded, strict=True)]
         truncating = self._truncating_left if from_start else self._truncating
-        encodings = (truncating if truncate else self._whole).encode_batch(items)
+        encodings = (truncating if truncate else self._whole).encode_batch(bounded)
         if not truncate:
             for i, e in enumerate(encodings):
                 if len(e.ids) > self.max_tokens:
                     raise TooLarge(f"{what} {i} has {len(e.ids)} tokens; the model's limit is {self.max_tokens} ({advice})")
-        return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=bool(e.overflowing)) for e in encodings]
+        return [TokenizedText(np.asarray(e.ids, dtype=np.int64), e, truncated=was_cut or bool(e.overflowing))
+                for e, was_cut in zip(encodings, cut, strict=True)]
 
     def encode_plain(self, texts: list[str], add_special_tokens: bool, stop_above: int) -> list[Encoding]:
         """The whole texts' tokens, with or without the model's special tokens (TEI's /tokenize), a few
@@ -153,7 +284,14 @@ class TextTokenizer:
         max_tokens_per_doc). A tokenization more per text: callers skip it where `tokens` is past the
         model's own limit, which tokenizing enforces anyway."""
         out = []
-        for text, e in zip(texts, self._whole.encode_batch(texts, add_special_tokens=False), strict=True):
+        bounded = list(texts)
+        for i, text in enumerate(texts):  # past the bound: the characters that hold its first (last) tokens
+            if len(text) > self.max_chars:
+                found = self.probe(text, tokens, from_start)
+                if found.exact <= tokens:
+                    raise TooLarge(f"input {i} has {self.bound_reason(len(text), found.exact)}")
+                bounded[i] = found.piece
+        for text, e in zip(bounded, self._whole.encode_batch(bounded, add_special_tokens=False), strict=True):
             n = len(e)  # token_to_chars, not e.offsets: no list of every token's offsets for one of them
             if n <= tokens:
                 out.append((text, False))
