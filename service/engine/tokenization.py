@@ -41,11 +41,14 @@ class TokenizedText:
 
 @dataclass(frozen=True)
 class Probe:
-    """A long text's first (last) characters, tokenized: `exact` of their tokens are the whole text's own
-    (those of every word but the one the cut may have split, located by the pre-tokenizer's word ids)."""
+    """A long text's first (last) `probed` characters, tokenized: `exact` of their tokens are the whole text's
+    own (those of every word but the one the cut may have split, located by the pre-tokenizer's word ids).
+    With more than the tokens needed, `piece` is the probe shortened to whole words just past them (what is
+    tokenized again, so the second pass costs about the kept tokens' characters); else the probe itself."""
 
     piece: str
     exact: int
+    probed: int
 
 
 class TextTokenizer:
@@ -80,11 +83,20 @@ class TextTokenizer:
         size = min(self.max_tokens * PROBE_CHARS_PER_TOKEN, self.max_chars)
         while True:
             piece = text[len(text) - size:] if from_start else text[:size]
-            words = self._whole.encode(piece, add_special_tokens=False).word_ids
+            e = self._whole.encode(piece, add_special_tokens=False)
+            words = e.word_ids
             edge = (words[0] if from_start else words[-1]) if words else None
             exact = sum(1 for w in words if w != edge)
-            if exact > need or size >= self.max_chars:
-                return Probe(piece, exact)
+            if exact > need:
+                n = len(words)
+                if from_start:  # from the end of the last word before the first dropped token's word
+                    dropped = n - need - 1
+                    j = next(k for k in range(dropped - 1, -1, -1) if words[k] != words[dropped])
+                    return Probe(piece[e.offsets[j][1]:], exact, size)
+                j = next(k for k in range(need + 1, n) if words[k] != words[need])  # the word after the first dropped
+                return Probe(piece[:e.offsets[j][0]], exact, size)
+            if size >= self.max_chars:
+                return Probe(piece, exact, size)
             size = min(2 * size, self.max_chars)
 
     def refusal(self, text: str, truncate: bool, limit: int | None = None, advice: str = "") -> str | None:
@@ -99,7 +111,7 @@ class TextTokenizer:
         found = self.probe(text, room)
         if found.exact > room:
             return None if truncate else (f"more than the model's limit of {limit} tokens ({found.exact + self.special_tokens} "
-                                          f"in its first {len(found.piece)} of {len(text)} characters{advice})")
+                                          f"in its first {found.probed} of {len(text)} characters{advice})")
         return self.bound_reason(len(text), found.exact)
 
     def bound_reason(self, n_chars: int, exact: int) -> str:
@@ -124,7 +136,7 @@ class TextTokenizer:
                 raise TooLarge(f"{what} {i} has {self.bound_reason(len(text), found.exact)}")
             if not truncate:
                 raise TooLarge(f"{what} {i} has more than {limit} tokens ({found.exact + self.special_tokens} in its "
-                               f"{'last' if from_start else 'first'} {len(found.piece)} of {len(text)} characters); "
+                               f"{'last' if from_start else 'first'} {found.probed} of {len(text)} characters); "
                                f"the model's limit is {limit} ({advice})")
             out[i] = found.piece
         return out
