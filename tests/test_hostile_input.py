@@ -106,6 +106,9 @@ RAW = {
     "huge list": json.dumps({"inputs": ["x"] * 100_000}).encode(),
     "1 MB string": json.dumps({"inputs": "a" * 1_000_000}).encode(),
     "1 MB of one word, truncation off": json.dumps({"inputs": "word " * 200_000, "truncate": False}).encode(),
+    # the most the limits let through, each text past the characters bound (issue 55: tokenized by a prefix only)
+    "64 texts of 100k characters, truncation off": json.dumps({"inputs": ["word " * 20_000] * 64,
+                                                              "truncate": False}).encode(),
     "not an object": b'["inputs", "x"]',
     "empty body": b"",
     "binary garbage": bytes(range(256)) * 100,

@@ -37,21 +37,56 @@ async def late_interaction_scores(svc: EncoderService, engine: Engine, query: st
                                   truncate: bool, route: str, run: Run, explain: bool = False,
                                   protocol: str = "http") -> LateScores:
     """The documents' scores for the query by MaxSim (and, for BGE-M3, its dense and sparse scores too)."""
-    model = engine.model
     svc.texts([query])
-    documents = svc.texts(documents)
+    sides = await _late_jobs(svc, engine, query, svc.texts(documents), truncate, route, protocol)
+    svc.check_tokens(sum(job.n_tokens for job in sides), "send fewer or shorter documents")
+    q, d = await run(sides)
+    return _late_scores(engine, sides, q, d, explain)
+
+
+async def late_interaction_pair_scores(svc: EncoderService, engine: Engine, text_1: list[str], text_2: list[str],
+                                       truncate: bool, route: str, run: Run, protocol: str = "http") -> LateScores:
+    """Each pair (text_1[i], text_2[i])'s late-interaction score (vLLM's N:N): the pairs grouped by their
+    query, every group tokenized and the whole request's tokens held against the budget before any group
+    runs (one budget check per group let 64 pairs of 60 tokens through a budget of 300), then every
+    group's jobs run at once."""
+    groups: dict[str, list[int]] = {}
+    for i, query in enumerate(text_1):
+        groups.setdefault(query, []).append(i)
+    svc.texts(list(groups))
+    text_2 = svc.texts(text_2)
+    sides = [await _late_jobs(svc, engine, query, [text_2[i] for i in rows], truncate, route, protocol)
+             for query, rows in groups.items()]
+    tokens = sum(job.n_tokens for group in sides for job in group)
+    svc.check_tokens(tokens, "send fewer or shorter pairs", f" in {len(text_2)} pairs")
+    results = await run([job for group in sides for job in group])
+    scores = np.zeros(len(text_2))
+    for k, (group, rows) in enumerate(zip(sides, groups.values(), strict=True)):
+        scores[rows] = _late_scores(engine, group, results[2 * k], results[2 * k + 1], False).scores
+    return LateScores(scores, tokens)
+
+
+async def _late_jobs(svc: EncoderService, engine: Engine, query: str, documents: list[str], truncate: bool,
+                     route: str, protocol: str) -> list[EncodeJob]:
+    """The query's job and its documents' job, tokenized as the model's multi-vector output wants them."""
+    model = engine.model
     bge_m3 = model.multivector.kind == "bge-m3"
     sides = []
     for texts, is_query in (([query], True), (documents, False)):
         _, ids, attended = await svc.tokenize_for_model(engine, texts, truncate, route, is_query, protocol)
         sides.append(EncodeJob(route=route, ids=ids, normalize=model.normalize, want_embedding=bge_m3, sparse=bge_m3,
                                multivector=True, is_query=is_query, attended=attended, protocol=protocol))
-    svc.check_tokens(sum(job.n_tokens for job in sides), "send fewer or shorter documents")
-    q, d = await run(sides)
+    return sides
+
+
+def _late_scores(engine: Engine, sides: list[EncodeJob], q: EncodeResult, d: EncodeResult,
+                 explain: bool) -> LateScores:
+    """The documents' scores from the query's and documents' results."""
+    bge_m3 = engine.model.multivector.kind == "bge-m3"
     matches = [maxsim(q.multivectors[0], vectors, mean=bge_m3) for vectors in d.multivectors]
     if bge_m3:
         parts = [{"dense": float(q.embeddings[0] @ d.embeddings[i]), "sparse": sparse_dot(q.sparse[0], d.sparse[i]),
-                  "multivector": matches[i].score} for i in range(len(documents))]
+                  "multivector": matches[i].score} for i in range(len(d.multivectors))]
         w_dense, w_sparse, w_multi = BGE_M3_WEIGHTS
         scores = np.array([(w_dense * p["dense"] + w_sparse * p["sparse"] + w_multi * p["multivector"])
                            / sum(BGE_M3_WEIGHTS) for p in parts])

@@ -22,7 +22,7 @@ from service.apis.vllm.schemas import VLLMError, VLLMScoreRequest, VLLMScoreResp
 from service.engine.encoder_service import EncoderService
 from service.engine.engine import Engine
 from service.engine.errors import BadRequest
-from service.engine.late_interaction import is_late_interaction, late_interaction_scores
+from service.engine.late_interaction import is_late_interaction, late_interaction_pair_scores
 from service.engine.runner import EncodeJob
 from service.engine.scoring import relevance, reranker, run_classifier
 from service.front.deps import api_router, call_of, infer, model_for, runs, service
@@ -64,20 +64,6 @@ async def cross_encoder_scores(svc: EncoderService, engine: Engine, pairs: list[
     return relevance(engine, not activation)(logits), sum(t.n_tokens for t in tokenized)
 
 
-async def late_scores(svc: EncoderService, engine: Engine, text_1: list[str], text_2: list[str], truncate: bool,
-                      request: Request) -> tuple[np.ndarray, int]:
-    """Each pair's late-interaction score: one call per distinct text_1 (its query), its text_2s its documents."""
-    scores, tokens = np.zeros(len(text_2)), 0
-    groups: dict[str, list[int]] = {}
-    for i, query in enumerate(text_1):
-        groups.setdefault(query, []).append(i)
-    for query, rows in groups.items():
-        late = await late_interaction_scores(svc, engine, query, [text_2[i] for i in rows], truncate,
-                                             call_of(request).route, runs(svc, engine, request))
-        scores[rows], tokens = late.scores, tokens + late.tokens
-    return scores, tokens
-
-
 async def cosine_scores(svc: EncoderService, engine: Engine, text_1: list[str], text_2: list[str], truncate: bool,
                         request: Request) -> tuple[np.ndarray, int]:
     """The cosine of each pair's dense embeddings: every distinct text embedded once, in one job."""
@@ -108,7 +94,9 @@ async def score(body: VLLMScoreRequest, request: Request, svc: EncoderService = 
         scores, tokens = await cross_encoder_scores(svc, engine, list(zip(text_1, text_2, strict=True)), truncate,
                                                     activation, request)
     elif is_late_interaction(engine):
-        scores, tokens = await late_scores(svc, engine, text_1, text_2, truncate, request)
+        late = await late_interaction_pair_scores(svc, engine, text_1, text_2, truncate, call_of(request).route,
+                                                  runs(svc, engine, request))
+        scores, tokens = late.scores, late.tokens
     elif "dense" in engine.model.representations:
         scores, tokens = await cosine_scores(svc, engine, text_1, text_2, truncate, request)
     else:
