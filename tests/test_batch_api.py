@@ -209,7 +209,8 @@ def test_the_list_pages_newest_first_and_an_unknown_id_is_404_in_our_error_body(
 def test_uploads_past_a_limit_or_malformed_are_refused_with_a_clear_4xx(service_url, case):
     limit = BATCH_LIMITS["batch_max_file_bytes"]
     data = {
-        "file over the limit": b"x" * (limit + 1),
+        # lines of 1,000 bytes: under the line limits, so the file's size is the limit it passes
+        "file over the limit": (b'{"x": "' + b"y" * 990 + b'"}\n') * (limit // 1000 + 1),
         "too many lines": b"{}\n" * (BATCH_LIMITS["batch_max_lines"] + 1),
         "a line over the limit": b'{"x": "' + b"y" * BATCH_LIMITS["batch_max_line_bytes"] + b'"}\n',
     }.get(case, b"{}\n")

@@ -12,6 +12,7 @@ time, so the event loop that answers online requests is never held by an upload.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import threading
@@ -32,6 +33,8 @@ MAX_PART_HEADER_BYTES = 16 * 1024  # all the header lines of one part (a real on
 MAX_PARTS = 8  # purpose, file, expires_after[anchor], expires_after[seconds], and a few a client may add
 MAX_FIELD_BYTES = 1024  # the value of a field that is not the file (purpose, expires_after[...])
 UPLOAD_ALLOWANCE = MAX_PARTS * (MAX_PART_HEADER_BYTES + MAX_FIELD_BYTES + 256)
+# python-multipart logs a warning for every malformed body: a hostile client would write a line per request
+logging.getLogger("python_multipart.multipart").setLevel(logging.ERROR)
 # the most bytes the parser gets in one call: bounds the time one call holds the GIL (a part's headers are
 # parsed a byte at a time in Python: about 10 ms per 64 KiB)
 PIECE = 64 * 1024
