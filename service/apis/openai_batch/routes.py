@@ -18,7 +18,7 @@ from service.apis.openai_batch.store import TERMINAL, new_id, public, store_at
 from service.apis.openai_batch.uploads import (UPLOAD_ALLOWANCE, Limits, UploadSink, UploadSlots, boundary_of, expires_at,
                                                read_upload)
 from service.engine.encoder_service import EncoderService
-from service.engine.errors import BadRequest, ClientGone, TooLarge
+from service.engine.errors import BadRequest, ClientGone, NotFound, TooLarge
 from service.front.deps import CALL_KEY, api_router, service
 from service.front.gate import Gate
 from service.front.responses import JSONResponse
@@ -88,7 +88,10 @@ async def file_content(file_id: str, who: str = Depends(owner), svc: EncoderServ
     """The file's bytes (`client.files.content`): an uploaded file, or a batch's output or error file."""
     store = store_at(svc.settings.jobs_dir)
     store.file(who, file_id)
-    return FileResponse(store.files / f"{file_id}.jsonl", media_type="application/jsonl")  # streamed from disk
+    path = store.files / f"{file_id}.jsonl"
+    if not path.is_file():  # its bytes removed under its record (an expiry sweep between the two): a 404, not a 500
+        raise NotFound(f"no file {file_id!r}")
+    return FileResponse(path, media_type="application/jsonl")  # streamed from disk
 
 
 @router.delete("/v1/files/{file_id}", responses=ERROR_RESPONSES)
