@@ -370,7 +370,8 @@ def assert_openais(r: httpx.Response, status: int, code: str) -> dict:
     assert set(body) == {"error"} and set(body["error"]) == OPENAI_ERROR_KEYS, body
     error = body["error"]
     assert error["code"] == code and isinstance(error["message"], str) and error["param"] is None, body
-    assert error["type"] == ("authentication_error" if status == 401 else "invalid_request_error"), body
+    category = "authentication_error" if status == 401 else "server_error" if status >= 500 else "invalid_request_error"
+    assert error["type"] == category, body
     return error
 
 
@@ -620,8 +621,9 @@ def test_a_100_mib_upload_beside_online_requests_then_the_quotas(quota_app):
                "online_requests_beside": len(beside)}
     print(figures)
     # before issue 55's fix: +2,275 MiB and a single-text request at 6,037 ms. Measured on the shared 2-core
-    # machine: +68 MiB beside the online requests (their own tokenizer and onnxruntime allocations included),
-    # online max 94 ms against 46 ms alone; the bounds leave room for a loaded machine, far under the defect
+    # machine: +70 MiB alone, +66 MiB beside the online requests, online max 61-94 ms against 46 ms alone. The
+    # growth is Ray Serve's, not the route's: its receive proxy in the replica queues the body as fast as the
+    # client sends it (docs/jobs.md, Uploads); the bounds leave room for that, far under the defect
     assert alone_growth < 128 and growth < 128, figures
     assert beside and beside[-1] < 1.0, figures
     record("a 100 MiB upload beside online requests (Ray Serve)", "100 MiB chunked upload, single-text /v1/embeddings "
