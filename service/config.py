@@ -277,6 +277,27 @@ class ServiceSettings(BaseModel):
     batch_max_lines: int = Field(50_000, ge=1, description="request lines in one batch file (413 above, at upload)")
     batch_max_line_bytes: int = Field(
         1024 * 1024, ge=256, description="bytes of one line of a batch file (413 above, at upload)")
+    batch_max_files_per_token: int = Field(
+        100, ge=1,
+        description="files one token (or, with authentication off, everyone) may have uploaded and not deleted; "
+        "POST /v1/files past it is refused (400) before the body is read. Checked and stored under a lock file in "
+        "jobs_dir, so replicas sharing it cannot both take the last place; batches' output files do not count",
+    )
+    batch_max_bytes_per_token: int = Field(
+        1024 * 1024 * 1024, ge=1024,
+        description="bytes of the files one token may have uploaded and not deleted: an upload that would pass "
+        "it is refused (413) as soon as it does, while it streams in",
+    )
+    batch_max_concurrent_uploads: int = Field(
+        4, ge=1,
+        description="uploads (POST /v1/files) one replica reads at once; past it 503 with Retry-After. Each "
+        "holds one chunk in memory and a worker thread while it streams to disk",
+    )
+    batch_file_expires_after_s: int = Field(
+        30 * 24 * 3600, ge=0,
+        description="an uploaded file's expires_at when the upload names no expires_after (OpenAI's default for "
+        "batch files: 30 days); 0: never. An upload's expires_after[seconds] (3600..2592000) overrides it",
+    )
     batch_max_per_token: int = Field(
         16, ge=1,
         description="batches one token (or, with authentication off, everyone) may have unfinished at once; "

@@ -45,6 +45,15 @@ def is_vllms(path: str, method: str = "POST") -> bool:
     return path_policies().of(method, path).error_style is vllm_error_body
 
 
+def is_openais(path: str, method: str = "POST") -> bool:
+    """Whether `path` answers errors in OpenAI's body (the Batch API's /v1/files and /v1/batches): the same
+    four keys as vLLM's, `code` our error type (a string)."""
+    from service.apis import path_policies
+    from service.apis.openai_batch import openai_error_body
+
+    return path_policies().of(method, path).error_style is openai_error_body
+
+
 def check(r: httpx.Response) -> None:
     STATUSES[str(r.status_code)] = STATUSES.get(str(r.status_code), 0) + 1
     assert r.status_code < 500, r.text[:500]
@@ -59,6 +68,10 @@ def check(r: httpx.Response) -> None:
         elif is_vllms(r.request.url.path, r.request.method):
             assert set(body["error"]) == {"message", "type", "param", "code"}, body
             assert body["error"]["code"] == r.status_code and isinstance(body["error"]["message"], str)
+        elif is_openais(r.request.url.path, r.request.method):
+            assert set(body["error"]) == {"message", "type", "param", "code"}, body
+            assert isinstance(body["error"]["code"], str) and isinstance(body["error"]["message"], str)
+            assert body["error"]["type"] in ("invalid_request_error", "authentication_error", "server_error"), body
         else:
             assert isinstance(body["error"]["type"], str) and isinstance(body["error"]["message"], str)
 
@@ -154,6 +167,30 @@ UPLOADS = {  # (body, content type): OpenAI's Batch API upload, POST /v1/files (
     "a file of 3 MB": (_multipart([_PURPOSE, (_FILE, b"{}\n" * 1_000_000)]), _MULTIPART),
     "a line of 1 MB": (_multipart([_PURPOSE, (_FILE, b"x" * 1_000_000)]), _MULTIPART),
     "10,000 empty lines": (_multipart([_PURPOSE, (_FILE, b"\n" * 10_000)]), _MULTIPART),
+    # issue 55: bodies that cost gigabytes or froze the loop before uploads streamed to disk
+    "10,000 lines ended by a lone CR": (_multipart([_PURPOSE, (_FILE, b"{}\r" * 10_000)]), _MULTIPART),
+    "a one-byte boundary, lookalike delimiters, no purpose": (_multipart([(_FILE, b"{}\r\n--y\n" * 1000)], b"x"),
+                                                              "multipart/form-data; boundary=x"),
+    "a one-byte boundary, 120,000 empty parts": ((b"--x\r\n\r\n\r\n") * 120_000 + b"--x--\r\n", "multipart/form-data; boundary=x"),
+    "part headers of 1 MB": (b"--b0undary\r\n" + _FILE + b"\r\nX-Pad: " + b"a" * 1_000_000 + b"\r\n\r\n{}\r\n--b0undary--\r\n",
+                             _MULTIPART),
+    "1 MB of short part headers": (b"--b0undary\r\n" + _FILE + b"\r\n" + b"X: 1\r\n" * 200_000 + b"\r\n{}\r\n--b0undary--\r\n",
+                                   _MULTIPART),
+    "a boundary of 1,000 characters": (_multipart([_PURPOSE, (_FILE, b"{}")], b"b" * 1000),
+                                       "multipart/form-data; boundary=" + "b" * 1000),
+    "two file parts": (_multipart([_PURPOSE, (_FILE, b"{}"), (_FILE, b"{}")]), _MULTIPART),
+    "purpose after the file": (_multipart([(_FILE, b"{}"), (_PURPOSE[0], b"fine-tune")]), _MULTIPART),
+    "a purpose of 10 KB": (_multipart([(_PURPOSE[0], b"batch" * 2000), (_FILE, b"{}")]), _MULTIPART),
+    "100 parts": (_multipart([_PURPOSE, (_FILE, b"{}")] + [(b'Content-Disposition: form-data; name="x"', b"y")] * 98),
+                  _MULTIPART),
+    "cut before the closing boundary": (_multipart([_PURPOSE, (_FILE, b"{}")])[:-16], _MULTIPART),
+    "expires_after out of range": (_multipart([_PURPOSE, (b'Content-Disposition: form-data; name="expires_after[anchor]"',
+                                                          b"created_at"),
+                                               (b'Content-Disposition: form-data; name="expires_after[seconds]"', b"59"),
+                                               (_FILE, b"{}")]), _MULTIPART),
+    "expires_after without its anchor": (_multipart([_PURPOSE, (b'Content-Disposition: form-data; '
+                                                                b'name="expires_after[seconds]"', b"3600"),
+                                                     (_FILE, b"{}")]), _MULTIPART),
 }
 
 
@@ -167,8 +204,11 @@ def test_hostile_batch_file_uploads_get_4xx_json(client, name):
 
 
 def test_an_oversized_upload_without_a_length_is_refused(client):
-    """A body with no Content-Length (chunked), past the upload limit: counted as it streams in, 413."""
-    r = client.post("/v1/files", content=(b"x" * (1024 * 1024) for _ in range(8)),
+    """A body with no Content-Length (chunked), a file of 8 MB of 1,000-byte lines past the upload limit:
+    counted as it streams in, 413."""
+    head = b"--b0undary\r\n" + _FILE + b"\r\n\r\n"
+    line = b'{"x": "' + b"y" * 990 + b'"}\n'
+    r = client.post("/v1/files", content=iter([head, *(line * 1049 for _ in range(8))]),
                     headers={"content-type": "multipart/form-data; boundary=b0undary"})
     check(r)
     assert r.status_code == 413, r.text
@@ -209,6 +249,9 @@ def test_openapi_fuzzing_finds_no_server_errors(service_url):
                 if is_vllms(case.formatted_path, case.method.upper()):
                     assert set(body["error"]) == {"message", "type", "param", "code"}, where
                     assert body["error"]["code"] == response.status_code, where
+                elif is_openais(case.formatted_path, case.method.upper()):
+                    assert set(body["error"]) == {"message", "type", "param", "code"}, where
+                    assert isinstance(body["error"]["code"], str), where
                 elif shape == {"error"}:
                     assert set(body["error"]) == {"type", "message", "request_id"}, where
                     assert body["error"]["request_id"] == echoed, where

@@ -5,7 +5,8 @@ itself: service/http/ingress.py):
   route's API declared; passes it through the gate (the bearer token of inference routes before the
   body is read, the in-flight counts); gives it its id, echoed where no Serve ingress echoes it; and
   records it when it ends (service/front/finish.py: metrics, access log line, span).
-- BodyLimitMiddleware refuses a body over the limit, whether or not Content-Length is sent.
+- BodyLimitMiddleware refuses a body over the limit, whether or not Content-Length is sent (a route that
+  reads its body as it streams in and bounds it itself, the Batch API's upload, only by Content-Length).
 
 Their settings are class attributes, set by the deployment when a replica starts (configure in
 service/http/server.py): Ray Serve pickles the ingress's FastAPI app by value, module variables its
@@ -151,6 +152,7 @@ class BodyLimitMiddleware:
 
     limit = 8 * 1024 * 1024
     path_limits: dict[str, int] = {}  # a route's own limit (the Batch API's upload), by path
+    streamed: frozenset[str] = frozenset()  # paths whose route counts its body as it streams in: not buffered
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -158,11 +160,14 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = BodyLimitMiddleware.path_limits.get(app_path(scope), BodyLimitMiddleware.limit)
+        path = app_path(scope)
+        limit = BodyLimitMiddleware.path_limits.get(path, BodyLimitMiddleware.limit)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self._refuse(scope, receive, send, limit)
+        if path in BodyLimitMiddleware.streamed:  # a 100 MB upload is never held here (issue 55)
+            return await self.app(scope, receive, send)
         chunks: list[bytes] = []
         size = 0
         more = True

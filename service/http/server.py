@@ -116,6 +116,7 @@ def configure(settings: ServiceSettings) -> None:
     """Apply the settings to the HTTP transport of this replica."""
     BodyLimitMiddleware.limit = settings.max_body_bytes
     BodyLimitMiddleware.path_limits = openai_batch.body_limits(settings.max_body_bytes, settings.batch_max_file_bytes)
+    BodyLimitMiddleware.streamed = openai_batch.STREAMED_PATHS
     CallMiddleware.behind_serve = serve_config_now() is not None
     enable_access_log(settings.access_log)
     RayAnswersAsJson.retry_after_s = settings.retry_after_s

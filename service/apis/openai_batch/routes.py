@@ -8,27 +8,24 @@ No `from __future__ import annotations` (see service/apis/native/encode.py).
 import asyncio
 import hashlib
 import time
-from email.message import Message
-from email.parser import BytesHeaderParser
 
 from fastapi import Depends, Query, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import FileResponse
 
 from service.apis.openai_batch.schemas import BatchCreateRequest
 from service.apis.openai_batch.store import TERMINAL, new_id, public, store_at
-from service.config import ServiceSettings
+from service.apis.openai_batch.uploads import (UPLOAD_ALLOWANCE, Limits, UploadSink, UploadSlots, boundary_of, expires_at,
+                                               read_upload)
 from service.engine.encoder_service import EncoderService
-from service.engine.errors import BadRequest, TooLarge
-from service.front.deps import api_router, service
+from service.engine.errors import BadRequest, ClientGone, NotFound, TooLarge
+from service.front.deps import CALL_KEY, api_router, service
 from service.front.gate import Gate
 from service.front.responses import JSONResponse
 from service.front.schemas import ERROR_RESPONSES
 
 router = api_router()
 
-# What a multipart upload adds around the file's bytes (boundaries, part headers, the `purpose` field): the
-# body may be this much larger than batch_max_file_bytes before it is refused while it streams in
-UPLOAD_ALLOWANCE = 64 * 1024
 COMPLETION_WINDOW_S = 24 * 3600
 
 
@@ -45,49 +42,40 @@ async def owner(request: Request) -> str:
 @router.post("/v1/files", responses=ERROR_RESPONSES)
 async def file_create(request: Request, who: str = Depends(owner),
                       svc: EncoderService = Depends(service)) -> JSONResponse:
-    """`client.files.create(file=..., purpose="batch")`: a JSONL file of request lines, multipart. Its size is
-    counted as it streams in (413 past batch_max_file_bytes), then its lines (batch_max_lines,
-    batch_max_line_bytes), before anything is stored."""
+    """`client.files.create(file=..., purpose="batch", expires_after=...)`: a JSONL file of request lines,
+    multipart, streamed to disk as it arrives (uploads.py): its bytes, lines and line lengths are counted as they
+    come (413 the moment one passes its limit), and it is stored only when the body is whole and the token's
+    files leave room for it (batch_max_files_per_token, batch_max_bytes_per_token)."""
     settings = svc.settings
-    content_type = request.headers.get("content-type", "")
-    header = Message()
-    header["content-type"] = content_type
-    boundary = header.get_param("boundary")
-    if header.get_content_type() != "multipart/form-data" or not isinstance(boundary, str) or not boundary:
-        raise BadRequest("POST /v1/files takes multipart/form-data with the fields `purpose` and `file`")
-    limit = settings.batch_max_file_bytes
-    received, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit + UPLOAD_ALLOWANCE:
-            raise TooLarge(_too_large(limit))
-        received.append(chunk)
-    # the parse, the checks of every line and the write off the event loop (a file may be 100 MB)
-    record = await asyncio.to_thread(stored_upload, settings, who, b"".join(received), boundary.encode("latin-1"))
+    boundary = boundary_of(request.headers.get("content-type", ""))
+    store = store_at(settings.jobs_dir)
+    count, used = await asyncio.to_thread(store.usage, who)  # refused before a byte is read; rechecked to store
+    if count >= settings.batch_max_files_per_token:
+        raise BadRequest(f"this token has {count} files; the limit is {settings.batch_max_files_per_token} "
+                         "(batch_max_files_per_token): delete one first")
+    left = settings.batch_max_bytes_per_token - used
+    if left <= 0:
+        raise TooLarge(f"this token's files hold {used} bytes, the limit of {settings.batch_max_bytes_per_token} "
+                       "(batch_max_bytes_per_token): delete some first")
+    limits = Limits(min(settings.batch_max_file_bytes, left), settings.batch_max_lines, settings.batch_max_line_bytes,
+                    "batch_max_file_bytes" if settings.batch_max_file_bytes <= left else "batch_max_bytes_per_token")
+    body_limit = settings.batch_max_file_bytes + UPLOAD_ALLOWANCE
+    with UploadSlots(settings.batch_max_concurrent_uploads):
+        sink = UploadSink(boundary, limits, store.files)
+        try:
+            upload = await read_upload(request.stream(), sink, body_limit)
+            created_at = int(time.time())
+            expiry = expires_at(upload.fields, created_at, settings.batch_file_expires_after_s)
+            record = await asyncio.to_thread(
+                store.add_upload, who, upload.filename, upload.size, upload.path, expiry, created_at,
+                settings.batch_max_files_per_token, settings.batch_max_bytes_per_token)
+        except ClientDisconnect:
+            if CALL_KEY in request.scope:
+                request.scope[CALL_KEY].client_gone = True
+            raise ClientGone("the client left while uploading") from None
+        finally:
+            sink.discard()  # here, not in a thread: it runs when the request is cancelled too
     return JSONResponse(public(record))
-
-
-def stored_upload(settings: ServiceSettings, who: str, body: bytes, boundary: bytes) -> dict:
-    """The upload's file, checked against the limits, stored."""
-    fields = multipart_fields(body, boundary)
-    purpose = fields.get("purpose", (None, b""))[1].decode("utf-8", "replace").strip()
-    if purpose != "batch":
-        raise BadRequest(f"purpose {purpose!r}: this service keeps files of purpose 'batch' only")
-    if "file" not in fields:
-        raise BadRequest("no `file` part in the upload")
-    filename, data = fields["file"]
-    limit = settings.batch_max_file_bytes
-    if len(data) > limit:
-        raise TooLarge(_too_large(limit))
-    lines = data.splitlines()
-    if len(lines) > settings.batch_max_lines:
-        raise TooLarge(f"the file has {len(lines)} lines; the limit is {settings.batch_max_lines} "
-                       "(batch_max_lines): split it into several batches")
-    for number, line in enumerate(lines, 1):
-        if len(line) > settings.batch_max_line_bytes:
-            raise TooLarge(f"line {number} has {len(line)} bytes; the limit is {settings.batch_max_line_bytes} "
-                           "(batch_max_line_bytes)")
-    return store_at(settings.jobs_dir).add_file(who, filename or "upload.jsonl", purpose, data)
 
 
 @router.get("/v1/files/{file_id}", responses=ERROR_RESPONSES)
@@ -100,7 +88,10 @@ async def file_content(file_id: str, who: str = Depends(owner), svc: EncoderServ
     """The file's bytes (`client.files.content`): an uploaded file, or a batch's output or error file."""
     store = store_at(svc.settings.jobs_dir)
     store.file(who, file_id)
-    return FileResponse(store.files / f"{file_id}.jsonl", media_type="application/jsonl")  # streamed from disk
+    path = store.files / f"{file_id}.jsonl"
+    if not path.is_file():  # its bytes removed under its record (an expiry sweep between the two): a 404, not a 500
+        raise NotFound(f"no file {file_id!r}")
+    return FileResponse(path, media_type="application/jsonl")  # streamed from disk
 
 
 @router.delete("/v1/files/{file_id}", responses=ERROR_RESPONSES)
@@ -165,24 +156,3 @@ async def batch_cancel(batch_id: str, who: str = Depends(owner), svc: EncoderSer
         store.ask_cancel(batch_id)
         record = store.batch(who, batch_id)
     return JSONResponse(public(record))
-
-
-def multipart_fields(body: bytes, boundary: bytes) -> dict[str, tuple[str | None, bytes]]:
-    """A multipart/form-data body's parts by name: (filename, bytes). The body is already bounded."""
-    fields: dict[str, tuple[str | None, bytes]] = {}
-    delimiter = b"--" + boundary
-    for part in body.split(delimiter)[1:]:
-        if part.startswith(b"--"):  # the closing delimiter
-            break
-        head, separator, content = part.removeprefix(b"\r\n").partition(b"\r\n\r\n")
-        if not separator:
-            raise BadRequest("a part of the multipart body has no blank line after its headers")
-        headers = BytesHeaderParser().parsebytes(head + b"\r\n\r\n")
-        name = headers.get_param("name", header="content-disposition")
-        if isinstance(name, str) and name not in fields:
-            fields[name] = (headers.get_filename(), content.removesuffix(b"\r\n"))
-    return fields
-
-
-def _too_large(limit: int) -> str:
-    return f"the file is larger than the limit of {limit} bytes (batch_max_file_bytes): split it into several batches"

@@ -3,6 +3,11 @@ mounts it: a restarted service, or another replica, finds them all there.
 
   files/<file id>.json      the file object (OpenAI's shape) and its owner
   files/<file id>.jsonl     its bytes
+  files/owners/<owner>/<file id>.<bytes>   an empty marker per uploaded file of the owner ("_": no token): what
+                            counts against batch_max_files_per_token and batch_max_bytes_per_token
+  files/owners/<owner>.lock held (fcntl) while an upload of the owner is checked against them and stored, so
+                            that replicas sharing jobs_dir cannot both take the last place
+  files/.upload-*.tmp       an upload being received (uploads.py), renamed into place when it passed
   batches/<batch id>.json   the batch object and its owner; written by its creator, then only by the runner
                             that holds batches/<batch id>.lock (fcntl: released when that process dies)
   batches/<batch id>.cancel asked to stop (the cancel route writes it, the runner acts on it)
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 import json
 import os
 import re
@@ -28,10 +35,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from service.engine.errors import NotFound
+from service.engine.errors import BadRequest, NotFound, TooLarge
 
 TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
-_ID = re.compile(r"^(file-|batch_)[0-9a-f]{24}$")
+_ID = re.compile(r"(file-|batch_)[0-9a-f]{24}")  # fullmatch only: `$` would accept a trailing newline
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -88,8 +95,56 @@ class Store:
         atomic_write(self.files / f"{file_id}.json", json.dumps(record).encode())
         return record
 
+    def add_upload(self, owner: str, filename: str, size: int, tmp: Path, expires_at: int | None, created_at: int,
+                   max_files: int, max_bytes: int) -> dict:
+        """An upload received whole in `tmp` (beside the files), stored under a new id if the owner's uploads
+        leave room for it (max_files, max_bytes: 400 / 413 naming the setting); checked and stored under the
+        owner's lock, so that two replicas cannot both take the last place."""
+        with self.owner_lock(owner):
+            count, used = self.usage(owner)
+            if count + 1 > max_files:
+                raise BadRequest(f"this token has {count} files; the limit is {max_files} (batch_max_files_per_token): "
+                                 "delete one first")
+            if used + size > max_bytes:
+                raise TooLarge(f"this token's files hold {used} bytes; with this one's {size} that passes the limit "
+                               f"of {max_bytes} (batch_max_bytes_per_token): delete some first")
+            file_id = new_id("file-")
+            os.replace(tmp, self.files / f"{file_id}.jsonl")
+            record = {"id": file_id, "object": "file", "bytes": size, "created_at": created_at, "filename": filename,
+                      "purpose": "batch", "status": "processed", "expires_at": expires_at, "status_details": None,
+                      "owner": owner}
+            atomic_write(self.files / f"{file_id}.json", json.dumps(record).encode())
+            marker = self._owner_dir(owner) / f"{file_id}.{size}"
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        return record
+
+    def usage(self, owner: str) -> tuple[int, int]:
+        """The owner's uploaded files and their bytes (the markers of files deleted meanwhile are removed)."""
+        count = total = 0
+        folder = self._owner_dir(owner)
+        for marker in folder.glob("file-*") if folder.is_dir() else ():
+            file_id, _, size = marker.name.partition(".")
+            if not (self.files / f"{file_id}.json").exists() or not size.isdigit():
+                marker.unlink(missing_ok=True)
+                continue
+            count, total = count + 1, total + int(size)
+        return count, total
+
+    @contextmanager
+    def owner_lock(self, owner: str) -> Iterator[None]:
+        """The owner's quota lock (fcntl, on jobs_dir: every replica sharing it takes the same one)."""
+        path = self._owner_dir(owner).with_suffix(".lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield  # released when the file is closed
+
+    def _owner_dir(self, owner: str) -> Path:
+        return self.files / "owners" / (owner if re.fullmatch(r"[0-9a-f]{64}", owner) else "_")
+
     def file(self, owner: str, file_id: str) -> dict:
-        record = _read(self.files / f"{file_id}.json") if _ID.match(file_id) else None
+        record = _read(self.files / f"{file_id}.json") if _ID.fullmatch(file_id) else None
         if record is None or record["owner"] != owner:
             raise NotFound(f"no file {file_id!r}")
         return record
@@ -105,6 +160,9 @@ class Store:
         self.file(owner, file_id)
         (self.files / f"{file_id}.json").unlink(missing_ok=True)
         (self.files / f"{file_id}.jsonl").unlink(missing_ok=True)
+        folder = self._owner_dir(owner)
+        for marker in folder.glob(f"{file_id}.*") if folder.is_dir() else ():
+            marker.unlink(missing_ok=True)
 
     # ---- batches ----
 
@@ -113,7 +171,7 @@ class Store:
 
     def record(self, batch_id: str) -> dict | None:
         """A batch as stored (the runner's view)."""
-        return _read(self.batches / f"{batch_id}.json") if _ID.match(batch_id) else None
+        return _read(self.batches / f"{batch_id}.json") if _ID.fullmatch(batch_id) else None
 
     def batch(self, owner: str, batch_id: str) -> dict:
         """A batch as its owner sees it: a cancel asked for and not yet acted on shows as `cancelling`."""
