@@ -33,6 +33,7 @@ from service.apis.openai_batch.runner import (
 from service.apis.openai_batch.store import TERMINAL, Store, derived_id, new_id
 from service.config import ServiceSettings
 from tests.conftest import deploy
+from tests.reliability import record as reliability_record
 from tests.test_batch_api import big_file, embedding_line, finished, jsonl, lines_of
 from tests.waiting import wait_until
 
@@ -252,17 +253,19 @@ def test_a_file_of_hostile_lines_completes_with_each_as_its_error_and_leaves_no_
     unparsed = sum(not parsed for _, parsed in HOSTILE.values())
     assert sum(e["error"] is not None for e in errors) == unparsed
     assert working_data(batch_jobs_dir, batch.id) == []
+    reliability_record("Batch API: a file of hostile lines", f"{len(HOSTILE)} lines: " + "; ".join(HOSTILE),
+                       {"completed": 1}, note="each hostile line is its own error line; the good lines answered")
 
 
 def test_a_batch_that_raises_fails_alone_and_a_cancelled_poison_batch_reaches_cancelled(client, batch_jobs_dir):
-    """A batch whose run raises (a record the runner cannot read: request_counts missing) is tried MAX_TRIES
+    """A batch whose run raises (a record the runner cannot read: expires_at missing) is tried MAX_TRIES
     times and `failed` with the reason, while a batch created after it completes; a poison batch cancelled
     while it waits behind a running one ends `cancelled` without its file being read, freeing its slot."""
     store = Store(batch_jobs_dir)
     uploaded = client.files.create(file=("ok.jsonl", io.BytesIO(jsonl([embedding_line("x", {"input": "ok"})]))),
                                    purpose="batch")
     broken = stored_batch(store, "", uploaded.id, status="in_progress")
-    del broken["request_counts"]
+    del broken["expires_at"]
     assert store.create_batch(broken, 100) is None
     after = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
     assert finished(client, after.id).status == "completed"
@@ -282,6 +285,10 @@ def test_a_batch_that_raises_fails_alone_and_a_cancelled_poison_batch_reaches_ca
     assert finished(client, running.id).status == "cancelled"
     for batch_id in (queued.id, running.id):
         assert working_data(batch_jobs_dir, batch_id) == []
+    reliability_record("Batch API: a batch whose run raises, and a cancelled poison batch",
+                       "a record the runner cannot read; a file of one line of 100,000 '['",
+                       {"failed": 1, "completed": 1, "cancelled": 2},
+                       note="the broken batch failed after 3 tries while the next completed; the poison one cancelled")
 
 
 def test_a_batch_whose_input_file_is_deleted_while_it_runs_fails_and_keeps_nothing_of_it(client, batch_jobs_dir):
@@ -293,6 +300,8 @@ def test_a_batch_whose_input_file_is_deleted_while_it_runs_fails_and_keeps_nothi
     ended = finished(client, batch.id)
     assert ended.status == "failed" and ended.errors.data[0].code == "input_file_deleted", ended
     assert ended.output_file_id is None and working_data(batch_jobs_dir, batch.id) == []
+    reliability_record("Batch API: input file deleted mid-batch", "DELETE /v1/files/{id} while its batch ran",
+                       {"failed": 1}, note="input_file_deleted; its job input, outputs and marks removed")
 
 
 def test_creating_a_large_batch_leaves_online_requests_on_time(client, service_url, batch_jobs_dir):
@@ -325,6 +334,8 @@ def test_creating_a_large_batch_leaves_online_requests_on_time(client, service_u
           f"({len(during)} requests): max {max(during) * 1000:.0f} ms")
     assert settled is not None, "the batch's job input was never written"
     assert max(during) < alone[10] + 1.0, f"a request waited {max(during):.2f} s while the batch started"
+    reliability_record("Batch API: a 5,000-line x 64-text batch starting", "single-text requests while it is validated",
+                       {"200": len(during)}, note=f"max {max(during) * 1000:.0f} ms (alone: p50 {alone[10] * 1000:.0f} ms)")
     assert finished(client, batch.id).status == "cancelled"
 
 
@@ -370,15 +381,15 @@ def test_output_expires_after_sets_the_output_files_expiry_and_a_bad_one_is_a_4x
         assert 400 <= r.status_code < 500 and "output_expires_after" in r.text, (bad, r.status_code, r.text)
 
 
-# ---- on an app of its own: a 45-second window, a small output limit ----
+# ---- on an app of its own: a 75-second window, a smaller output limit ----
 
 
 @pytest.fixture(scope="module")
 def short_window(ray_serve, default_bundle, tmp_path_factory):
-    """The service with batches that expire 45 s after their creation and outputs bounded at 64 MiB."""
+    """The service with batches that expire 75 s after their creation and outputs bounded at 256 MiB."""
     jobs_dir = tmp_path_factory.mktemp("short-window-jobs")
-    deploy({"num_cpus": 1, "jobs_dir": str(jobs_dir), "batch_completion_window_s": 45,
-            "batch_max_output_bytes": 64 * 1024 * 1024}, "short-window", "/short", default_bundle)
+    deploy({"num_cpus": 1, "jobs_dir": str(jobs_dir), "batch_completion_window_s": 75,
+            "batch_max_output_bytes": 256 * 1024 * 1024}, "short-window", "/short", default_bundle)
     with openai.OpenAI(base_url=f"{ray_serve.url}/short/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c, jobs_dir
     from ray import serve
@@ -391,9 +402,9 @@ def test_a_batch_past_its_window_ends_expired_with_the_outputs_of_its_lines_done
     n_lines = 1500
     uploaded = client.files.create(file=("long.jsonl", io.BytesIO(big_file(n_lines, 8))), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
-    assert batch.expires_at == batch.created_at + 45
+    assert batch.expires_at == batch.created_at + 75
     wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed > 0,
-               "lines of the batch to be done", timeout=45, interval=0.3)
+               "lines of the batch to be done", timeout=75, interval=0.3)
     ended = finished(client, batch.id, timeout=120)
     counts = ended.request_counts
     assert ended.status == "expired" and ended.expired_at >= ended.expires_at, ended
@@ -404,9 +415,9 @@ def test_a_batch_past_its_window_ends_expired_with_the_outputs_of_its_lines_done
 
 
 def test_a_batch_whose_output_would_pass_the_limit_fails_before_any_line_runs(short_window):
-    """200 lines of 64 one-letter texts: a 70 KB file whose output would be about 100 MB of JSON floats."""
+    """600 lines of 64 one-letter texts: a 200 KB file whose output would be about 300 MB of JSON floats."""
     client, jobs_dir = short_window
-    data = jsonl([embedding_line(f"w-{i}", {"input": ["a"] * 64}) for i in range(200)])
+    data = jsonl([embedding_line(f"w-{i}", {"input": ["a"] * 64}) for i in range(600)])
     uploaded = client.files.create(file=("wide.jsonl", io.BytesIO(data)), purpose="batch")
     ended = finished(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
                                                    completion_window="24h").id)

@@ -544,8 +544,10 @@ class BatchRunner:
                 ending = await asyncio.to_thread(self.stopped, store, record) or "cancelled"
                 break
             outcomes = await self.answer_chunk(record["endpoint"], chunk, by_job)
-            await asyncio.to_thread(atomic_write, parts / f"{start:08d}-{start + len(chunk):08d}.jsonl",
-                                    b"".join(json.dumps({"ok": ok, "line": line}).encode() + b"\n" for ok, line in outcomes))
+            # serialized off the loop too: a chunk of 32 lines of 64 vectors is megabytes of JSON
+            await asyncio.to_thread(lambda: atomic_write(
+                parts / f"{start:08d}-{start + len(chunk):08d}.jsonl",
+                b"".join(json.dumps({"ok": ok, "line": line}).encode() + b"\n" for ok, line in outcomes)))
             counts["completed"] += sum(ok for ok, _ in outcomes)
             counts["failed"] += sum(not ok for ok, _ in outcomes)
             record["request_counts"] = dict(counts)
