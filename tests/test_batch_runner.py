@@ -310,7 +310,8 @@ def test_creating_a_large_batch_leaves_online_requests_on_time(client, service_u
     loop, 4.3 s for 10,000 such lines)."""
     line = {"custom_id": "", "method": "POST", "url": "/v1/embeddings",
             "body": {"input": ["a"] * 64, "encoding_format": "base64"}}
-    data = b"".join(json.dumps({**line, "custom_id": str(i)}).encode() + b"\n" for i in range(5000))
+    data = b"".join(json.dumps({**line, "custom_id": str(i)}, separators=(",", ":")).encode() + b"\n"
+                    for i in range(5000))  # 1.8 MB, under the shared app's 2 MiB
     uploaded = client.files.create(file=("wide.jsonl", io.BytesIO(data)), purpose="batch")
 
     def one() -> float:

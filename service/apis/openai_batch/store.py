@@ -184,7 +184,7 @@ class Store:
     def unfinished_of(self, owner: str) -> int:
         """How many of the owner's batches are unfinished (a directory listing, no record read)."""
         key = _owner_key(owner)
-        return sum(1 for name in os.listdir(self.unfinished) if name.split(".")[1] == key)
+        return sum(1 for name in os.listdir(self.unfinished) if name.count(".") == 2 and name.split(".")[1] == key)
 
     def unfinished_ids(self) -> list[str]:
         """The ids of the unfinished batches, oldest first (a directory listing, no record read)."""
