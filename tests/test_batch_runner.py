@@ -233,7 +233,17 @@ def client(service_url):
 
 
 def working_data(jobs_dir: Path, batch_id: str) -> list[str]:
-    return [p.name for p in (jobs_dir / "batches").iterdir() if p.name.startswith(batch_id) and p.name.endswith(WORKING)]
+    """What is left of an ended batch's working data once its runner is done with it: it is removed just after
+    the batch's last state is written (so that a runner stopped in between leaves only what the sweeper takes),
+    so the check waits a little for it."""
+    def left() -> list[str]:
+        return [p.name for p in (jobs_dir / "batches").iterdir()
+                if p.name.startswith(batch_id) and p.name.endswith(WORKING)]
+
+    deadline = time.monotonic() + 30
+    while (found := left()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return found
 
 
 def test_a_file_of_hostile_lines_completes_with_each_as_its_error_and_leaves_no_working_data(client, batch_jobs_dir):

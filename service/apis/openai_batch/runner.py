@@ -666,11 +666,12 @@ class BatchRunner:
 
     @staticmethod
     def fail(store: Store, record: dict, code: str, message: str) -> None:
-        """The batch `failed` with one error saying why; its working data removed."""
+        """The batch `failed` with one error saying why; its job stopped, then its working data removed (after
+        the record, so a runner stopped in between leaves only what the sweeper removes)."""
+        stop_job_if_any(record["id"])
         record.update(status="failed", failed_at=int(time.time()),
                       errors={"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]})
         store.save_batch(record)
-        stop_job_if_any(record["id"])
         store.remove_working_data(record["id"])
 
     def finalize(self, store: Store, record: dict, parts: Path, total: int, ending: str) -> None:
