@@ -303,6 +303,27 @@ class ServiceSettings(BaseModel):
         description="batches one token (or, with authentication off, everyone) may have unfinished at once; "
         "POST /v1/batches past it is refused (400) until one ends",
     )
+    batch_max_output_bytes: int = Field(
+        2 * 1024**3, ge=1024,
+        description="estimated bytes of one batch's output file (lines x texts x dimensions x bytes per number: "
+        "21 as JSON floats, 5.33 as base64), checked when the batch is validated, before any line runs: past it "
+        "the batch is `failed` with an `output_too_large` error",
+    )
+    batch_output_expires_s: int = Field(
+        30 * 24 * 3600, ge=60,
+        description="seconds a batch's output and error files are kept after they are written, unless the batch "
+        "asked otherwise (OpenAI's `output_expires_after`); then the sweeper deletes them",
+    )
+    batch_completion_window_s: int = Field(
+        24 * 3600, ge=1,
+        description="seconds after its creation at which an unfinished batch ends `expired` (the outputs of its "
+        "lines done kept): OpenAI's `24h` window; shorter only to test or to bound the work a batch may hold",
+    )
+    batch_retention_s: int = Field(
+        30 * 24 * 3600, ge=60,
+        description="seconds an ended batch's record is kept after its creation (then the sweeper removes it; "
+        "its working data goes when it ends)",
+    )
 
     tracing: TracingSettings | None = Field(
         None, description="OpenTelemetry traces of every request (OTLP); off unless set here or by the OTEL_* "

@@ -138,9 +138,9 @@ def test_the_sdks_whole_flow_with_a_malformed_line_and_outputs_equal_to_v1_embed
 
 
 def test_a_batchs_embeddings_are_computed_by_the_embedding_job_not_by_the_replica(client, service_url, batch_jobs_dir):
-    """The job's output directory under jobs_dir ends with _SUCCESS, its rows the batch's texts (one per text
-    of the lines it can do), every shard written by a process that is not the replica answering
-    /v1/embeddings (jobs/batch.py's actor); a line with chunking runs in the replica, and its answer is
+    """The job's _SUCCESS (kept in the batch's record, its folder removed when the batch ends) counts the
+    batch's texts (one per text of the lines it can do), every shard written by a process that is not the
+    replica answering /v1/embeddings (jobs/batch.py's actor); a line with chunking runs in the replica, and its answer is
     the route's all the same."""
     texts = [[f"job text {i} {j} " * (1 + j) for j in range(3)] for i in range(40)]
     lines = [embedding_line(f"t-{i}", {"input": t, **({"encoding_format": "base64"} if i % 7 == 3 else {})})
@@ -151,14 +151,14 @@ def test_a_batchs_embeddings_are_computed_by_the_embedding_job_not_by_the_replic
                                                    completion_window="24h").id)
     assert batch.status == "completed" and batch.request_counts.completed == len(lines), batch
 
-    out = batch_jobs_dir / "batches" / f"{batch.id}.job" / "out"
-    summary = json.loads((out / "_SUCCESS").read_text())
+    # the job's folder is removed with the batch's working data; its record keeps what the job did
+    assert not (batch_jobs_dir / "batches" / f"{batch.id}.job").exists()
+    job = json.loads((batch_jobs_dir / "batches" / f"{batch.id}.json").read_text())["job"]
+    summary = job["success"]
     n_texts = sum(len(t) for t in texts)
     assert summary["rows"] == summary["written"] == n_texts and summary["failures"] == 0, summary
-    records = [json.loads(p.read_text()) for p in (out / "_progress").glob("part-*.json")]
-    assert sum(r["last"] - r["first"] + 1 for r in records) == n_texts
     replica_pid = httpx.get(f"{service_url}/info", timeout=30).json()["replica"]["pid"]
-    assert {r["worker"] for r in records} and replica_pid not in {r["worker"] for r in records}
+    assert job["workers"] and replica_pid not in job["workers"]
 
     outputs = {o["custom_id"]: o for o in lines_of(client, batch.output_file_id)}
     for line in lines:  # the job's lines (base64 among them) and the in-process one, as the route answers
@@ -298,7 +298,8 @@ def test_a_service_restarted_mid_batch_resumes_it_and_another_token_sees_none_of
         assert all(len(o["response"]["body"]["data"]) == 16 for o in outputs)
         assert done["error_file_id"] is None
         # the embedding job did the lines, resumed in the new service's cluster on the same output
-        job = json.loads((jobs_dir / "batches" / f"{batch.id}.job" / "out" / "_SUCCESS").read_text())
+        job = json.loads((jobs_dir / "batches" / f"{batch.id}.json").read_text())["job"]["success"]
+        assert not (jobs_dir / "batches" / f"{batch.id}.job").exists()  # the working data went with the batch's end
         assert job["rows"] == job["written"] == n_lines * 16 and job["rows_this_run"] < n_lines * 16, job
         assert "int8" not in job["precision"], job  # the precision the batch began with, not the new replica's
         stop_with_sigterm(proc)

@@ -26,7 +26,6 @@ from service.front.schemas import ERROR_RESPONSES
 
 router = api_router()
 
-COMPLETION_WINDOW_S = 24 * 3600
 
 
 async def owner(request: Request) -> str:
@@ -109,22 +108,23 @@ async def batch_create(body: BatchCreateRequest, who: str = Depends(owner),
     source = store.file(who, body.input_file_id)
     if source["purpose"] != "batch":
         raise BadRequest(f"file {body.input_file_id} has purpose {source['purpose']!r}; a batch reads a 'batch' file")
-    unfinished = sum(1 for b in store.batches_of(who) if b["status"] not in TERMINAL)
-    if unfinished >= settings.batch_max_per_token:
-        raise BadRequest(f"{unfinished} batches of this token are unfinished; the limit is "
-                         f"{settings.batch_max_per_token} (batch_max_per_token): wait for one to end, or cancel one")
     created_ns = time.time_ns()
     now = created_ns // 10**9
     record = {
         "id": new_id("batch_"), "object": "batch", "endpoint": body.endpoint, "errors": None,
         "input_file_id": body.input_file_id, "completion_window": body.completion_window, "status": "validating",
         "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-        "expires_at": now + COMPLETION_WINDOW_S, "finalizing_at": None, "completed_at": None, "failed_at": None,
+        "expires_at": now + settings.batch_completion_window_s, "finalizing_at": None, "completed_at": None, "failed_at": None,
         "expired_at": None, "cancelling_at": None, "cancelled_at": None,
         "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata, "owner": who,
-        "created_ns": created_ns,
+        "created_ns": created_ns, "output_expires_s": (body.output_expires_after.seconds if body.output_expires_after
+                                                       else settings.batch_output_expires_s),
     }
-    store.save_batch(record)
+    # counted and stored as one step under the owner's lock (other replicas share the directory), off the loop
+    unfinished = await asyncio.to_thread(store.create_batch, record, settings.batch_max_per_token)
+    if unfinished is not None:
+        raise BadRequest(f"{unfinished} batches of this token are unfinished; the limit is "
+                         f"{settings.batch_max_per_token} (batch_max_per_token): wait for one to end, or cancel one")
     return JSONResponse(public(record))
 
 
@@ -137,13 +137,11 @@ async def batch_retrieve(batch_id: str, who: str = Depends(owner), svc: EncoderS
 async def batch_list(who: str = Depends(owner), after: str | None = Query(None, max_length=64),
                      limit: int = Query(20, ge=1, le=100), svc: EncoderService = Depends(service)) -> JSONResponse:
     """The token's batches, newest first, a page at a time (`after`: the last id of the page before)."""
-    batches = store_at(svc.settings.jobs_dir).batches_of(who)
-    if after is not None:
-        ids = [b["id"] for b in batches]
-        batches = batches[ids.index(after) + 1:] if after in ids else []
-    page = [public(b) for b in batches[:limit]]
+    # the owner's index and the page's records only, off the loop
+    found, more = await asyncio.to_thread(store_at(svc.settings.jobs_dir).batch_page, who, after, limit)
+    page = [public(b) for b in found]
     return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                         "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit})
+                         "last_id": page[-1]["id"] if page else None, "has_more": more})
 
 
 @router.post("/v1/batches/{batch_id}/cancel", responses=ERROR_RESPONSES)

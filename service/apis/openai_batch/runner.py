@@ -16,8 +16,14 @@ its route answers; those lines wait while online requests are inside this replic
 each), so they take the capacity online requests leave.
 
 Resumption: each chunk's outcomes are one file under the batch's parts/ folder (written whole), so a
-restart redoes at most the chunk in flight; finalizing writes the output and error files under ids made
-from the batch's, so a finalize redone replaces them.
+restart redoes at most the chunk in flight; finalizing streams the output and error files, part by part, into
+temp files renamed into place under ids made from the batch's, so a finalize redone replaces them.
+
+Isolation: a batch whose run raises (whatever its file holds) is tried again after a pause, and `failed` with
+the reason after MAX_TRIES; the batches after it run meanwhile. A cancel, the expiry and a deleted input
+file are acted on before the file is read. When a batch ends its working data goes (store.remove_working_data);
+every SWEEP_S the sweeper (`sweep`, off the loop) deletes files past their `expires_at` and ended batches
+past batch_retention_s.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
-import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +42,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from service.apis.openai_batch.store import TERMINAL, Store, atomic_write, creation_order, derived_id, store_at
+from service.apis.openai_batch.store import TERMINAL, Store, atomic_write, derived_id, store_at
 from service.config import ServiceSettings
 from service.front.gate import Gate
 
@@ -51,6 +58,12 @@ JOB_NICE = 10  # and its OS niceness: on a node shared with replicas, the online
 JOB_RANGE_ROWS = 256  # texts per job shard (one actor call): how often the runner sees the job's progress
 JOB_POLL_S = 0.25  # how often the runner looks at the job's progress while it waits for a chunk
 JOB_END_WAIT_S = 120.0  # how long a finished batch waits for its job's _SUCCESS before stopping the actor
+MAX_TRIES = 3  # runs of a batch that raised before it is failed with the reason (the others run meanwhile)
+RETRY_PAUSE_S = 5.0  # times the tries so far: how long a batch that raised waits before its next try
+SWEEP_S = 60.0  # how often the runner deletes what has expired (off the loop)
+# bytes per number of an output line's embedding: a float32 as JSON (`-0.036528430879116058, `, at most
+# about 21 characters) or base64 (4 bytes as 16/3 characters); and what a line adds around its numbers
+FLOAT_JSON_BYTES, FLOAT_BASE64_BYTES, LINE_OVERHEAD_BYTES = 21, 16 / 3, 320
 
 
 @dataclass(frozen=True)
@@ -74,8 +87,11 @@ def parse_lines(data: bytes, endpoint: str) -> list[Line]:
         position = len(lines)
         try:
             obj = json.loads(raw)
-        except ValueError as exc:
-            lines.append(Line(position, None, None, f"line {position + 1} is not JSON ({exc})"))
+        except RecursionError:  # nested deeper than the parser goes: one bad line, never the batch's end
+            lines.append(Line(position, None, None, f"line {position + 1} is nested too deeply to be read"))
+            continue
+        except Exception as exc:  # noqa: BLE001 - not JSON, not UTF-8, a number past int's digits: that line's error
+            lines.append(Line(position, None, None, f"line {position + 1} is not JSON ({str(exc)[:200]})"))
             continue
         if not isinstance(obj, dict):
             lines.append(Line(position, None, None, f"line {position + 1} is not a JSON object"))
@@ -98,6 +114,28 @@ def parse_lines(data: bytes, endpoint: str) -> list[Line]:
             seen.add(custom_id)
         lines.append(Line(position, custom_id, obj.get("body") if problem is None else None, problem))
     return lines
+
+
+def estimated_output_bytes(lines: list[Line], endpoint: str, dims_of) -> int:
+    """An upper estimate of the output file's bytes: for /v1/embeddings, texts x dimensions x bytes per
+    number (JSON float or base64) per line; `dims_of(model)`: a model's embedding size. For the scoring
+    routes, a score per document or pair. Every line adds its envelope."""
+    total = 0
+    for line in lines:
+        total += LINE_OVERHEAD_BYTES
+        body = line.body
+        if line.problem is not None or body is None:
+            continue
+        if endpoint == "/v1/embeddings":
+            raw = body.get("input")
+            n = 1 if isinstance(raw, str) else len(raw) if isinstance(raw, list) else 0
+            dims = body.get("dimensions")
+            dims = dims if type(dims) is int and dims > 0 else dims_of(body.get("model"))
+            per = FLOAT_BASE64_BYTES if body.get("encoding_format") == "base64" else FLOAT_JSON_BYTES
+            total += int(n * dims * per) + 64 * n
+        else:
+            total += sum(64 * len(v) for v in body.values() if isinstance(v, list))
+    return total
 
 
 def job_rows(lines: list[Line]) -> list[dict[str, str]]:
@@ -189,22 +227,13 @@ class EmbeddingJob:
         from jobs.batch import start_job
         from jobs.shards import begun_with
 
-        chosen: dict[int, JobLine] = {}
-        engine, row = None, 0
-        for line in lines:
-            found = job_request(svc, line.body) if line.problem is None else None
-            if found is None or (engine is not None and found[1] is not engine):  # one bundle per job
-                continue
-            request, engine, texts = found
-            chosen[line.position] = JobLine(request, engine, texts, row)
-            row += len(texts)
+        # each line's checks and the rows (3.3 s at 50,000 lines) off the loop: online requests go on meanwhile
+        chosen, engine = await asyncio.to_thread(cls.choose, svc, lines)
         if not chosen:
             return None
         job = cls(batch_id, directory, chosen)
         source = directory / "input.jsonl"
-        if not source.exists():
-            rows = job_rows([line for line in lines if line.position in chosen])
-            await asyncio.to_thread(atomic_write, source, b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+        await asyncio.to_thread(cls.write_input, source, [line for line in lines if line.position in chosen])
         begun = await asyncio.to_thread(begun_with, job.output)
         spec = {"bundle": str(Path(engine.path).resolve()), "inputs": [str(source)], "output": str(job.output),
                 "id_column": "id", "format": "jsonl", "batch_size": JOB_RANGE_ROWS,
@@ -216,6 +245,40 @@ class EmbeddingJob:
                 "concurrency": 1, "num_cpus": JOB_CPUS, "nice": JOB_NICE}
         job.actor = start_job(batch_id, spec)
         return job
+
+    @staticmethod
+    def choose(svc: Any, lines: list[Line]) -> tuple[dict[int, JobLine], Any]:
+        """The lines the job does (by position, with their rows) and their engine: one bundle per job."""
+        chosen: dict[int, JobLine] = {}
+        engine, row = None, 0
+        for line in lines:
+            found = job_request(svc, line.body) if line.problem is None else None
+            if found is None or (engine is not None and found[1] is not engine):
+                continue
+            request, engine, texts = found
+            chosen[line.position] = JobLine(request, engine, texts, row)
+            row += len(texts)
+        return chosen, engine
+
+    @staticmethod
+    def write_input(source: Path, lines: list[Line]) -> None:
+        """The job's input, written once (a restarted runner finds it): a temp file renamed into place."""
+        if source.exists():
+            return
+        atomic_write(source, b"".join(json.dumps(r).encode() + b"\n" for r in job_rows(lines)))
+
+    def summary(self) -> dict:
+        """What the job did, kept in the batch's record (its folder goes when the batch ends): the job's
+        _SUCCESS (None when it did not finish) and the processes that wrote its shards."""
+        try:
+            done = json.loads((self.output / "_SUCCESS").read_text())
+        except (OSError, ValueError):
+            done = None
+        try:
+            workers = sorted({r.worker for r in self.covered()})
+        except (OSError, ValueError):
+            workers = []
+        return {"success": done, "workers": workers}
 
     def covered(self) -> list:
         from jobs.shards import read_records
@@ -329,8 +392,16 @@ class EmbeddingJob:
         while completed and self.failed is None and time.monotonic() < deadline and not (await self.state())["done"]:
             await asyncio.sleep(JOB_POLL_S)
         await asyncio.to_thread(stop_job, self.batch_id)
-        for shard in self.output.glob("part-*.parquet"):
-            shard.unlink(missing_ok=True)
+
+
+def stop_job_if_any(batch_id: str) -> None:
+    """Stop the batch's job actor where this process is in a Ray cluster (never starts one)."""
+    import ray
+
+    if ray.is_initialized():
+        from jobs.batch import stop_job
+
+        stop_job(batch_id)
 
 
 def covers(records: list, first: int, last: int) -> bool:
@@ -355,6 +426,7 @@ class BatchRunner:
         self.in_flight = 0  # this runner's lines inside the replica now (they pass the gate too)
         self.client: httpx.AsyncClient | None = None
         self.task: asyncio.Task | None = None
+        self.retry_at: dict[str, float] = {}  # a batch that raised: when it is tried again (monotonic)
 
     def start(self) -> None:
         """Run from now on, on the running event loop (the replica's, when Serve builds the deployment)."""
@@ -369,49 +441,84 @@ class BatchRunner:
 
     async def run_forever(self) -> None:
         transport = httpx.ASGITransport(app=self.app)
+        swept = 0.0
         async with httpx.AsyncClient(transport=transport, base_url="http://batch.local", timeout=None) as client:
             self.client = client
             while True:
                 try:
+                    if time.monotonic() - swept > SWEEP_S:
+                        swept = time.monotonic()
+                        store = await asyncio.to_thread(store_at, self.root)
+                        await asyncio.to_thread(sweep, store, self.settings.batch_retention_s)
                     await self.run_unfinished()
                 except Exception:  # a batch's trouble must not stop the runner of the others
                     logger.exception("openai batch runner: a pass over the unfinished batches failed")
                 await asyncio.sleep(POLL_S)
 
     async def run_unfinished(self) -> None:
-        """Every unfinished batch no other runner holds, oldest first."""
+        """Every unfinished batch no other runner holds, oldest first; one that raises is tried again later
+        (failed after MAX_TRIES), never in the way of those after it."""
         if not (self.root.expanduser() / "batches").is_dir():  # no batch was ever created here
             return
-        store = store_at(self.root)
-        for record in sorted(store.all_batches(), key=creation_order):
-            if record["status"] in TERMINAL:
+        store = await asyncio.to_thread(store_at, self.root)
+        for batch_id in await asyncio.to_thread(store.unfinished_ids):  # the marks: no record read on the loop
+            if self.retry_at.get(batch_id, 0.0) > time.monotonic():
                 continue
-            lock = store.claim(record["id"])
+            lock = await asyncio.to_thread(store.claim, batch_id)
             if lock is None:
                 continue
             try:
-                await self.run_batch(store, record["id"])
+                await self.run_batch(store, batch_id)
+                self.retry_at.pop(batch_id, None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this batch's trouble, whatever its file holds
+                logger.exception("openai batch %s: its run failed", batch_id)
+                await asyncio.to_thread(self.tried, store, batch_id, exc)
             finally:
                 lock.close()
 
-    async def run_batch(self, store: Store, batch_id: str) -> None:
+    def tried(self, store: Store, batch_id: str, exc: BaseException) -> None:
+        """Count a run of the batch that raised (in its record, so a restart counts on); past MAX_TRIES the
+        batch is failed with the reason, else tried again after a pause."""
         record = store.record(batch_id)
-        if record is None or record["status"] in TERMINAL:  # another runner finished it meanwhile
+        if record is None or record["status"] in TERMINAL:
             return
+        record["tries"] = record.get("tries", 0) + 1
+        if record["tries"] >= MAX_TRIES:
+            self.retry_at.pop(batch_id, None)
+            self.fail(store, record, "batch_failed",
+                      f"the batch could not be run ({type(exc).__name__}: {str(exc)[:300]}); tried {MAX_TRIES} times")
+            return
+        store.save_batch(record)
+        self.retry_at[batch_id] = time.monotonic() + RETRY_PAUSE_S * record["tries"]
+
+    async def run_batch(self, store: Store, batch_id: str) -> None:
+        record = await asyncio.to_thread(store.record, batch_id)
+        if record is None or record["status"] in TERMINAL:  # another runner finished it meanwhile
+            if record is not None:
+                await asyncio.to_thread(store.remove_working_data, batch_id)
+            return
+        parts = store.parts_dir(batch_id)
+        # acted on before the file is read (it may be what stopped every try): a cancel, the expiry, a deletion
+        ending = await asyncio.to_thread(self.stopped, store, record)
+        if ending is not None:
+            return await self.end(store, record, parts, record["request_counts"]["total"], ending)
         try:  # file work off the replica's event loop, where the online requests are answered
             data = await asyncio.to_thread((store.files / f"{record['input_file_id']}.jsonl").read_bytes)
         except FileNotFoundError:
-            return self.fail(store, record, "file_not_found", f"input file {record['input_file_id']} was deleted")
+            return await self.end(store, record, parts, 0, "deleted")
         lines = await asyncio.to_thread(parse_lines, data, record["endpoint"])
+        del data
         if record["status"] == "validating":
-            if not lines:
-                return self.fail(store, record, "empty_file", "the input file has no request lines")
+            problem = await self.validated(record, lines)
+            if problem is not None:
+                return await asyncio.to_thread(self.fail, store, record, *problem)
             record.update(status="in_progress", in_progress_at=int(time.time()),
                           request_counts={"total": len(lines), "completed": 0, "failed": 0})
-            store.save_batch(record)
-        parts = store.parts_dir(batch_id)
-        parts.mkdir(exist_ok=True)
-        done = {int(p.name.split("-")[0]) for p in parts.glob("*.jsonl")}
+            await asyncio.to_thread(store.save_batch, record)
+        await asyncio.to_thread(parts.mkdir, exist_ok=True)
+        done = {int(p.name.split("-")[0]) for p in await asyncio.to_thread(lambda: list(parts.glob("*.jsonl")))}
         # the counts of the chunks done before a restart, added to as chunks end
         counts = await asyncio.to_thread(self.counts, parts, len(lines))
         job = None
@@ -422,33 +529,83 @@ class BatchRunner:
                                            (self.root.expanduser() / "batches" / f"{batch_id}.job").resolve(), lines)
 
         def stopping() -> bool:
-            return store.cancel_asked_at(batch_id) is not None or time.time() > record["expires_at"]
+            return self.stopped(store, record) is not None
 
         ending = "completed"
         for start in range(0, len(lines), CHUNK_LINES):
             if start in done:
                 continue
-            if store.cancel_asked_at(batch_id) is not None:
-                ending = "cancelled"
-                break
-            if time.time() > record["expires_at"]:
-                ending = "expired"
+            ending = await asyncio.to_thread(self.stopped, store, record) or "completed"
+            if ending != "completed":
                 break
             chunk = lines[start:start + CHUNK_LINES]
             by_job = {} if job is None else await job.outcomes(chunk, stopping)
-            if by_job is None:  # cancelled or expired while the job ran
-                ending = "cancelled" if store.cancel_asked_at(batch_id) is not None else "expired"
+            if by_job is None:  # cancelled, expired or deleted while the job ran
+                ending = await asyncio.to_thread(self.stopped, store, record) or "cancelled"
                 break
             outcomes = await self.answer_chunk(record["endpoint"], chunk, by_job)
-            await asyncio.to_thread(atomic_write, parts / f"{start:08d}-{start + len(chunk):08d}.jsonl",
-                                    b"".join(json.dumps({"ok": ok, "line": line}).encode() + b"\n" for ok, line in outcomes))
+            # serialized off the loop too: a chunk of 32 lines of 64 vectors is megabytes of JSON
+            await asyncio.to_thread(lambda: atomic_write(
+                parts / f"{start:08d}-{start + len(chunk):08d}.jsonl",
+                b"".join(json.dumps({"ok": ok, "line": line}).encode() + b"\n" for ok, line in outcomes)))
             counts["completed"] += sum(ok for ok, _ in outcomes)
             counts["failed"] += sum(not ok for ok, _ in outcomes)
             record["request_counts"] = dict(counts)
             await asyncio.to_thread(store.save_batch, record)
         if job is not None:
             await job.end(ending == "completed")
-        await asyncio.to_thread(self.finalize, store, record, parts, len(lines), ending)
+            record["job"] = await asyncio.to_thread(job.summary)
+        await self.end(store, record, parts, len(lines), ending)
+
+    async def validated(self, record: dict, lines: list[Line]) -> tuple[str, str] | None:
+        """Why a batch cannot start (its error's code and message), checked before any line runs: no lines,
+        or an output estimated past batch_max_output_bytes."""
+        if not lines:
+            return "empty_file", "the input file has no request lines"
+        from service.front.deps import service
+
+        svc = await service()
+        sizes: dict[str | None, int] = {}
+
+        def dims_of(model: Any) -> int:
+            key = model if isinstance(model, str) else None
+            if key not in sizes:
+                try:
+                    sizes[key] = svc.model_for(key, record["endpoint"], True, None).model.sentence_dim
+                except Exception:  # noqa: BLE001 - a model the route will refuse: its line is an error, sized as the default's
+                    sizes[key] = svc.model_for(None, record["endpoint"], True, None).model.sentence_dim
+            return sizes[key]
+
+        estimate = await asyncio.to_thread(estimated_output_bytes, lines, record["endpoint"], dims_of)
+        limit = self.settings.batch_max_output_bytes
+        if estimate > limit:
+            return ("output_too_large",
+                    f"the batch's output is estimated at {estimate} bytes ({len(lines)} lines; texts x dimensions x "
+                    f"bytes per number); the limit is {limit} (batch_max_output_bytes): split it into smaller batches "
+                    "or ask for base64 or fewer dimensions")
+        return None
+
+    @staticmethod
+    def stopped(store: Store, record: dict) -> str | None:
+        """How the batch ends now, if it must: `cancelled` (asked), `expired` (past its window), `deleted`
+        (its input file is gone); None to go on."""
+        if store.cancel_asked_at(record["id"]) is not None:
+            return "cancelled"
+        if time.time() > record["expires_at"]:
+            return "expired"
+        if not store.file_exists(record["input_file_id"]):
+            return "deleted"
+        return None
+
+    async def end(self, store: Store, record: dict, parts: Path, total: int, ending: str) -> None:
+        """The batch's last state and files, then its working data removed (off the loop)."""
+        if ending == "deleted":  # its owner deleted the input: nothing more is written from it
+            await asyncio.to_thread(self.fail, store, record, "input_file_deleted",
+                                    f"input file {record['input_file_id']} was deleted before the batch ended")
+            return
+        await asyncio.to_thread(stop_job_if_any, record["id"])  # a job a runner before this one started
+        await asyncio.to_thread(self.finalize, store, record, parts, total, ending)
+        await asyncio.to_thread(store.remove_working_data, record["id"])
 
     async def answer_chunk(self, endpoint: str, chunk: list[Line],
                            by_job: dict[int, tuple[bool, dict]] | None = None) -> list[tuple[bool, dict]]:
@@ -509,33 +666,83 @@ class BatchRunner:
 
     @staticmethod
     def fail(store: Store, record: dict, code: str, message: str) -> None:
+        """The batch `failed` with one error saying why; its job stopped, then its working data removed (after
+        the record, so a runner stopped in between leaves only what the sweeper removes)."""
+        stop_job_if_any(record["id"])
         record.update(status="failed", failed_at=int(time.time()),
                       errors={"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]})
         store.save_batch(record)
+        store.remove_working_data(record["id"])
 
     def finalize(self, store: Store, record: dict, parts: Path, total: int, ending: str) -> None:
-        """The output and error files from the chunks done, in line order, then the batch's last state."""
+        """The output and error files from the chunks done, in line order, streamed a line at a time into
+        temp files renamed into place (a batch's output may be gigabytes); then the batch's last state."""
         now = int(time.time())
+        if ending == "completed" and now > record["expires_at"]:  # finalized past its window (a late restart)
+            ending = "expired"
         if ending == "completed":
             record.update(status="finalizing", finalizing_at=now)
             store.save_batch(record)
-        outputs: list[bytes] = []
-        errors: list[bytes] = []
-        for part in sorted(parts.glob("*.jsonl")):
-            for raw in part.read_bytes().splitlines():
-                outcome = json.loads(raw)
-                (outputs if outcome["ok"] else errors).append(json.dumps(outcome["line"]).encode() + b"\n")
         batch_id, owner = record["id"], record["owner"]
-        if outputs:
-            record["output_file_id"] = store.add_file(owner, f"{batch_id}_output.jsonl", "batch_output", b"".join(outputs),
-                                                      derived_id("file-", batch_id, "output"))["id"]
-        if errors:
-            record["error_file_id"] = store.add_file(owner, f"{batch_id}_error.jsonl", "batch_output", b"".join(errors),
-                                                     derived_id("file-", batch_id, "error"))["id"]
-        record["request_counts"] = self.counts(parts, total)
+        counts = {"total": total, "completed": 0, "failed": 0}
+        written: dict[bool, Path] = {}
+        try:
+            with (tempfile.NamedTemporaryFile(dir=store.files, prefix=f".{batch_id}.output.", delete=False) as out,
+                  tempfile.NamedTemporaryFile(dir=store.files, prefix=f".{batch_id}.error.", delete=False) as err):
+                written = {True: Path(out.name), False: Path(err.name)}
+                for part in sorted(parts.glob("*.jsonl")):
+                    with part.open("rb") as f:
+                        for raw in f:
+                            outcome = json.loads(raw)
+                            ok = bool(outcome["ok"])
+                            (out if ok else err).write(json.dumps(outcome["line"]).encode() + b"\n")
+                            counts["completed" if ok else "failed"] += 1
+                for f in (out, err):
+                    f.flush()
+                    os.fsync(f.fileno())
+            expires_after_s = int(record.get("output_expires_s") or self.settings.batch_output_expires_s)
+            for ok, what, key in ((True, "output", "output_file_id"), (False, "error", "error_file_id")):
+                if counts["completed" if ok else "failed"]:
+                    record[key] = store.adopt_file(owner, f"{batch_id}_{what}.jsonl", "batch_output", written[ok],
+                                                   derived_id("file-", batch_id, what), expires_after_s)["id"]
+        finally:
+            for path in written.values():
+                path.unlink(missing_ok=True)
+        record["request_counts"] = counts
         record["status"] = ending
         record[f"{ending}_at"] = now
         if ending == "cancelled":
             record["cancelling_at"] = store.cancel_asked_at(batch_id) or now
         store.save_batch(record)
-        shutil.rmtree(parts, ignore_errors=True)
+
+
+def sweep(store: Store, retention_s: int, now: float | None = None) -> dict[str, int]:
+    """Delete what has expired (run off the loop, every SWEEP_S): each file whose `expires_at` has passed, its
+    record and bytes; each ended batch created more than `retention_s` ago, its record and marks; and the
+    working data an ended batch left (a runner stopped between its end and the removal). Says how many."""
+    now = time.time() if now is None else now
+    removed = {"files": 0, "batches": 0, "working": 0}
+    for path in store.files.glob("file-*.json"):
+        try:
+            expires_at = json.loads(path.read_bytes()).get("expires_at")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(expires_at, int | float) and expires_at <= now:
+            path.with_suffix(".jsonl").unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+            removed["files"] += 1
+    unfinished = set(store.unfinished_ids())
+    for created_ns, _, batch_id in store.indexed():
+        if batch_id in unfinished or created_ns / 1e9 + retention_s > now:
+            continue
+        record = store.record(batch_id)
+        if record is not None and record["status"] in TERMINAL:
+            store.forget_batch(record)
+            removed["batches"] += 1
+    for left in [*store.batches.glob("batch_*.parts"), *store.batches.glob("batch_*.job")]:
+        batch_id = left.name.split(".")[0]
+        record = store.record(batch_id)
+        if batch_id not in unfinished and (record is None or record["status"] in TERMINAL):
+            store.remove_working_data(batch_id)
+            removed["working"] += 1
+    return removed

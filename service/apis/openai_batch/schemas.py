@@ -10,6 +10,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 BATCH_ENDPOINTS = ("/v1/embeddings", "/v1/rerank", "/v1/score")
 
 
+class OutputExpiresAfter(BaseModel):
+    """OpenAI's `output_expires_after`: the batch's output and error files are deleted this long after they
+    are written (the anchor OpenAI names, `created_at`, is the files' creation)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"] = Field(description="OpenAI's only anchor: the output file's creation")
+    seconds: int = Field(ge=3600, le=30 * 24 * 3600, description="between 1 hour and 30 days, as OpenAI allows")
+
+
 class BatchCreateRequest(BaseModel):
     """`client.batches.create(...)`'s body."""
 
@@ -20,7 +30,8 @@ class BatchCreateRequest(BaseModel):
         description="the route every line of the file calls (each line's `url` must be it)")
     completion_window: Literal["24h"] = Field("24h", description="OpenAI's only window: unfinished after it, expired")
     metadata: dict[str, str] | None = Field(None, description="up to 16 pairs, kept with the batch")
-    output_expires_after: dict | None = Field(None, description="accepted for the SDK's sake; outputs do not expire")
+    output_expires_after: OutputExpiresAfter | None = Field(
+        None, description="when the output and error files are deleted (default: batch_output_expires_s)")
 
     @field_validator("metadata")
     @classmethod

@@ -12,11 +12,20 @@ mounts it: a restarted service, or another replica, finds them all there.
                             that holds batches/<batch id>.lock (fcntl: released when that process dies)
   batches/<batch id>.cancel asked to stop (the cancel route writes it, the runner acts on it)
   batches/<batch id>.parts/ the outcome of each chunk of lines done, one JSONL file per chunk (resumption)
+  batches/<batch id>.job/   the embedding job's input and output
+  batches/unfinished/<created_ns>.<owner key>.<batch id>   an empty mark per unfinished batch: what the
+                            runners scan and what the per-token count counts (never every record)
+  batches/by-owner/<owner key>/<created_ns>.<batch id>     an empty mark per batch: its owner's list, in order
+  batches/owners/<owner key>.lock   held (fcntl) while a batch of that owner is created: the per-token count
+                            and the new batch are one step for every replica sharing the directory
+
+A batch's working data (.parts, .job, .cancel, .lock) is removed when it ends; the sweeper (runner.py) removes
+files past their `expires_at` and ended batches past their retention.
 
 Every write is a temp file renamed into place, so a reader sees the old or the new whole file.
 Owners are the SHA-256 of the bearer token (never the token), or "" with authentication off. Records keep two
 keys OpenAI's objects have not (`public` leaves them out): `owner`, and `created_ns`, their order (created_at
-is in whole seconds).
+is in whole seconds), and those in PRIVATE.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import tempfile
 import time
 from functools import cache
@@ -39,6 +49,10 @@ from service.engine.errors import BadRequest, NotFound, TooLarge
 
 TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
 _ID = re.compile(r"(file-|batch_)[0-9a-f]{24}")  # fullmatch only: `$` would accept a trailing newline
+# what a record keeps that OpenAI's object has not: its owner, its order, the seconds its outputs live
+# (`output_expires_after`), the runner's failed tries, the embedding job's summary
+PRIVATE = frozenset({"owner", "created_ns", "output_expires_s", "tries", "job"})
+INDEX_VERSION = ".index-v1"  # the marks below exist for every batch (made once from the records for an older store)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -81,8 +95,13 @@ class Store:
         self.root = root.expanduser().resolve()
         self.files = self.root / "files"
         self.batches = self.root / "batches"
-        self.files.mkdir(parents=True, exist_ok=True)
-        self.batches.mkdir(parents=True, exist_ok=True)
+        self.unfinished = self.batches / "unfinished"
+        self.by_owner = self.batches / "by-owner"
+        self.owner_locks = self.batches / "owners"
+        for folder in (self.files, self.batches, self.unfinished, self.by_owner, self.owner_locks):
+            folder.mkdir(parents=True, exist_ok=True)
+        if not (self.batches / INDEX_VERSION).exists():
+            self.reindex()
 
     # ---- files ----
 
@@ -164,10 +183,70 @@ class Store:
         for marker in folder.glob(f"{file_id}.*") if folder.is_dir() else ():
             marker.unlink(missing_ok=True)
 
+    def adopt_file(self, owner: str, filename: str, purpose: str, written: Path, file_id: str,
+                   expires_after_s: int | None) -> dict:
+        """A file written whole elsewhere in files/ (a batch's output, streamed), renamed into place and
+        recorded: the bytes first, then the record, so a reader never finds a record without its bytes. It
+        expires `expires_after_s` after its creation (OpenAI's `output_expires_after`), or never (None)."""
+        size = written.stat().st_size
+        os.replace(written, self.files / f"{file_id}.jsonl")
+        now = int(time.time())
+        record = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "filename": filename,
+                  "purpose": purpose, "status": "processed",
+                  "expires_at": None if expires_after_s is None else now + expires_after_s, "status_details": None,
+                  "owner": owner}
+        atomic_write(self.files / f"{file_id}.json", json.dumps(record).encode())
+        return record
+
+    def file_exists(self, file_id: str) -> bool:
+        """Whether a file's record is there (the runner's view, any owner)."""
+        return (self.files / f"{file_id}.json").exists()
+
     # ---- batches ----
 
     def save_batch(self, record: dict) -> None:
+        """The record, whole; an ended batch leaves the unfinished marks (the runners stop seeing it)."""
         atomic_write(self.batches / f"{record['id']}.json", json.dumps(record).encode())
+        if record["status"] in TERMINAL:
+            (self.unfinished / _unfinished_name(record)).unlink(missing_ok=True)
+
+    def create_batch(self, record: dict, limit: int) -> int | None:
+        """Store a new batch unless its owner has `limit` unfinished already (then that count, and nothing
+        stored). Counted and stored under the owner's lock, so replicas sharing the directory cannot both
+        pass the count."""
+        with open(self.owner_locks / f"{_owner_key(record['owner'])}.lock", "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            unfinished = self.unfinished_of(record["owner"])
+            if unfinished >= limit:
+                return unfinished
+            self.save_batch(record)
+            self._index(record)
+            return None
+
+    def _index(self, record: dict) -> None:
+        order = f"{creation_order(record)[0]:020d}"
+        folder = self.by_owner / _owner_key(record["owner"])
+        folder.mkdir(exist_ok=True)
+        (folder / f"{order}.{record['id']}").touch()
+        if record["status"] not in TERMINAL:
+            (self.unfinished / _unfinished_name(record)).touch()
+
+    def reindex(self) -> None:
+        """The marks of every batch, made from the records (a store written before they existed); idempotent."""
+        for path in self.batches.glob("batch_*.json"):
+            record = _read(path)
+            if record is not None:
+                self._index(record)
+        (self.batches / INDEX_VERSION).touch()
+
+    def unfinished_of(self, owner: str) -> int:
+        """How many of the owner's batches are unfinished (a directory listing, no record read)."""
+        key = _owner_key(owner)
+        return sum(1 for name in os.listdir(self.unfinished) if name.count(".") == 2 and name.split(".")[1] == key)
+
+    def unfinished_ids(self) -> list[str]:
+        """The ids of the unfinished batches, oldest first (a directory listing, no record read)."""
+        return [name.split(".")[2] for name in sorted(os.listdir(self.unfinished)) if name.count(".") == 2]
 
     def record(self, batch_id: str) -> dict | None:
         """A batch as stored (the runner's view)."""
@@ -180,13 +259,55 @@ class Store:
             raise NotFound(f"no batch {batch_id!r}")
         return self._with_cancel(record)
 
-    def all_batches(self) -> list[dict]:
-        records = (_read(p) for p in self.batches.glob("batch_*.json"))
-        return [self._with_cancel(r) for r in records if r is not None]
+    def batch_page(self, owner: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        """A page of the owner's batches, newest first (OpenAI's order), after the id `after`: the
+        page and whether more follow. Reads the owner's index and only the page's records."""
+        try:
+            names = sorted(os.listdir(self.by_owner / _owner_key(owner)), reverse=True)
+        except FileNotFoundError:
+            names = []
+        ids = [name.partition(".")[2] for name in names]
+        if after is not None:
+            ids = ids[ids.index(after) + 1:] if after in ids else []
+        page: list[dict] = []
+        for batch_id in ids:
+            record = self.record(batch_id)
+            if record is None or record["owner"] != owner:  # removed meanwhile (retention)
+                continue
+            if len(page) == limit:
+                return page, True
+            page.append(self._with_cancel(record))
+        return page, False
 
     def batches_of(self, owner: str) -> list[dict]:
-        """The owner's batches, newest first (OpenAI's order)."""
-        return sorted((r for r in self.all_batches() if r["owner"] == owner), key=creation_order, reverse=True)
+        """Every batch of the owner, newest first."""
+        return self.batch_page(owner, None, 10**9)[0]
+
+    def remove_working_data(self, batch_id: str) -> None:
+        """What an ended batch no longer needs: its chunks' outcomes, the embedding job's input (every text)
+        and output, its cancel mark and its lock (unlinked while held: a runner that opens it afterwards
+        finds the batch ended and unlinks its own)."""
+        shutil.rmtree(self.parts_dir(batch_id), ignore_errors=True)
+        shutil.rmtree(self.batches / f"{batch_id}.job", ignore_errors=True)
+        (self.batches / f"{batch_id}.cancel").unlink(missing_ok=True)
+        (self.batches / f"{batch_id}.lock").unlink(missing_ok=True)
+
+    def forget_batch(self, record: dict) -> None:
+        """An ended batch past its retention: its record, marks and any working data left."""
+        self.remove_working_data(record["id"])
+        order = f"{creation_order(record)[0]:020d}"
+        (self.by_owner / _owner_key(record["owner"]) / f"{order}.{record['id']}").unlink(missing_ok=True)
+        (self.unfinished / _unfinished_name(record)).unlink(missing_ok=True)
+        (self.batches / f"{record['id']}.json").unlink(missing_ok=True)
+
+    def indexed(self) -> list[tuple[int, str, str]]:
+        """(created_ns, owner key, batch id) of every batch in the owners' index (the sweeper's view)."""
+        found = []
+        for folder in self.by_owner.iterdir():
+            for name in os.listdir(folder):
+                order, _, batch_id = name.partition(".")
+                found.append((int(order), folder.name, batch_id))
+        return found
 
     def ask_cancel(self, batch_id: str) -> None:
         marker = self.batches / f"{batch_id}.cancel"
@@ -221,12 +342,21 @@ class Store:
 
 
 def public(record: dict) -> dict:
-    """The object as OpenAI's API answers it: without its owner and order."""
-    return {k: v for k, v in record.items() if k not in ("owner", "created_ns")}
+    """The object as OpenAI's API answers it: without the keys only the service reads (PRIVATE)."""
+    return {k: v for k, v in record.items() if k not in PRIVATE}
 
 
 def creation_order(record: dict) -> tuple[int, str]:
     return record.get("created_ns", record["created_at"] * 10**9), record["id"]
+
+
+def _owner_key(owner: str) -> str:
+    """An owner as a file name: the token's SHA-256 (hex), or `anyone` with authentication off."""
+    return owner or "anyone"
+
+
+def _unfinished_name(record: dict) -> str:
+    return f"{creation_order(record)[0]:020d}.{_owner_key(record['owner'])}.{record['id']}"
 
 
 def _read(path: Path) -> dict | None:
