@@ -89,6 +89,7 @@ def run(spec: EmbedSpec | dict) -> dict:
     if spec.normalize is not None and "dense" not in model.representations:
         raise ValueError(f"--normalize applies to the dense embedding, which model {model.name!r} has not")
     created = not spec.output.exists()
+    fresh = created or (spec.output.is_dir() and not any(spec.output.iterdir()))
     # refuses someone else's directory untouched, and a directory another run is writing, before Ray starts
     with shards.OutputLock(spec.output):
         begun = False
@@ -98,8 +99,8 @@ def run(spec: EmbedSpec | dict) -> dict:
             shards.check_job(spec.output, identity)
             begun = True
         finally:
-            if created and not begun:  # nothing of a job was recorded: leave no directory behind
-                _remove_new_output(spec.output)
+            if fresh and not begun:  # nothing of a job was recorded: leave nothing of ours behind
+                _remove_new_output(spec.output, created)
         return _run_locked(spec, bundle, files)
 
 
@@ -121,12 +122,15 @@ def _plan(spec: EmbedSpec, bundle):
     return files, identity
 
 
-def _remove_new_output(output: Path) -> None:
-    """The directory this run made, with what it put there (the lock, staged copies), when it failed before
-    recording a job: a wrong --address or input leaves nothing behind."""
+def _remove_new_output(output: Path, created: bool) -> None:
+    """What this run put in a new or empty output (the lock, staged copies; the directory if it made it) when
+    it failed before recording a job: a wrong --address or input leaves nothing behind."""
     import shutil
 
-    shutil.rmtree(output, ignore_errors=True)
+    from jobs.shards import PROGRESS
+
+    for path in (output,) if created else (output / PROGRESS, output / "_staging"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _run_locked(spec: EmbedSpec, bundle, files) -> dict:

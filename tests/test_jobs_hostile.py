@@ -16,14 +16,18 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from tests.reliability import record
 from tests.test_jobs import assert_every_row_once, cluster, corpus, records_of, shards_of, tiny  # noqa: F401
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def env() -> dict:
+    """This process's environment at the call (the cluster fixture's ray.init sets RAY_AUTH_MODE: a driver in
+    another process needs it to reach that cluster), with this checkout importable."""
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def embed_command(bundle: Path, inputs: Path, output: Path, *flags: str) -> list[str]:
@@ -39,12 +43,16 @@ def test_an_unreachable_cluster_is_one_line_and_exit_1_within_the_bound(tiny, tm
     (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
     started = time.monotonic()
     refused = subprocess.run(embed_command(bundle, tmp_path / "in.jsonl", tmp_path / "out", "--address", "127.0.0.1:1"),
-                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+                             cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     refused_s = time.monotonic() - started
     assert refused.returncode == 1 and refused.stdout == ""
     assert refused.stderr.count("\n") == 1 and "cannot connect to the Ray cluster at 127.0.0.1:1: connection " \
                                                 "refused" in refused.stderr
     assert refused_s < 60 and not (tmp_path / "out").exists()
+    (tmp_path / "empty").mkdir()  # an empty directory given: left empty
+    again = subprocess.run(embed_command(bundle, tmp_path / "in.jsonl", tmp_path / "empty", "--address", "127.0.0.1:1"),
+                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1 and list((tmp_path / "empty").iterdir()) == []
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -54,7 +62,7 @@ def test_an_unreachable_cluster_is_one_line_and_exit_1_within_the_bound(tiny, tm
         started = time.monotonic()
         hung = subprocess.run(embed_command(bundle, tmp_path / "in.jsonl", tmp_path / "out2", "--address", address,
                                             "--connect-timeout", "8"),
-                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+                              cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
         hung_s = time.monotonic() - started
     finally:
         silent.close()
@@ -85,11 +93,11 @@ def test_a_second_run_on_an_output_is_refused_and_the_output_is_a_parquet_datase
     output = tmp_path / "out"
     command = embed_command(bundle, tmp_path / "in.parquet", output, "--address", cluster, "--batch-size", "100",
                             "--concurrency", "1")
-    first = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: len(records_of(output)) >= 2 if (output / "_progress").exists() else False,
                    "the first run's shards", timeout=180)
-        second = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+        second = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
         out, err = first.communicate(timeout=300)
     finally:
         first.kill()
@@ -122,31 +130,28 @@ def test_a_second_run_on_an_output_is_refused_and_the_output_is_a_parquet_datase
 
 
 def test_a_resumed_output_keeps_the_runtime_and_precision_it_began_with(tiny, cluster, tmp_path):
-    """A job whose output says it ran onnxruntime int8 (which `auto` never chooses), resumed with the same
-    arguments after its last range was lost: the resumed range runs at int8 too, not at what this machine
-    would choose (before: `auto` again, a second precision mixed into one output)."""
+    """An output begun where its actors ran OpenVINO fp32 (which `auto` does not choose for this bundle here),
+    resumed with the same arguments after its last range was lost: the resumed range runs OpenVINO too, not
+    what this machine would choose (before: `auto` again, a second runtime mixed into one output)."""
     from jobs.embed import run
     from jobs.shards import record_path, shard_path
 
     _, bundle = tiny
-    manifest = json.loads((bundle / "bundle.json").read_text())
-    if "int8" not in json.dumps(manifest.get("variants", manifest)):
-        pytest.skip("the tiny bundle has no int8 variant")
     pq.write_table(pa.table({"text": corpus(300, seed=8)}), tmp_path / "in.parquet")
     spec = {"bundle": bundle, "inputs": [tmp_path / "in.parquet"], "output": tmp_path / "out", "batch_size": 100,
             "concurrency": 1}
-    chosen = run({**spec, "output": tmp_path / "auto"})["precision"]
-    assert chosen != "onnxruntime int8"
-    begun = run({**spec, "runtime": "onnxruntime", "precision": "int8"})  # as a job begun on a machine that ran int8
-    assert begun["precision"] == "onnxruntime int8"
-    job = tmp_path / "out" / "_progress" / "job.json"
-    job.write_text(json.dumps({**json.loads(job.read_text()), "precision": "auto"}))  # begun under auto
+    chosen = run({**spec, "output": tmp_path / "auto"})["precision"]  # what auto runs on this machine
+    assert chosen != "openvino fp32"
+    begun = run({**spec, "runtime": "openvino"})  # as on a machine whose auto chose OpenVINO
+    assert begun["precision"] == "openvino fp32"
+    assert json.loads((tmp_path / "out" / "_progress" / "runtime.json").read_text()) == {"runtime": "openvino",
+                                                                                         "precision": "fp32"}
     shard_path(tmp_path / "out", 200, 299).unlink()  # its last range lost: a crash before its record
     record_path(tmp_path / "out", 200, 299).unlink()
-    resumed = run(spec)  # auto, on this machine: would choose `chosen`
-    assert resumed["rows_this_run"] == 100 and resumed["precision"] == "onnxruntime int8"
+    resumed = run(spec)  # the same arguments: auto, on this machine, would choose `chosen`
+    assert resumed["rows_this_run"] == 100 and resumed["precision"] == "openvino fp32"
     meta = json.loads(pq.read_schema(shard_path(tmp_path / "out", 200, 299)).metadata[b"jobs.embed"])
-    assert (meta["runtime"], meta["precision"]) == ("onnxruntime", "int8")
+    assert (meta["runtime"], meta["precision"]) == ("openvino", "fp32")
 
 
 def test_ten_mib_texts_are_cut_or_refused_by_characters_before_the_tokenizer(tiny, cluster, tmp_path):
