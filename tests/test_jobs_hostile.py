@@ -108,8 +108,9 @@ def test_a_second_run_on_an_output_is_refused_and_the_output_is_a_parquet_datase
     assert out.strip().startswith("embedded 3000 rows (2999 written, 1 failed, 3000 this run)")
     assert_every_row_once(output, 3000, failed=1)
 
-    assert sorted(p.name for p in output.iterdir() if not p.name.startswith("part-")) == ["_SUCCESS", "_errors.jsonl",
-                                                                                          "_progress"]
+    # beside the shards only `_` names: the input's one group of 3,000 rows is staged (more than 4 ranges of 100)
+    assert sorted(p.name for p in output.iterdir() if not p.name.startswith("part-")) == [
+        "_SUCCESS", "_errors.jsonl", "_progress", "_staging"]
     assert [json.loads(line) for line in (output / "_errors.jsonl").read_text().splitlines()] == [
         {"id": 5, "reason": "empty text"}]
     frame = pd.read_parquet(output)
