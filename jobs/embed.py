@@ -94,8 +94,8 @@ def run(spec: EmbedSpec | dict) -> dict:
     with shards.OutputLock(spec.output):
         begun = False
         try:
+            files, identity = _plan(spec, bundle)  # a wrong input is said before any wait for Ray
             connect(spec.address, spec.connect_timeout)
-            files, identity = _plan(spec, bundle)
             shards.check_job(spec.output, identity)
             begun = True
         finally:
@@ -176,12 +176,14 @@ def connect(address: str | None, timeout: float, say=None) -> None:
     """Connect this process to Ray (a local one without an address); an address that does not answer
     within `timeout` seconds is a ConnectError, said after probing its port (refused: at once) and with a
     line on stderr while it waits, instead of Ray's silent wait of minutes."""
+    import os
     import sys
 
     import ray
 
     if ray.is_initialized():
         return
+    address = address or os.environ.get("RAY_ADDRESS")  # where ray.init would go (a RayJob's submitter sets it)
     if not address or address == "local":  # a Ray of our own: nothing to wait for but its start
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
         return
