@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.inputs import InputError, plan_inputs, read_rows
+from tests.reliability import record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,6 +51,9 @@ def test_a_deeply_nested_or_otherwise_hostile_jsonl_line_is_one_bad_row(tmp_path
     assert errors[0] is None and errors[5] is None
     assert errors[1] == errors[2] == "not JSON: nested too deeply"
     assert all(e.startswith("not JSON") for e in errors[3:5])
+    record("embedding job given a deeply nested JSONL line", 'lines of "[" * 100000, a 50,000-deep object, bytes that '
+           "are not UTF-8", "each one bad row with its reason; the rows around them read", note="was a RecursionError "
+           "that failed the whole job")
 
 
 def quoted_csv(n: int) -> tuple[str, list[str]]:
@@ -152,6 +156,8 @@ def test_someone_elses_directory_is_refused_and_left_untouched(tmp_path):
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and "holds files that are not an embedding job's output" in done.stderr
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir()} == before
+    record("embedding job given someone else's output directory", "--output a directory of Spark's part files, .crc "
+           "files and _SUCCESS", "one line, exit 1; every file unchanged", note="they were deleted before")
 
 
 def test_tidy_removes_only_what_its_own_names_and_metadata_mark(tmp_path):
