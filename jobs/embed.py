@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +21,11 @@ from pathlib import Path
 OUTPUTS = ("embedding", "sparse", "multivector")
 REPRESENTATION = {"embedding": "dense", "sparse": "sparse", "multivector": "multivector"}
 DEFAULT_BATCH = 2048  # rows per range: one shard, one actor call; what a crash costs at most per actor
+# a cluster that does not answer within this is a wrong --address, not a slow one: Ray's own connection waits
+# for minutes saying nothing (a GCS that is up answers in well under a second; a head pod still starting
+# takes longer: raise it with --connect-timeout)
+CONNECT_TIMEOUT_S = 60.0
+CONNECT_QUIET_S = 5.0  # a connection that takes longer says what it waits for
 
 
 @dataclass
@@ -41,6 +47,8 @@ class EmbedSpec:
     precision: str = "auto"  # the service's setting (auto: as a replica chooses)
     num_cpus: float | None = None  # per actor; None: 1 (with a GPU or not)
     nice: int = 0  # added to the actors' OS niceness: a job beside online replicas (the Batch API's) yields the CPU to them
+    connect_timeout: float = CONNECT_TIMEOUT_S  # seconds to reach the cluster at `address` before giving up
+    runtime: str = "auto"  # the runtime the actors load; run() pins it (and precision) to what the output ran
 
     def __post_init__(self) -> None:
         self.bundle, self.output = Path(self.bundle), Path(self.output)
@@ -55,6 +63,8 @@ class EmbedSpec:
             raise ValueError("--batch-size: at least 1 row")
         if self.format not in (None, "parquet", "jsonl", "csv"):
             raise ValueError(f"--format: {self.format!r} is not parquet, jsonl or csv")
+        if not self.connect_timeout > 0:
+            raise ValueError("--connect-timeout: more than 0 seconds")
 
 
 @dataclass
@@ -67,9 +77,10 @@ class Tally:
 def run(spec: EmbedSpec | dict) -> dict:
     """Run the job to the end (or resume it) and return its summary (what _SUCCESS holds)."""
     from bundle.manifest import load_bundle
-    from jobs import inputs, shards
+    from jobs import shards
 
     spec = spec if isinstance(spec, EmbedSpec) else EmbedSpec(**spec)
+    shards.refuse_foreign(spec.output)  # someone else's directory: said first, and nothing in it touched
     bundle = load_bundle(spec.bundle)
     model = bundle.manifest.model
     if missing := [o for o in spec.outputs if REPRESENTATION[o] not in model.representations]:
@@ -77,19 +88,66 @@ def run(spec: EmbedSpec | dict) -> dict:
                          f"{', '.join(REPRESENTATION[o] for o in missing)}: choose --outputs among those")
     if spec.normalize is not None and "dense" not in model.representations:
         raise ValueError(f"--normalize applies to the dense embedding, which model {model.name!r} has not")
-    spec.output.mkdir(parents=True, exist_ok=True)
-    files = inputs.plan_inputs(spec.inputs, spec.format, spec.text_column, spec.id_column, spec.output / "_staging")
+    created = not spec.output.exists()
+    fresh = created or (spec.output.is_dir() and not any(spec.output.iterdir()))
+    # refuses someone else's directory untouched, and a directory another run is writing, before Ray starts
+    with shards.OutputLock(spec.output):
+        begun = False
+        try:
+            files, identity = _plan(spec, bundle)  # a wrong input is said before any wait for Ray
+            connect(spec.address, spec.connect_timeout)
+            shards.check_job(spec.output, identity)
+            begun = True
+        finally:
+            if fresh and not begun:  # nothing of a job was recorded: leave nothing of ours behind
+                _remove_new_output(spec.output, created)
+        return _run_locked(spec, bundle, files)
+
+
+def _plan(spec: EmbedSpec, bundle):
+    """The inputs planned (CSV and huge-group Parquet staged) and the output's identity: what makes
+    another job's output different from this one's."""
+    from jobs import inputs
+
+    files = inputs.plan_inputs(spec.inputs, spec.format, spec.text_column, spec.id_column, spec.output / "_staging",
+                               spec.batch_size)
     total = sum(f.rows for f in files)
-    shards.check_job(spec.output, {
+    identity = {
         "bundle_sha256": bundle.sha256, "inputs": [str(p.resolve()) for p in spec.inputs], "rows": total,
         "text_column": spec.text_column, "id_column": spec.id_column, "outputs": list(spec.outputs),
-        "normalize": spec.normalize, "truncate": spec.truncate, "precision": spec.precision})
+        "normalize": spec.normalize, "truncate": spec.truncate, "precision": spec.precision,
+        # a changed input (rewritten, appended to) is another job, though its rows may count the same
+        "input_files": [{"path": str(p.resolve()), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                        for p, _ in inputs.expand(spec.inputs, spec.format)]}
+    return files, identity
+
+
+def _remove_new_output(output: Path, created: bool) -> None:
+    """What this run put in a new or empty output (the lock, staged copies; the directory if it made it) when
+    it failed before recording a job: a wrong --address or input leaves nothing behind."""
+    import shutil
+
+    from jobs.shards import PROGRESS
+
+    for path in (output,) if created else (output / PROGRESS, output / "_staging"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _run_locked(spec: EmbedSpec, bundle, files) -> dict:
+    from jobs import shards
+
+    model = bundle.manifest.model
+    total = sum(f.rows for f in files)
     todo = shards.gaps(shards.tidy(spec.output), total, spec.batch_size)
     started = time.perf_counter()
     done = Tally()
     precision = None
     if todo:
-        precision, done = _pipeline(spec, files, todo)
+        # a resumed output keeps the runtime and precision it began with, whatever this machine would choose
+        ran = shards.ran_with(spec.output)
+        pinned = spec if not ran else EmbedSpec(**{**asdict(spec), "runtime": ran["runtime"],
+                                                   "precision": ran["precision"]})
+        precision, done = _pipeline(pinned, files, todo)
     wall = time.perf_counter() - started
     records = shards.tidy(spec.output)
     covered = sum(r.last - r.first + 1 for r in records)
@@ -110,6 +168,83 @@ def run(spec: EmbedSpec | dict) -> dict:
     return summary
 
 
+class ConnectError(RuntimeError):
+    """The Ray cluster at --address could not be reached within the bound."""
+
+
+def connect(address: str | None, timeout: float, say=None) -> None:
+    """Connect this process to Ray (a local one without an address); an address that does not answer
+    within `timeout` seconds is a ConnectError, said after probing its port (refused: at once) and with a
+    line on stderr while it waits, instead of Ray's silent wait of minutes."""
+    import os
+    import sys
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")  # where ray.init would go (a RayJob's submitter sets it)
+    if not address or address == "local":  # a Ray of our own: nothing to wait for but its start
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        return
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    deadline = time.monotonic() + timeout
+    if address != "auto":
+        _probe(address, deadline, timeout, say)
+    failure: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=init, name="ray-init", daemon=True)
+    thread.start()
+    thread.join(min(CONNECT_QUIET_S, max(0.0, deadline - time.monotonic())))
+    if thread.is_alive() and deadline > time.monotonic():
+        say(f"python -m jobs embed: waiting for the Ray cluster at {address} to answer (giving up after "
+            f"{timeout:.0f} s: --connect-timeout)")
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if thread.is_alive():
+        raise ConnectError(f"the Ray cluster at {address} did not answer within {timeout:.0f} s "
+                           "(--connect-timeout); check --address")
+    if failure:
+        exc = failure[0]
+        raise ConnectError(f"cannot connect to the Ray cluster at {address}: {type(exc).__name__}: "
+                           f"{' '.join(str(exc).split())[:300]}") from None
+
+
+def _probe(address: str, deadline: float, timeout: float, say) -> None:
+    """Wait until the address's port accepts a connection; refused is an answer (nothing listens there)."""
+    import socket
+
+    hostport = address.split("://", 1)[-1].rsplit("/", 1)[0]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConnectError(f"--address {address!r}: not host:port (or ray://host:port)")
+    said = False
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ConnectError(f"the Ray cluster at {address} did not answer within {timeout:.0f} s "
+                               "(--connect-timeout); check --address")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(left, 5.0)):
+                return
+        except ConnectionRefusedError:
+            raise ConnectError(f"cannot connect to the Ray cluster at {address}: connection refused (nothing "
+                               "listens there); check --address") from None
+        except socket.gaierror as exc:
+            raise ConnectError(f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc}") from None
+        except OSError:  # timed out, unreachable: a cluster may still be starting
+            if not said:
+                say(f"python -m jobs embed: waiting for the Ray cluster at {address} (giving up after "
+                    f"{timeout:.0f} s: --connect-timeout)")
+                said = True
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
 def _read_success(output: Path) -> dict:
     try:
         return json.loads((output / "_SUCCESS").read_text())
@@ -121,8 +256,6 @@ def _pipeline(spec: EmbedSpec, files, todo: list[tuple[int, int]]) -> tuple[str 
     """The ranges through Ray Data; returns the runtime and precision the actors ran and what they did."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=spec.address, logging_level="WARNING", log_to_driver=False)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     cpus = ray.cluster_resources().get("CPU", 1)
     # one engine per CPU, each on one intra-op thread: the service's throughput sizing. Measured on 2 cores,
@@ -192,10 +325,26 @@ class Embedder:
         self.spec = EmbedSpec(**spec)
         if self.spec.nice > 0:  # before the runtime's threads start: they inherit it
             os.nice(self.spec.nice)
+        from jobs.shards import claim_runtime
+
         gpu = ray_gpu_assignment(1.0) if os.environ.get("CUDA_VISIBLE_DEVICES") else None
-        self.settings = ServiceSettings(bundle=self.spec.bundle, precision=self.spec.precision,
-                                        intra_op_threads=threads, num_cpus=threads)
-        self.engine = load_engine(self.settings.bundles[0], self.settings, gpu)
+
+        def load(runtime: str, precision: str):
+            self.settings = ServiceSettings(bundle=self.spec.bundle, runtime=runtime, precision=precision,
+                                            intra_op_threads=threads, num_cpus=threads)
+            return load_engine(self.settings.bundles[0], self.settings, gpu)
+
+        self.engine = load(self.spec.runtime, self.spec.precision)
+        # one output, one runtime and precision: the first actor to load records what it runs; an actor that
+        # chose another (`auto` on another node's hardware) runs the recorded one instead, or fails saying so
+        mine = {"runtime": self.engine.runtime.runtime, "precision": self.engine.runtime.precision}
+        recorded = claim_runtime(Path(self.spec.output), mine)
+        if recorded != mine:
+            try:
+                self.engine = load(recorded["runtime"], recorded["precision"])
+            except Exception as exc:
+                raise RuntimeError(f"this node cannot run the job's {recorded['runtime']} {recorded['precision']} "
+                                   f"(its output was begun at it): {exc}") from None
         self.engine.runner.warm_up()
         self.pid = os.getpid()
         self.node = ray.get_runtime_context().get_node_id()  # in each record: which node did which rows
@@ -234,6 +383,7 @@ class Embedder:
         texts = table.column("_text").to_pylist()
         errors = table.column("_error").to_pylist()
         ids = table.column(spec.id_column).to_pylist() if spec.id_column else rows
+        max_tokens = engine.model.max_tokens
         for i, text in enumerate(texts):
             if errors[i] is None:  # the characters bound's refusal is this row's, never the range's
                 errors[i] = bad_text(text) or engine.tokenizer.refusal(
@@ -241,10 +391,10 @@ class Embedder:
         good = [i for i, e in enumerate(errors) if e is None]
         tokens, columns = 0, {}
         if good:
-            result, n_tokens, too_long = self.compute([texts[i] for i in good])
+            result, n_tokens, truncated = self.compute([texts[i] for i in good])
             for k, i in enumerate(good):
-                if too_long[k]:
-                    errors[i] = (f"more than the model's limit of {engine.model.max_tokens} tokens (truncate is off: "
+                if truncated[k] and not spec.truncate:
+                    errors[i] = (f"more than the model's limit of {max_tokens} tokens (truncate is off: "
                                  "run without --no-truncate to cut it)")
             kept = [k for k, i in enumerate(good) if errors[i] is None]
             good = [good[k] for k in kept]
@@ -282,7 +432,7 @@ class Embedder:
     def compute(self, texts: list[str]):
         """Each text through the engine as /v1/embeddings (and /v1/encode for sparse and token vectors)
         sends it: the same prompt rule, tokenization and job; returns the result, each text's tokens and
-        whether it was cut (a bad row when truncate is off)."""
+        whether it was cut at the model's limit (a bad row when truncate is off)."""
         from bundle.representations import colbert_cut, colbert_ids
         from service.engine.prompts import prompt_for
         from service.engine.runner import EncodeJob
@@ -309,7 +459,7 @@ class Embedder:
                         want_embedding="embedding" in spec.outputs, pool_skip=skip,
                         sparse="sparse" in spec.outputs, multivector="multivector" in spec.outputs, attended=attended)
         result = engine.runner.compute([job])[0]
-        return result, [len(i) for i in ids], [t.truncated and not spec.truncate for t in tokenized]
+        return result, [len(i) for i in ids], [t.truncated for t in tokenized]
 
 
 def bad_text(text) -> str | None:

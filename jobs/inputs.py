@@ -5,7 +5,10 @@ of rows a unit of work that a second run can recognise as done.
 Parquet files are read by row group (their row counts are in the footer); JSONL files by byte offset
 (every line's start, found once with numpy); a CSV file has no cheap way to its n-th row (a quoted field
 may hold a newline), so its two columns are copied once into a Parquet file under the output's
-_staging/ and read from there.
+_staging/ and read from there. So is a Parquet file whose row groups are much larger than a range (pyarrow's
+default writer makes one group of up to a million rows): Parquet cannot read part of a group, so each
+range would decode its whole group again, and reading would grow with the square of the file (a 400,000-row
+group: 50 ms per 2,048-row range instead of 1 ms); its copy has groups of one range each, read once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
            ".csv": "csv"}
 CHUNK = 1 << 24  # bytes read at a time when finding JSONL lines
+GROUP_RANGES = 4  # a Parquet file with a row group of more than this many ranges' rows is staged (copied once)
 
 
 class InputError(ValueError):
@@ -63,9 +67,9 @@ def expand(paths: list[Path], given: str | None) -> list[tuple[Path, str]]:
 
 
 def plan_inputs(paths: list[Path], given: str | None, text_column: str, id_column: str | None,
-                staging: Path) -> list[InputFile]:
-    """The inputs numbered in order; Parquet columns checked; JSONL lines indexed and CSV staged into
-    `staging` (once: a second run finds them there)."""
+                staging: Path, range_rows: int = 2048) -> list[InputFile]:
+    """The inputs numbered in order; Parquet columns checked; JSONL lines indexed, CSV and Parquet files of
+    row groups much larger than `range_rows` staged into `staging` (once: a second run finds them there)."""
     files, first = [], 0
     for n, (path, fmt) in enumerate(expand(paths, given)):
         if fmt == "csv":
@@ -73,13 +77,20 @@ def plan_inputs(paths: list[Path], given: str | None, text_column: str, id_colum
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
-            meta = pq.ParquetFile(path)
+            try:
+                meta = pq.ParquetFile(path)
+            except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+                raise InputError(f"{path}: not a Parquet file ({exc}); name its format with --format") from None
             names = meta.schema_arrow.names
             for column in (text_column, id_column):
                 if column is not None and column not in names:
                     raise InputError(f"{path}: no column {column!r} (it has {', '.join(names)}); name the text with "
                                      "--text-column and the id with --id-column")
             rows = meta.metadata.num_rows
+            largest = max((meta.metadata.row_group(g).num_rows for g in range(meta.metadata.num_row_groups)), default=0)
+            if largest > GROUP_RANGES * range_rows:
+                path = stage_parquet(path, staging / f"{n}-{path.stem}.parquet",
+                                     [c for c in (id_column, text_column) if c is not None], range_rows)
             files.append(InputFile(str(path.resolve()), "parquet", first, rows))
         elif fmt == "jsonl":
             starts = line_starts(path)
@@ -109,7 +120,7 @@ def line_starts(path: Path) -> np.ndarray:
     return np.append(starts, offset)
 
 
-def stage_csv(path: Path, staged: Path, text_column: str, id_column: str | None) -> Path:
+def stage_csv(path: Path, staged: Path, text_column: str, id_column: str | None, block_size: int = 1 << 20) -> Path:
     """The CSV's text and id columns as strings, copied into a Parquet file (streamed: any size)."""
     import pyarrow as pa
     import pyarrow.csv as pv
@@ -119,17 +130,51 @@ def stage_csv(path: Path, staged: Path, text_column: str, id_column: str | None)
         return staged
     columns = [c for c in (id_column, text_column) if c is not None]
     try:
-        reader = pv.open_csv(path, convert_options=pv.ConvertOptions(
-            include_columns=columns, column_types={c: pa.string() for c in columns}, strings_can_be_null=False))
+        # a quoted field may hold a newline: without newlines_in_values the reader's chunker cuts blocks at
+        # any newline, and the parser fails past the first block ("got out of sync with chunker")
+        reader = pv.open_csv(path, read_options=pv.ReadOptions(block_size=block_size),
+                             parse_options=pv.ParseOptions(newlines_in_values=True),
+                             convert_options=pv.ConvertOptions(include_columns=columns,
+                                                               column_types={c: pa.string() for c in columns},
+                                                               strings_can_be_null=False))
     except (pa.ArrowInvalid, KeyError) as exc:
         raise InputError(f"{path}: {exc} (name the text with --text-column and the id with --id-column)") from None
+    try:
+        staged_write(staged, reader.schema, reader, None)
+    except pa.ArrowInvalid as exc:  # a malformed row past the first block
+        raise InputError(f"{path}: not readable as CSV: {' '.join(str(exc).split())}") from None
+    return staged
+
+
+def stage_parquet(path: Path, staged: Path, columns: list[str], range_rows: int) -> Path:
+    """The text and id columns of a Parquet file of huge row groups, copied once (streamed: each group is
+    decoded once, a batch at a time) into a file whose groups hold one range each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if staged.exists():
+        return staged
+    source = pq.ParquetFile(path, buffer_size=1 << 20)  # buffered: a group's column is not read whole
+    schema = pa.schema([source.schema_arrow.field(c) for c in columns])
+    staged_write(staged, schema, source.iter_batches(batch_size=range_rows, columns=columns), range_rows)
+    return staged
+
+
+def staged_write(staged: Path, schema, batches, group_rows: int | None) -> None:
+    """Record batches into `staged` under a temporary name renamed into place; on any failure the temporary
+    file is removed (nothing half-written stays)."""
+    import pyarrow.parquet as pq
+
     staged.parent.mkdir(parents=True, exist_ok=True)
     tmp = staged.with_name(f".{staged.name}.tmp-{uuid.uuid4().hex}")
-    with pq.ParquetWriter(tmp, reader.schema) as writer:
-        for batch in reader:
-            writer.write_batch(batch)
-    os.replace(tmp, staged)
-    return staged
+    try:
+        with pq.ParquetWriter(tmp, schema) as writer:
+            for batch in batches:
+                writer.write_batch(batch, row_group_size=group_rows)
+        os.replace(tmp, staged)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_rows(file: InputFile, first: int, last: int, text_column: str, id_column: str | None):
@@ -187,6 +232,10 @@ def jsonl_slice(file: InputFile, start: int, stop: int, text_column: str, id_col
             record = json.loads(line)
         except ValueError as exc:
             record, error = None, f"not JSON: {exc}"
+        except RecursionError:  # "[" * 100000: one bad row, not a failed job
+            record, error = None, "not JSON: nested too deeply"
+        except Exception as exc:  # noqa: BLE001 - whatever a line does, it is that line's error
+            record, error = None, f"not JSON: {type(exc).__name__}: {exc}"
         if isinstance(record, dict):
             row_id = record.get(id_column) if id_column is not None else None
             text = record.get(text_column)

@@ -1,7 +1,7 @@
 """The embedding job (python -m jobs embed, issue 50) on a local Ray of 2 CPUs on loopback, with a tiny random
 BERT exported by the real pipeline: Parquet and JSONL in, Parquet out, every row's vector equal to
 sentence-transformers'; an actor killed mid-job and a driver killed then run again, every row exactly once;
-bad rows in errors.jsonl while the job goes on."""
+bad rows in _errors.jsonl while the job goes on."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_parquet_and_jsonl_in_vectors_equal_sentence_transformers(tiny, cluster,
     import ray
 
     assert summary["rows_by_node"] == {ray.get_runtime_context().get_node_id(): 3000}  # the one node's actors did all
-    assert (tmp_path / "out" / "errors.jsonl").read_text() == ""
+    assert (tmp_path / "out" / "_errors.jsonl").read_text() == ""
     table = shards_of(tmp_path / "out", "doc_id")
     assert table.column_names == ["doc_id", "text_sha256", "embedding"]
     assert table.schema.field("embedding").type == pa.list_(pa.float32())
@@ -135,7 +135,7 @@ def test_bad_rows_go_to_the_errors_file_and_the_job_goes_on(tiny, cluster, tmp_p
     summary = run({"bundle": bundle, "inputs": [tmp_path / "in.jsonl", tmp_path / "more.csv"],
                    "output": tmp_path / "out", "id_column": "id", "truncate": False, "batch_size": 16,
                    "concurrency": 2})
-    errors = [json.loads(line) for line in (tmp_path / "out" / "errors.jsonl").read_text().splitlines()]
+    errors = [json.loads(line) for line in (tmp_path / "out" / "_errors.jsonl").read_text().splitlines()]
     assert [e["id"] for e in errors] == ["empty", "number", "missing", None, "long", "c1"]
     reasons = [e["reason"] for e in errors]
     assert reasons[0] == "empty text" and reasons[1] == "not text: 'text' is int" and reasons[2] == "no 'text' field"
