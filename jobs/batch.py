@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import threading
 
+from jobs.embed import bad_text
+from jobs.shards import begun_with, read_records, shard_path
+
 NAMESPACE = "openai-batch"  # the batch jobs' actors, apart from Serve's namespace
 
 
@@ -61,3 +64,25 @@ def stop_job(batch_id: str) -> None:
         ray.kill(ray.get_actor(actor_name(batch_id), namespace=NAMESPACE), no_restart=True)
     except ValueError:  # none by that name: never started here, or already stopped
         pass
+
+
+def stop_job_if_any(batch_id: str) -> None:
+    """Stop the batch's job actor where this process is in a Ray cluster (never starts one)."""
+    import ray
+
+    if ray.is_initialized():
+        stop_job(batch_id)
+
+
+class BatchJobs:
+    """What the Batch API's runner (service/apis/openai_batch/runner.py) uses of the embedding job, in one
+    place: service/deployment.py hands it to the runner, so the service's layers never import jobs/ (the job
+    sits above the engine it runs, and the runner below the composition that knows both)."""
+
+    start = staticmethod(start_job)  # (batch id, spec) -> the job's actor, running or new
+    stop = staticmethod(stop_job)
+    stop_if_any = staticmethod(stop_job_if_any)
+    begun_with = staticmethod(begun_with)  # what the job that began an output was made with
+    records = staticmethod(read_records)  # the ranges done, from the output's _progress
+    shard_path = staticmethod(shard_path)
+    bad_text = staticmethod(bad_text)  # why the job would not embed a text (those lines run in process)

@@ -30,6 +30,7 @@ from service.config import BatchingSettings, ServiceSettings
 from service.engine.engine import EngineTable, load_engine, resize_runtimes
 from service.engine.encoder_service import EncoderService
 from service.apis.ops.health import replica_info
+from jobs.batch import BatchJobs
 from service.apis.openai_batch.runner import BatchRunner
 from service.front.deps import serve_with
 from service.front.gate import Gate
@@ -77,7 +78,8 @@ class Encoder(grpc_methods()):
             "metrics": {"prometheus_url": node_metrics_url(), "node_id": node_id},
         }
         serve_with(self.svc)
-        self.batches = BatchRunner(settings, app)  # OpenAI's Batch API: this replica's runner of unfinished batches
+        # OpenAI's Batch API: this replica's runner of unfinished batches, given the embedding job's entry points
+        self.batches = BatchRunner(settings, app, jobs=BatchJobs)
         self.batches.start()
         metrics = service_metrics()
         gpu_ids = ",".join(self.gpu.ray_gpu_ids)

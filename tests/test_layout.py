@@ -8,7 +8,8 @@
 - Import rules: APIs import only the front and the engine (and observability's spans), never a
   transport or another API; transports never import each other; the front imports no API and no
   transport; the engine imports no front, API or transport; runtimes, observability and hosting import
-  nothing above them.
+  nothing above them; no room imports the embedding job (jobs/, which runs the engine): the composition
+  hands the Batch API what it needs of it (issue 55).
 """
 
 from __future__ import annotations
@@ -140,14 +141,17 @@ FORBIDDEN = {
 COMPOSITION = {"deployment", "app", "__main__", "ingress_callback"}
 
 
+WATCHED = {"service", "jobs"}  # the packages whose imports the rules look at (jobs/: the embedding job)
+
+
 def imports_of(path: Path) -> set[str]:
-    """Every `service...` module a file imports, at any depth (functions' imports too)."""
+    """Every `service...` (and `jobs...`) module a file imports, at any depth (functions' imports too)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "service":
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in WATCHED:
             found.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == "service")
+            found.update(a.name for a in node.names if a.name.split(".")[0] in WATCHED)
     return found
 
 
@@ -159,6 +163,10 @@ def violations(root: Path) -> list[str]:
         room = parts[0] if len(parts) > 1 else None
         for target in imports_of(path):
             names = target.split(".")
+            if names[0] == "jobs":  # the job runs the engine: only the composition, above both, may hand it down
+                if room is not None:
+                    broken.append(f"{path.relative_to(root)} ({room}) imports the embedding job ({target})")
+                continue
             into = names[1] if len(names) > 1 else None
             if into in COMPOSITION and room is not None:
                 broken.append(f"{path.relative_to(root)} imports the composition ({target})")
@@ -183,6 +191,7 @@ def test_the_import_rules_catch_what_they_forbid(tmp_path):
         "engine/z.py": "import service.front.call\n",
         "apis/cohere/w.py": "from service.http.errors import error_response\n",
         "front/v.py": "from service.deployment import Encoder\n",
+        "apis/openai_batch/u.py": "def f():\n    from jobs.shards import read_records\n",
     }
     for name, code in planted.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

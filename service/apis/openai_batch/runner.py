@@ -4,7 +4,8 @@ surviving replica resumes it), runs its lines a chunk at a time, and writes Open
 
 How a line runs. A /v1/embeddings line the embedding job can do (texts, `model`, `dimensions`,
 `encoding_format`: no prompt, input_type or chunking) runs in the embedding job (jobs/embed.py), as a
-detached Ray actor of its own beside the Serve application (jobs/batch.py), not in a replica: its
+detached Ray actor of its own beside the Serve application (jobs/batch.py), not in a replica (the runner is
+handed jobs/batch.py's BatchJobs by the composition, service/deployment.py: service/ never imports jobs/): its
 Ray Data actor takes JOB_CPUS with one intra-op thread at OS niceness JOB_NICE, a bounded and lower-priority
 share of the node's CPUs. The runner writes the batch's texts as the job's input (`job_rows`: one row per
 text, id = custom_id#position), waits for the job's shards to cover a chunk's rows, and builds each line's
@@ -37,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import numpy as np
@@ -178,12 +179,12 @@ class JobRequest:
     dimensions: int | None
 
 
-def job_request(svc: Any, body: dict) -> tuple[JobRequest, Any, list[str]] | None:
+def job_request(svc: Any, body: dict, bad_text: Callable[[Any], str | None]) -> tuple[JobRequest, Any, list[str]] | None:
     """(request, engine, texts) when the embedding job answers this body exactly as /v1/embeddings would;
     None for anything else (a prompt, input_type, chunking, any other field, a body the route refuses or
     would read otherwise: those run in process, where the route answers or refuses them itself). Checked
-    here by hand, strictly: an API does not import another's schemas (tests/test_layout.py)."""
-    from jobs.embed import bad_text
+    here by hand, strictly: an API does not import another's schemas (tests/test_layout.py). `bad_text`: the
+    job's rule for a row it would not embed (BatchJobs.bad_text)."""
     from service.engine.prompts import check_dimensions
     from service.front.schemas import strings_only
 
@@ -212,7 +213,8 @@ def job_request(svc: Any, body: dict) -> tuple[JobRequest, Any, list[str]] | Non
 class EmbeddingJob:
     """A batch's /v1/embeddings lines as the embedding job (jobs/batch.py's actor), and their answers."""
 
-    def __init__(self, batch_id: str, directory: Path, lines: dict[int, JobLine]) -> None:
+    def __init__(self, jobs: Any, batch_id: str, directory: Path, lines: dict[int, JobLine]) -> None:
+        self.jobs = jobs  # jobs/batch.py's BatchJobs, handed down by the composition: service/ imports no jobs/
         self.batch_id, self.directory, self.lines = batch_id, directory, lines
         self.output = directory / "out"
         self.failed: str | None = None  # why the job stopped short: its lines then run in process
@@ -220,21 +222,18 @@ class EmbeddingJob:
         self.actor: Any = None
 
     @classmethod
-    async def start(cls, svc: Any, batch_id: str, directory: Path,
+    async def start(cls, jobs: Any, svc: Any, batch_id: str, directory: Path,
                     lines: list[Line]) -> EmbeddingJob | None:
         """The job of a batch's lines that it can do (None when there are none): its input written once
         (a restarted runner finds it), its actor found running or started."""
-        from jobs.batch import start_job
-        from jobs.shards import begun_with
-
         # each line's checks and the rows (3.3 s at 50,000 lines) off the loop: online requests go on meanwhile
-        chosen, engine = await asyncio.to_thread(cls.choose, svc, lines)
+        chosen, engine = await asyncio.to_thread(cls.choose, svc, lines, jobs.bad_text)
         if not chosen:
             return None
-        job = cls(batch_id, directory, chosen)
+        job = cls(jobs, batch_id, directory, chosen)
         source = directory / "input.jsonl"
         await asyncio.to_thread(cls.write_input, source, [line for line in lines if line.position in chosen])
-        begun = await asyncio.to_thread(begun_with, job.output)
+        begun = await asyncio.to_thread(jobs.begun_with, job.output)
         spec = {"bundle": str(Path(engine.path).resolve()), "inputs": [str(source)], "output": str(job.output),
                 "id_column": "id", "format": "jsonl", "batch_size": JOB_RANGE_ROWS,
                 # the precision this replica serves, not the setting: under `auto` the job's own start-up probe
@@ -243,16 +242,16 @@ class EmbeddingJob:
                 # under load can choose another): one batch, one precision, and the job refuses to mix them
                 "precision": begun.get("precision") or engine.runtime.precision,
                 "concurrency": 1, "num_cpus": JOB_CPUS, "nice": JOB_NICE}
-        job.actor = start_job(batch_id, spec)
+        job.actor = jobs.start(batch_id, spec)
         return job
 
     @staticmethod
-    def choose(svc: Any, lines: list[Line]) -> tuple[dict[int, JobLine], Any]:
+    def choose(svc: Any, lines: list[Line], bad_text: Callable[[Any], str | None]) -> tuple[dict[int, JobLine], Any]:
         """The lines the job does (by position, with their rows) and their engine: one bundle per job."""
         chosen: dict[int, JobLine] = {}
         engine, row = None, 0
         for line in lines:
-            found = job_request(svc, line.body) if line.problem is None else None
+            found = job_request(svc, line.body, bad_text) if line.problem is None else None
             if found is None or (engine is not None and found[1] is not engine):
                 continue
             request, engine, texts = found
@@ -281,9 +280,7 @@ class EmbeddingJob:
         return {"success": done, "workers": workers}
 
     def covered(self) -> list:
-        from jobs.shards import read_records
-
-        return read_records(self.output)
+        return self.jobs.records(self.output)
 
     async def state(self) -> dict:
         try:
@@ -314,14 +311,12 @@ class EmbeddingJob:
         """The embeddings of rows first..last, by job row id, from the shards that hold them."""
         import pyarrow.parquet as pq
 
-        from jobs.shards import shard_path
-
         found: dict[str, np.ndarray] = {}
         for record in self.covered():
             if record.last < first or record.first > last:
                 continue
             if record.name not in self.shards:
-                table = pq.read_table(shard_path(self.output, record.first, record.last), columns=["id", "embedding"])
+                table = pq.read_table(self.jobs.shard_path(self.output, record.first, record.last), columns=["id", "embedding"])
                 ids = table.column("id").to_pylist()
                 vectors = [np.asarray(v, dtype=np.float32) for v in table.column("embedding").to_pylist()]
                 self.shards[record.name] = (record.last, dict(zip(ids, vectors, strict=True)))
@@ -386,22 +381,10 @@ class EmbeddingJob:
     async def end(self, completed: bool) -> None:
         """A completed batch lets its job write _SUCCESS first; then the actor is stopped (it is detached:
         nothing else ends it) and the shards, whose vectors are in the output file now, are removed."""
-        from jobs.batch import stop_job
-
         deadline = time.monotonic() + JOB_END_WAIT_S
         while completed and self.failed is None and time.monotonic() < deadline and not (await self.state())["done"]:
             await asyncio.sleep(JOB_POLL_S)
-        await asyncio.to_thread(stop_job, self.batch_id)
-
-
-def stop_job_if_any(batch_id: str) -> None:
-    """Stop the batch's job actor where this process is in a Ray cluster (never starts one)."""
-    import ray
-
-    if ray.is_initialized():
-        from jobs.batch import stop_job
-
-        stop_job(batch_id)
+        await asyncio.to_thread(self.jobs.stop, self.batch_id)
 
 
 def covers(records: list, first: int, last: int) -> bool:
@@ -418,8 +401,11 @@ def covers(records: list, first: int, last: int) -> bool:
 class BatchRunner:
     """This replica's runner of batches: started with the replica, on its event loop."""
 
-    def __init__(self, settings: ServiceSettings, app: Any) -> None:
+    def __init__(self, settings: ServiceSettings, app: Any, jobs: Any = None) -> None:
         self.settings = settings
+        # the embedding job's entry points (jobs/batch.py BatchJobs), given by the composition (deployment.py);
+        # None: every line runs in this process
+        self.jobs = jobs
         self.root = settings.jobs_dir
         self.app = app
         self.retry_after_s = max(settings.retry_after_s, 1)
@@ -522,10 +508,10 @@ class BatchRunner:
         # the counts of the chunks done before a restart, added to as chunks end
         counts = await asyncio.to_thread(self.counts, parts, len(lines))
         job = None
-        if record["endpoint"] == "/v1/embeddings" and len(done) * CHUNK_LINES < len(lines):
+        if self.jobs is not None and record["endpoint"] == "/v1/embeddings" and len(done) * CHUNK_LINES < len(lines):
             from service.front.deps import service
 
-            job = await EmbeddingJob.start(await service(), batch_id,
+            job = await EmbeddingJob.start(self.jobs, await service(), batch_id,
                                            (self.root.expanduser() / "batches" / f"{batch_id}.job").resolve(), lines)
 
         def stopping() -> bool:
@@ -603,7 +589,7 @@ class BatchRunner:
             await asyncio.to_thread(self.fail, store, record, "input_file_deleted",
                                     f"input file {record['input_file_id']} was deleted before the batch ended")
             return
-        await asyncio.to_thread(stop_job_if_any, record["id"])  # a job a runner before this one started
+        await asyncio.to_thread(self.stop_job_if_any, record["id"])  # a job a runner before this one started
         await asyncio.to_thread(self.finalize, store, record, parts, total, ending)
         await asyncio.to_thread(store.remove_working_data, record["id"])
 
@@ -664,11 +650,14 @@ class BatchRunner:
                     failed += 1
         return {"total": total, "completed": completed, "failed": failed}
 
-    @staticmethod
-    def fail(store: Store, record: dict, code: str, message: str) -> None:
+    def stop_job_if_any(self, batch_id: str) -> None:
+        if self.jobs is not None:
+            self.jobs.stop_if_any(batch_id)
+
+    def fail(self, store: Store, record: dict, code: str, message: str) -> None:
         """The batch `failed` with one error saying why; its job stopped, then its working data removed (after
         the record, so a runner stopped in between leaves only what the sweeper removes)."""
-        stop_job_if_any(record["id"])
+        self.stop_job_if_any(record["id"])
         record.update(status="failed", failed_at=int(time.time()),
                       errors={"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]})
         store.save_batch(record)
