@@ -28,11 +28,14 @@ DOCUMENTS = [sentence(i + 3, 60) for i in range(64)]  # cut at the ColBERT's doc
 
 
 @pytest.fixture(scope="module")
-def tight_url(ray_serve, representation_bundles) -> str:
+def tight_url(ray_serve, representation_bundles):
     deploy({"bundles": [f"{name}={representation_bundles[name]}" for name in ("colbert", "bge-m3")],
             "num_cpus": 0.5, "precision": "fp32", "batching": {"max_batch_tokens": BUDGET}},
            "score-budget", "/score-budget", representation_bundles["colbert"])
-    return f"{ray_serve.url}/score-budget"
+    yield f"{ray_serve.url}/score-budget"
+    from ray import serve
+
+    serve.delete("score-budget")  # its replica gone: the session's later tests have the CPUs
 
 
 def scores(url: str, model: str, text_1, text_2) -> httpx.Response:
