@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # The routes a batch's lines may call: OpenAI's embeddings, and the scoring routes of this service (the
 # lines of a model that does not score get that route's own 400 in the error file)
 BATCH_ENDPOINTS = ("/v1/embeddings", "/v1/rerank", "/v1/score")
+# OpenAI's bounds of `expires_after[seconds]` and `output_expires_after.seconds`: one hour to thirty days
+EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)
 
 
 class OutputExpiresAfter(BaseModel):
@@ -17,7 +19,8 @@ class OutputExpiresAfter(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     anchor: Literal["created_at"] = Field(description="OpenAI's only anchor: the output file's creation")
-    seconds: int = Field(ge=3600, le=30 * 24 * 3600, description="between 1 hour and 30 days, as OpenAI allows")
+    seconds: int = Field(ge=EXPIRES_AFTER_S[0], le=EXPIRES_AFTER_S[1],
+                         description="between 1 hour and 30 days, as OpenAI allows")
 
 
 class BatchCreateRequest(BaseModel):

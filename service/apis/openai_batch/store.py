@@ -108,9 +108,15 @@ class Store:
     def add_file(self, owner: str, filename: str, purpose: str, data: bytes, file_id: str | None = None) -> dict:
         file_id = file_id or new_id("file-")
         atomic_write(self.files / f"{file_id}.jsonl", data)
-        record = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
-                  "filename": filename, "purpose": purpose, "status": "processed", "expires_at": None,
-                  "status_details": None, "owner": owner}
+        return self._record_file(file_id, owner, filename, purpose, len(data), int(time.time()), None)
+
+    def _record_file(self, file_id: str, owner: str, filename: str, purpose: str, size: int, created_at: int,
+                     expires_at: int | None) -> dict:
+        """The file object (OpenAI's shape, and its owner), written after its bytes are in place: a reader
+        never finds a record without its bytes."""
+        record = {"id": file_id, "object": "file", "bytes": size, "created_at": created_at, "filename": filename,
+                  "purpose": purpose, "status": "processed", "expires_at": expires_at, "status_details": None,
+                  "owner": owner}
         atomic_write(self.files / f"{file_id}.json", json.dumps(record).encode())
         return record
 
@@ -129,10 +135,7 @@ class Store:
                                f"of {max_bytes} (batch_max_bytes_per_token): delete some first")
             file_id = new_id("file-")
             os.replace(tmp, self.files / f"{file_id}.jsonl")
-            record = {"id": file_id, "object": "file", "bytes": size, "created_at": created_at, "filename": filename,
-                      "purpose": "batch", "status": "processed", "expires_at": expires_at, "status_details": None,
-                      "owner": owner}
-            atomic_write(self.files / f"{file_id}.json", json.dumps(record).encode())
+            record = self._record_file(file_id, owner, filename, "batch", size, created_at, expires_at)
             marker = self._owner_dir(owner) / f"{file_id}.{size}"
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
@@ -155,9 +158,8 @@ class Store:
         """The owner's quota lock (fcntl, on jobs_dir: every replica sharing it takes the same one)."""
         path = self._owner_dir(owner).with_suffix(".lock")
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            yield  # released when the file is closed
+        with exclusive(path):
+            yield
 
     def _owner_dir(self, owner: str) -> Path:
         return self.files / "owners" / (owner if re.fullmatch(r"[0-9a-f]{64}", owner) else "_")
@@ -191,12 +193,8 @@ class Store:
         size = written.stat().st_size
         os.replace(written, self.files / f"{file_id}.jsonl")
         now = int(time.time())
-        record = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "filename": filename,
-                  "purpose": purpose, "status": "processed",
-                  "expires_at": None if expires_after_s is None else now + expires_after_s, "status_details": None,
-                  "owner": owner}
-        atomic_write(self.files / f"{file_id}.json", json.dumps(record).encode())
-        return record
+        return self._record_file(file_id, owner, filename, purpose, size, now,
+                                 None if expires_after_s is None else now + expires_after_s)
 
     def file_exists(self, file_id: str) -> bool:
         """Whether a file's record is there (the runner's view, any owner)."""
@@ -214,8 +212,7 @@ class Store:
         """Store a new batch unless its owner has `limit` unfinished already (then that count, and nothing
         stored). Counted and stored under the owner's lock, so replicas sharing the directory cannot both
         pass the count."""
-        with open(self.owner_locks / f"{_owner_key(record['owner'])}.lock", "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with exclusive(self.owner_locks / f"{_owner_key(record['owner'])}.lock"):
             unfinished = self.unfinished_of(record["owner"])
             if unfinished >= limit:
                 return unfinished
@@ -339,6 +336,15 @@ class Store:
             lock.close()
             return None
         return lock
+
+
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Held (fcntl, waiting for it) by one process at a time among all that share jobs_dir; released when
+    the block ends or the process dies."""
+    with open(path, "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def public(record: dict) -> dict:

@@ -25,6 +25,7 @@ from typing import IO
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
+from service.apis.openai_batch.schemas import EXPIRES_AFTER_S
 from service.engine.errors import BadRequest, ServiceError, TooLarge
 
 # What a multipart upload may add around the file's bytes (boundaries, part headers, the small fields): the
@@ -39,8 +40,6 @@ logging.getLogger("python_multipart.multipart").setLevel(logging.ERROR)
 # parsed a byte at a time in Python: about 10 ms per 64 KiB)
 PIECE = 64 * 1024
 FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")
-# OpenAI's bounds of `expires_after[seconds]` (one hour to thirty days)
-EXPIRES_AFTER_S = (3600, 2_592_000)
 
 
 class UploadsBusy(ServiceError):
