@@ -46,11 +46,17 @@ def checkpoint():
     return load_checkpoint("default")
 
 
+SHARED_ENV = "TEST_SHARED_DIR"  # set by `make test` for both of its pytest runs
+
+
 def shared_dir(tmp_path_factory, name: str) -> Path:
     """A directory every worker of this run sees (pytest-xdist's workers share their base temp's
-    parent), for what is made once per run: `make test`'s two workers export the default model once."""
+    parent; `make test`'s serial phase is handed the same one in $TEST_SHARED_DIR), for what is made
+    once per run: the default model is exported once for both workers and the serial phase."""
     root = tmp_path_factory.getbasetemp()
-    if _WORKER:
+    if os.environ.get(SHARED_ENV):  # make test's two phases (the workers, then the serial tests) share one
+        root = Path(os.environ[SHARED_ENV])
+    elif _WORKER:
         root = root.parent
     (root / name).mkdir(exist_ok=True)
     return root / name

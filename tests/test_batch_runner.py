@@ -314,6 +314,7 @@ def test_a_batch_whose_input_file_is_deleted_while_it_runs_fails_and_keeps_nothi
                        {"failed": 1}, note="input_file_deleted; its job input, outputs and marks removed")
 
 
+@pytest.mark.serial
 def test_creating_a_large_batch_leaves_online_requests_on_time(client, service_url, batch_jobs_dir):
     """A batch of 5,000 lines of 64 texts: the runner checks every line for the embedding job and writes its
     320,000 rows while single-text requests go on; none waits for that (before: the checks ran on the event

@@ -486,6 +486,7 @@ def test_expires_after_from_the_sdk_and_the_default_are_stored(sdk):
         sdk.files.delete(f.id)
 
 
+@pytest.mark.serial
 def test_uploads_past_the_replicas_concurrent_bound_get_503_with_retry_after(service_url, batch_jobs_dir):
     """batch_max_concurrent_uploads (4 by default) uploads held open mid-body: the next is refused at once
     (503, Retry-After, OpenAI's body); once they end, uploads are taken again, and the held ones stored."""

@@ -113,6 +113,7 @@ def test_auth_example_is_refused_without_the_token_and_served_with_it(secured_wi
     assert "readiness without a token 200" in out
 
 
+@pytest.mark.serial
 def test_async_load_example_retries_what_is_shed_and_gets_every_answer(secured_with_ranker):
     url, _ = secured_with_ranker
     out = run_example("async_load.py", "--url", url, "--requests", "40", "--concurrency", "12",

@@ -138,6 +138,7 @@ def big_request(size: int):
 # ---- item 1: the size cap and the token before the message ----
 
 
+@pytest.mark.serial
 def test_an_oversized_call_without_a_token_is_refused_before_it_is_read(ray_serve, secured, channel):
     """96 MiB with no token: refused in well under a second, the replica's memory unchanged, /health
     answering; through HAProxy (the replica's own gRPC server) and through Serve's proxy actor."""
@@ -215,6 +216,7 @@ def bytes_request(shape: list[int], elements: int):
     return request
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize(("shape", "elements", "words"), [
     ([1], 3_000_000, "but 3000000 elements"),
     ([3_000_000], 3_000_000, "at most 64"),
@@ -253,6 +255,7 @@ def v2_json(shape: list[int], elements: int) -> tuple[bytes, dict[str, str]]:
     return body.encode(), {"content-type": "application/json"}
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize(("build", "shape", "status"), [
     (v2_binary, [1], 422), (v2_binary, [2_000_000], 413), (v2_json, [1], 413), (v2_json, [2_000_000], 413),
 ])

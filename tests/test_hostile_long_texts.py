@@ -21,6 +21,8 @@ from tests.families import CORPUS
 from tests.reliability import record
 from tests.test_hostile_grpc import PeakRss, infer_stub, replica_pid
 
+pytestmark = pytest.mark.serial  # its bounds hold on a quiet machine: make test runs it after the rest, alone
+
 MODEL = "all-MiniLM-L6-v2"
 WORDS = (" ".join(CORPUS) + " ") * (100_000 // len(" ".join(CORPUS)) + 1)
 LONG = [WORDS[i:i + 100_000] for i in range(64)]  # 64 distinct texts of 100k characters of real words

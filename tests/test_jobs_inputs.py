@@ -97,6 +97,7 @@ def per_range_seconds(path: Path, rows: int, ranges: int = 12, size: int = 2048)
     return float(np.median(times))
 
 
+@pytest.mark.serial
 def test_a_parquet_file_of_one_huge_row_group_is_read_once_not_once_per_range(tmp_path):
     """pyarrow's default writer: one group of 400,000 rows. Each range read from it decodes the whole group
     (the file read with the square of its size); the job stages it once into groups of one range each."""

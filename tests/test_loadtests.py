@@ -3,8 +3,12 @@ overload run that must shed load with Retry-After while accepted requests stay b
 
 from __future__ import annotations
 
+import pytest
+
 from loadtests.run import run_locust, summarize
 from tests.conftest import deploy
+
+pytestmark = pytest.mark.serial  # its bounds hold on a quiet machine: make test runs it after the rest, alone
 
 
 def test_short_headless_run_has_no_failures(service_url, tmp_path):

@@ -20,6 +20,8 @@ from tests.metrics_scrape import poll, scrape, settled, total
 from tests.prometheus import Prometheus, PrometheusMissing, finite
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.serial  # its bounds hold on a quiet machine: make test runs it after the rest, alone
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = "encoder"
 ROUTE = "/v1/encode"

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from service.hosting import processes
@@ -257,6 +258,7 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
     assert_no_orphans(spawned)
 
 
+@pytest.mark.serial
 def test_sigterm_during_load_drains_in_flight_requests(default_bundle):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -317,6 +319,7 @@ def sockets_once_serving(proc: subprocess.Popen, port: int) -> list[tuple[str, s
     return wait_until(listing, f"a listener on port {port} among the service's processes", timeout=30)
 
 
+@pytest.mark.serial
 def test_python_m_service_with_ray_serves_proxy_actor(default_bundle):
     """--ingress proxy, the alternative: Ray Serve's proxy actor answers on the port, on loopback
     only, and stops with the rest."""

@@ -71,6 +71,7 @@ def test_service_still_answers_after_bad_requests(client):
     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
 
 
+@pytest.mark.serial
 def test_overload_is_refused_at_once_with_retry_after(ray_serve, default_bundle):
     """Tight limits (a replica holds 1 request, Serve queues 1 more): a burst gets 503 + Retry-After
     at once, from Serve, with the JSON error body (service/http/ingress.py); accepted requests finish."""

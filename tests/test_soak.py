@@ -9,8 +9,12 @@ import json
 import math
 import os
 
+import pytest
+
 from loadtests import soak
 from tests.reliability import record
+
+pytestmark = pytest.mark.serial  # its bounds hold on a quiet machine: make test runs it after the rest, alone
 
 DURATION_S = 60
 WARMUP_S = 20
