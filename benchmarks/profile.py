@@ -1,7 +1,7 @@
 """make profile: where the service's CPU time goes, per process, under single-text load.
 
     python -m benchmarks.profile [--ingress proxy|haproxy] [--precision fp32|int8] [--seconds 15] [--tracing]
-                                 [--standin 0|h100|MS] [--per-request N] [--concurrency C]
+                                 [--standin 0|h100|MS] [--per-request N] [--concurrency C] [--loadgen httpx|wrk]
 
 Starts the service on loopback (its own Ray), drives single-text requests at concurrency 32, and
 records each Serve process (the replica, and Ray's proxy actor) with py-spy: a flame graph per process
@@ -110,6 +110,8 @@ def main() -> int:
                                      "(benchmarks/standin.py: 0, h100, or ms per run)")
     p.add_argument("--per-request", type=int, default=1, help="texts per request (more than 1: /v1/embeddings client batches)")
     p.add_argument("--concurrency", type=int, default=32, help="clients at once")
+    p.add_argument("--loadgen", choices=["httpx", "wrk"], default="httpx",
+                   help="the load generator: Python's httpx, or wrk (benchmarks/wrk_load.py: leaves the cores to the server)")
     p.add_argument("--tracing", action="store_true",
                    help="OpenTelemetry tracing on, every request sampled, spans sent to an OTLP receiver on loopback")
     args = p.parse_args()
@@ -176,11 +178,25 @@ def main() -> int:
             await loop.run_in_executor(None, lambda: [r.wait() for rs in recorders.values() for r in rs])
             task.cancel()
 
-        try:
-            asyncio.run(drive())
-        except asyncio.CancelledError:
-            pass
-        handled = replica_requests(url) - handled_before
+        if args.loadgen == "wrk":  # wrk runs past the recording; the requests are counted when it ends
+            import threading
+
+            from benchmarks.wrk_load import run_wrk
+
+            bodies = [json.dumps(p) for p in payloads[:512]]
+            wrk = threading.Thread(target=run_wrk, args=(url, path, bodies, args.concurrency, args.seconds + 3), daemon=True)
+            wrk.start()
+            for rs in recorders.values():
+                for r in rs:
+                    r.wait()
+            handled = replica_requests(url) - handled_before
+            wrk.join()
+        else:
+            try:
+                asyncio.run(drive())
+            except asyncio.CancelledError:
+                pass
+            handled = replica_requests(url) - handled_before
         if receiver is not None:
             print(f"the receiver got {receiver.count()} spans", flush=True)
     finally:
