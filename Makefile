@@ -25,7 +25,7 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install reference-envs run test export bundle bench bench-representations bench-families bench-int8 embed bench-jobs profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
+.PHONY: help install reference-envs run test export bundle bench bench-representations bench-families bench-int8 bench-request-path embed bench-jobs profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
@@ -34,6 +34,7 @@ help:
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes docs/performance.md and the README's headline"
 	@echo "make bench-representations  issue 48's rows alone: BGE-M3's three outputs in one pass vs three and vs FlagEmbedding, SPLADE vs SparseEncoder (REPRESENTATIONS_ARGS=...)"
 	@echo "make bench-families  MPNet, ModernBERT and Qwen3 shapes at real sizes: the service at its default precision and fp32 vs sentence-transformers fp32 and bf16 (PEERS=infinity: and infinity-emb at both), the engine alone, the physical bound (BENCH_ARGS=--tiny: a smoke run)"
+	@echo "make bench-request-path  the request path's CPU side with the model replaced by a stand-in (0 ms, H100-like), 1 and 2 replicas, beside Ray Serve's echo, the real model and the engine alone; docs/performance.md (REQUEST_PATH_ARGS=--smoke)"
 	@echo "make bench-int8  every int8 method (dynamic, static onnxruntime, NNCF) vs the 0.999 floor, and its speed vs fp32 and bf16"
 	@echo "make embed  embed every row of INPUT (Parquet, JSONL, CSV) into Parquet shards in OUTPUT, on Ray Data; run again to resume (EMBED_ARGS=...; docs/jobs.md)"
 	@echo "make bench-jobs  the embedding job's texts/s on JOB_TEXTS short texts vs the online service and the engine alone, same run (BENCH_JOBS_ARGS='--nodes 3': on a 3-node loopback cluster, rows by node)"
@@ -113,6 +114,14 @@ bench-families: bundle
 # int8 methods on the default model and the base shapes (random weights): gate figures and speed in one run
 bench-int8: bundle
 	$(BIN)/python -m benchmarks.int8 --bundle $(BUNDLE) $(BENCH_ARGS)
+
+# The request path as a GPU host sees it (issue 56): the model replaced by benchmarks/standin.py at 0 ms and at
+# docs/gpu.md's H100 cost per run, single texts and client batches of 32 under wrk, 1 and 2 replicas, beside
+# Ray Serve's echo ceiling, the real model and the engine alone; rows into docs/performance.md and
+# results/request_path.json. REQUEST_PATH_ARGS, e.g. '--seconds 5' or '--smoke' (its figures mean nothing).
+REQUEST_PATH_ARGS ?=
+bench-request-path: bundle
+	$(BIN)/python -m benchmarks.request_path --bundle $(BUNDLE) $(REQUEST_PATH_ARGS)
 
 # py-spy flame graphs of the replica under single-text load (PROFILE_ARGS='--ingress proxy --precision int8')
 PROFILE_ARGS ?=

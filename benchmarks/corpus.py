@@ -68,3 +68,11 @@ def multilingual(n: int, seed: int = 0, long_share: float = 0.05) -> list[str]:
         else:
             out.append(" ".join(rng.choice(_MULTILINGUAL) for _ in range(rng.randint(2, 5))))
     return out
+
+
+def short_texts(n: int, seed: int = 0) -> list[str]:
+    """n short texts: one sentence each, half of them from the multilingual ones above, half generated
+    English of 8-40 words (what `make bench-request-path` sends: the request path, not the model, is measured)."""
+    rng = random.Random(seed)
+    english = sentences(n, seed=seed + 1)
+    return [rng.choice(_MULTILINGUAL) if rng.random() < 0.5 else english[i] for i in range(n)]

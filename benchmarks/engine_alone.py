@@ -1,6 +1,7 @@
 """The engine alone, no HTTP and no Ray: what the service's own model path does with client batches.
 
     python -m benchmarks.engine_alone [--bundle DIR] [--seconds S] [--precision fp32,auto] [--texts N --seed S]
+                                      [--corpus sentences|short] [--standin 0|h100|MS]
 
 Four asyncio clients send random batches of 32 of the benchmark's texts straight into the engine
 (tokenizer, batch queue, packed runs, pooling: EncoderService.tokenize and .infer, as a route
@@ -14,6 +15,9 @@ what a server around this engine can reach on the same machine, since anything t
 The physical bound beside it (physical_bound): the CPU's peak FLOP/s at a precision (cores x clock x
 FLOPs per cycle per core for its ISA, peak_flops) over the model's FLOPs per text (flops_per_text), so
 that a page can say how far the service and the engine are from what the silicon allows.
+
+--standin replaces the model with benchmarks/standin.py's stand-in runtime at a latency model (as
+`make bench-request-path` does): the engine's own CPU cost, with no model.
 
 Single texts are not measured here: with no network between them, 32 closed-loop clients all
 land in one batch, so the second batch slot idles; that is not what the service sees.
@@ -158,26 +162,35 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="also write the rows there, as JSON (make bench reads them)")
     p.add_argument("--texts", type=int, default=512, help="the benchmark's texts (benchmarks/corpus.py) to sample from")
     p.add_argument("--seed", type=int, default=0, help="their seed (make bench-families: 11)")
+    p.add_argument("--corpus", choices=["sentences", "short"], default="sentences",
+                   help="sentences: 8-40 English words; short: short multilingual texts (benchmarks/corpus.py short_texts)")
+    p.add_argument("--standin", help="the model replaced by the stand-in runtime at this latency model "
+                                     "(benchmarks/standin.py: 0, h100, or ms per run)")
     p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                    help="sample the in-process onnxruntime fp32 reference before and after each configuration")
     args = p.parse_args()
 
     from benchmarks.bench import ReferenceSamples
-    from benchmarks.corpus import sentences
+    from benchmarks.corpus import sentences, short_texts
     from bundle.manifest import load_bundle
     from service.config import ServiceSettings
     from service.engine.engine import EngineTable, load_engine
     from service.engine.encoder_service import EncoderService
     from service.runtimes.onnxruntime import available_cpus
 
-    texts = sentences(args.texts, seed=args.seed)
+    texts = (short_texts if args.corpus == "short" else sentences)(args.texts, seed=args.seed)
+    loader = None
+    if args.standin is not None:
+        from benchmarks.standin import StandInLoader, latency_model
+
+        loader = StandInLoader(latency_model(args.standin))
     reference = ReferenceSamples(load_bundle(args.bundle), texts, 32, available_cpus()) if args.reference else None
     if reference:
         reference.sample(after="start-up")
     rows = []
     for precision in [p.strip() for p in args.precision.split(",") if p.strip()]:
         settings = ServiceSettings(bundle=str(args.bundle.resolve()), precision=precision)
-        engine = load_engine(settings.bundles[0], settings)
+        engine = load_engine(settings.bundles[0], settings, runtime_loader=loader)
         svc = EncoderService(settings, EngineTable([engine]))
         svc.warm_up()
         got = asyncio.run(measure(svc, engine, texts, args.seconds))

@@ -1,11 +1,15 @@
 """make profile: where the service's CPU time goes, per process, under single-text load.
 
     python -m benchmarks.profile [--ingress proxy|haproxy] [--precision fp32|int8] [--seconds 15] [--tracing]
+                                 [--standin 0|h100|MS] [--per-request N] [--concurrency C] [--loadgen httpx|wrk]
 
 Starts the service on loopback (its own Ray), drives single-text requests at concurrency 32, and
 records each Serve process (the replica, and Ray's proxy actor) with py-spy: a flame graph per process
 (results/profile/*.svg) and the functions with the most samples, printed. This is how the request
 path was profiled before and after each change of the performance work (see docs/performance.md).
+--standin replaces the model with benchmarks/standin.py's stand-in runtime (bound into the replica as
+make bench-request-path does), so that the request path's own CPU cost is what is sampled; --per-request
+sends client batches of that many texts instead of single texts (to /v1/embeddings, as that benchmark).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ WAITING = ("Condition.wait", "Thread.run (threading", "_run_user_code_event_loop
 # Where a sample of the replica's stack is, by the innermost frame that says (checked in this order)
 STAGES = [
     ("metrics", ("ray/util/metrics.py", "service/observability/metrics.py")),
-    ("model", ("onnxruntime_inference_collection", "runtimes/onnxruntime.py")),
+    ("model", ("onnxruntime_inference_collection", "runtimes/onnxruntime.py", "benchmarks/standin.py")),
     ("tokenize", ("engine/tokenization.py", "tokenizers")),
     ("serialise", ("front/responses.py", "orjson", "responses.py")),
     ("batch and pool", ("engine/batcher.py", "engine/runner.py", "batching.py", "numpy")),
@@ -102,6 +106,12 @@ def main() -> int:
     p.add_argument("--precision", choices=["fp32", "int8"], default="fp32")
     p.add_argument("--seconds", type=int, default=15)
     p.add_argument("--out", type=Path, default=Path("results/profile"))
+    p.add_argument("--standin", help="the model replaced by the stand-in runtime at this latency model "
+                                     "(benchmarks/standin.py: 0, h100, or ms per run)")
+    p.add_argument("--per-request", type=int, default=1, help="texts per request (more than 1: /v1/embeddings client batches)")
+    p.add_argument("--concurrency", type=int, default=32, help="clients at once")
+    p.add_argument("--loadgen", choices=["httpx", "wrk"], default="httpx",
+                   help="the load generator: Python's httpx, or wrk (benchmarks/wrk_load.py: leaves the cores to the server)")
     p.add_argument("--tracing", action="store_true",
                    help="OpenTelemetry tracing on, every request sampled, spans sent to an OTLP receiver on loopback")
     args = p.parse_args()
@@ -133,14 +143,27 @@ def main() -> int:
         settings = ServiceSettings.model_validate({"bundle": str(args.bundle.resolve()), "precision": args.precision,
                                                    "replicas": 1,
                                                    **({"tracing": {"endpoint": receiver.endpoint}} if receiver else {})})
-        serve.run(build_app(settings), name="bench", route_prefix="/", logging_config={"enable_access_log": False})
+        if args.standin is not None:  # bound here only, as make bench-request-path does (benchmarks/standin.py)
+            from benchmarks.standin import StandInLoader, latency_model
+            from service.app import compose
+
+            app = compose(settings, runtime_loader=StandInLoader(latency_model(args.standin)))
+        else:
+            app = build_app(settings)
+        serve.run(app, name="bench", route_prefix="/", logging_config={"enable_access_log": False})
         url = f"http://127.0.0.1:{port}"
         texts = sentences(4096)
-        asyncio.run(load(url, [{"inputs": t} for t in texts[:64]], 8))  # warm-up
+        n = args.per_request
+        if n > 1:
+            path, payloads = "/v1/embeddings", [{"input": texts[i:i + n]} for i in range(0, len(texts), n)] * 64
+        else:
+            path, payloads = "/v1/encode", [{"inputs": t} for t in texts]
+        asyncio.run(load(url, payloads[:64], 8, path=path))  # warm-up
         pids = serve_pids()
         handled_before = replica_requests(url)
-        print(f"profiling {', '.join(f'{n} (pid {pid})' for n, pid in pids.items())} for {args.seconds}s "
-              f"under single-text load at concurrency 32", flush=True)
+        print(f"profiling {', '.join(f'{name} (pid {pid})' for name, pid in pids.items())} for {args.seconds}s "
+              f"under {'single-text load' if n == 1 else f'client batches of {n}'} at concurrency {args.concurrency}"
+              + (f", the model a stand-in ({args.standin})" if args.standin is not None else ""), flush=True)
         recorders = {
             name: [subprocess.Popen([py_spy, "record", "-p", str(pid), "-d", str(args.seconds), "-r", "100",
                                      "--nonblocking", "-f", fmt, "-o", str(args.out / f"{name}.{ext}")],
@@ -151,15 +174,29 @@ def main() -> int:
 
         async def drive() -> None:
             loop = asyncio.get_running_loop()
-            task = asyncio.ensure_future(load(url, [{"inputs": t} for t in texts], 32))
+            task = asyncio.ensure_future(load(url, payloads, args.concurrency, path=path))
             await loop.run_in_executor(None, lambda: [r.wait() for rs in recorders.values() for r in rs])
             task.cancel()
 
-        try:
-            asyncio.run(drive())
-        except asyncio.CancelledError:
-            pass
-        handled = replica_requests(url) - handled_before
+        if args.loadgen == "wrk":  # wrk runs past the recording; the requests are counted when it ends
+            import threading
+
+            from benchmarks.wrk_load import run_wrk
+
+            bodies = [json.dumps(p) for p in payloads[:512]]
+            wrk = threading.Thread(target=run_wrk, args=(url, path, bodies, args.concurrency, args.seconds + 3), daemon=True)
+            wrk.start()
+            for rs in recorders.values():
+                for r in rs:
+                    r.wait()
+            handled = replica_requests(url) - handled_before
+            wrk.join()
+        else:
+            try:
+                asyncio.run(drive())
+            except asyncio.CancelledError:
+                pass
+            handled = replica_requests(url) - handled_before
         if receiver is not None:
             print(f"the receiver got {receiver.count()} spans", flush=True)
     finally:
@@ -177,10 +214,12 @@ def main() -> int:
     if raw.exists():
         stages = stage_ms(raw, handled)
         outside = sum(v for k, v in stages.items() if k not in ("model", "waiting"))
-        print(f"\nreplica CPU per single-text request ({handled} requests): " +
-              ", ".join(f"{k} {v:.2f} ms" for k, v in stages.items()) + f"; outside the model {outside:.2f} ms")
-        (args.out / "stages.json").write_text(json.dumps({"requests": handled, "ms_per_request": stages,
-                                                           "outside_model_ms": outside}))
+        kind = "single-text request" if n == 1 else f"request of {n} texts"
+        print(f"\nreplica CPU per {kind} ({handled} requests): " +
+              ", ".join(f"{k} {v:.2f} ms" for k, v in stages.items()) + f"; outside the model {outside:.2f} ms"
+              + (f" ({outside / n:.3f} ms per text)" if n > 1 else ""))
+        (args.out / "stages.json").write_text(json.dumps({"requests": handled, "texts_per_request": n,
+                                                           "ms_per_request": stages, "outside_model_ms": outside}))
     return 0
 
 

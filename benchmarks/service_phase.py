@@ -248,12 +248,21 @@ def ray_service(spec: dict, settings):
 
     port, metrics_port, grpc_port = free_port(), free_port(), free_port()
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR",
+             log_to_driver=spec.get("log_to_driver", True),  # False: the replicas' output stays in Ray's log files
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port},
                     grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]},
                     logging_config={"enable_access_log": False, "log_level": "WARNING"})
-        app = echo_app() if spec.get("echo") else build_app(settings)
+        if spec.get("echo"):
+            app = echo_app()
+        elif spec.get("standin") is not None:  # the model replaced by benchmarks/standin.py, bound here only
+            from benchmarks.standin import StandInLoader, latency_model
+            from service.app import compose
+
+            app = compose(settings, runtime_loader=StandInLoader(latency_model(spec["standin"])))
+        else:
+            app = build_app(settings)
         serve.run(app, name="bench", route_prefix="/", logging_config={"enable_access_log": False, "log_level": "WARNING"})
         yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", f"127.0.0.1:{grpc_port}"
     finally:

@@ -10,6 +10,7 @@ from ray.serve.config import BackpressureConfig
 
 from service.config import ServiceSettings
 from service.deployment import Encoder
+from service.runtimes import RuntimeLoader
 from service.runtimes.onnxruntime import check_bundles
 
 
@@ -21,8 +22,10 @@ def build_app(args: ServiceSettings) -> Application:
     return compose(args if isinstance(args, ServiceSettings) else ServiceSettings.model_validate(args))
 
 
-def compose(settings: ServiceSettings, deployment=Encoder) -> Application:
-    """Bind the deployment; `deployment` lets fault tests deploy a replica that breaks."""
+def compose(settings: ServiceSettings, deployment=Encoder, runtime_loader: RuntimeLoader | None = None) -> Application:
+    """Bind the deployment; `deployment` lets fault tests deploy a replica that breaks. `runtime_loader`
+    (code only, never a setting: build_app passes none) is bound into every replica in place of
+    load_runtime: benchmarks/request_path.py serves benchmarks/standin.py's stand-in runtime this way."""
     settings = settings.resolved()
     check_bundles(settings)  # refuse here, in one line, before any replica starts
     # the share each replica asks Ray for, fixed here so that every replica knows its own
@@ -45,7 +48,7 @@ def compose(settings: ServiceSettings, deployment=Encoder) -> Application:
         graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
         health_check_period_s=settings.health_check_period_s,
         health_check_timeout_s=30,
-    ).bind(settings)
+    ).bind(settings, **({"runtime_loader": runtime_loader} if runtime_loader is not None else {}))
 
 
 

@@ -39,6 +39,7 @@ from service.grpc.servicer import grpc_methods
 from service.http.server import app, configure
 from service.hosting.listeners import bind_grpc_ingress_to_node_address, bind_replica_grpc_to_node_address
 from service.observability.metrics import node_metrics_url, refresh_periodically, service_metrics
+from service.runtimes import RuntimeLoader
 from service.runtimes.cuda import ray_gpu_assignment
 
 logger = logging.getLogger("ray.serve")
@@ -53,7 +54,9 @@ class Encoder(grpc_methods()):
     """A replica: every API's HTTP routes (service/http/server.py) and gRPC methods (inherited), and per
     served model an engine."""
 
-    def __init__(self, settings: ServiceSettings) -> None:
+    def __init__(self, settings: ServiceSettings, runtime_loader: RuntimeLoader | None = None) -> None:
+        """`runtime_loader`: bound only by code (benchmarks' stand-in runtime, service/app.py `compose`);
+        None, as every production app binds it, loads each model's runtime from the settings."""
         started = time.perf_counter()
         bind_replica_grpc_to_node_address()  # before Serve starts that server, after this returns
         bind_grpc_ingress_to_node_address()  # the same for its gRPC ingress server, when gRPC is on
@@ -61,7 +64,7 @@ class Encoder(grpc_methods()):
         tracing.configure(settings.tracing)  # OpenTelemetry traces, when the settings or OTEL_* ask
         # the GPU share this replica asked Ray for (fixed in app.compose) and the device Ray gave it
         self.gpu = ray_gpu_assignment(settings.num_gpus or 0.0)
-        self.engines = EngineTable([load_engine(ref, settings, self.gpu) for ref in settings.bundles])
+        self.engines = EngineTable([load_engine(ref, settings, self.gpu, runtime_loader) for ref in settings.bundles])
         self.svc = EncoderService(settings, self.engines)
         Gate.configure(settings)
         configure(settings)

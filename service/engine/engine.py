@@ -19,7 +19,7 @@ from service.engine.runner import BatchRunner, EncodeJob, EncodeResult, intra_op
 from service.config import BatchingSettings, BundleRef, ServiceSettings
 from service.engine.errors import InvalidRequest, NotFound
 from service.runtimes.cuda import GpuAssignment
-from service.runtimes import Runtime, load_runtime
+from service.runtimes import Runtime, RuntimeLoader, load_runtime
 from service.engine.tokenization import TextTokenizer
 
 SHOWN_CHARS = 100  # of a client's text, in an error message
@@ -82,13 +82,15 @@ class Engine:
         return await asyncio.to_thread(self.runner.compute, jobs, HOLDER.get())
 
 
-def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | None = None) -> Engine:
+def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | None = None,
+                runtime_loader: RuntimeLoader | None = None) -> Engine:
     """Verify and load one bundle, create its runtime (on the GPU Ray gave the replica, where CUDA
-    is used), its runner and its batch queue."""
+    is used), its runner and its batch queue. `runtime_loader`: what creates the runtime, load_runtime
+    unless code passes another (benchmarks/standin.py's stand-in; no setting selects one)."""
     bundle = load_bundle(ref.path)
     name = ref.name or bundle.manifest.model.name
-    runtime = load_runtime(bundle, settings, intra_op_threads(settings), gpu or GpuAssignment(),
-                           streams=settings.batching.max_concurrent_batches)
+    runtime = (runtime_loader or load_runtime)(bundle, settings, intra_op_threads(settings), gpu or GpuAssignment(),
+                                               settings.batching.max_concurrent_batches)
     runner = BatchRunner(runtime, bundle.manifest, settings.batching, name, heads=read_heads(bundle.root, bundle.manifest))
     engine: Engine
 

@@ -8,12 +8,18 @@ graphs in sessions sized for another number of concurrent batches (a live max_co
 `load_runtime` builds one from the settings (service/runtimes/choice.py, whose table says why). Implementations: onnxruntime (service/runtimes/onnxruntime.py) on CUDA
 or CPU, which owns its probing (service/runtimes/cuda.py), its session options and the start-up
 preflight of bundles; OpenVINO (service/runtimes/openvino.py) for bf16 on CPUs with bf16 units.
+
+`RuntimeLoader` is `load_runtime`'s signature: the one seam where a test or a benchmark hands a replica
+another loader (service/engine/engine.py `load_engine`, the Encoder deployment's `runtime_loader`
+argument, service/app.py `compose`). No setting, config file or environment variable selects one: a
+production replica always loads its runtime with `load_runtime` (benchmarks/standin.py's stand-in
+reaches a replica only through that argument, bound by benchmark code).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -145,3 +151,8 @@ def load_runtime(bundle: Bundle, settings: ServiceSettings, threads: int, gpu: G
     from service.runtimes.choice import choose_runtime
 
     return choose_runtime(bundle, settings, threads, gpu, streams)
+
+
+# load_runtime's signature (bundle, settings, threads per run, the replica's GPU, streams) -> Runtime: what
+# load_engine calls. Only code (a test, a benchmark) passes another; no setting names one.
+RuntimeLoader = Callable[["Bundle", "ServiceSettings", int, "GpuAssignment", int], Runtime]

@@ -1,0 +1,125 @@
+"""make bench-request-path (benchmarks/request_path.py) and its stand-in runtime (benchmarks/standin.py):
+the stand-in's outputs have the contract's shapes and dtype for every output the engine asks for; the
+harness, smoked at tiny durations against the real service on loopback with the stand-in bound into
+its replica, checks every answer's width and writes its rows (page and JSON); and no production
+config can select the stand-in. No figure is asserted: targets live in the benchmark."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from benchmarks.request_path import PAGE_END, PAGE_START
+from benchmarks.standin import H100, ZERO, StandInLoader, StandInRuntime, latency_model
+from bundle.contract import ENCODINGS_OUTPUT_NAMES, OUTPUT_NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_stand_in_returns_every_output_in_the_contracts_shapes(default_bundle):
+    from bundle.manifest import load_bundle
+    from service.config import ServiceSettings
+    from service.engine.engine import load_engine
+    from service.engine.runner import EncodeJob
+
+    bundle = load_bundle(default_bundle)
+    model = bundle.manifest.model
+    runtime = StandInLoader(ZERO)(bundle, None, 1, None, 2)
+    assert runtime.packed is None and runtime.runtime == "stand-in"  # padded sub-batches, as on CUDA
+    assert runtime.graph_for(["sentence_embedding"]) is runtime.fast
+    assert runtime.graph_for(["sentence_embedding", "attentions"]) is runtime.full
+    assert runtime.resized(4, 4) is runtime and runtime.describe_cuda()["usable"] is False
+    runtime.smoke_test()
+    ids = np.arange(3 * 7, dtype=np.int64).reshape(3, 7) % model.vocab_size
+    mask = np.ones_like(ids)
+    mask[2, 4:] = 0
+    out = runtime.run(ids, mask, list(OUTPUT_NAMES))
+    assert set(out) == set(OUTPUT_NAMES) and all(a.dtype == np.float32 for a in out.values())
+    assert out["last_hidden_state"].shape == (3, 7, model.hidden_size)
+    assert out["sentence_embedding"].shape == (3, model.sentence_dim)
+    assert out["attentions"].shape == (model.num_layers, 3, model.num_heads, 7, 7)
+    assert np.allclose(np.linalg.norm(out["sentence_embedding"], axis=1), 1.0, atol=1e-5)
+    assert np.allclose(out["attentions"].sum(-1), 1.0, atol=1e-5) and not out["attentions"][:, 2, :, :, 4:].any()
+    assert set(runtime.run(ids, mask, list(ENCODINGS_OUTPUT_NAMES[1:]))) == {"sentence_embedding"}
+    with pytest.raises(ValueError, match="no output 'attentions'"):
+        runtime.fast.run(ids, mask, ["attentions"])
+    # a classifier's logits, one column per label
+    classifier = SimpleNamespace(model=model.model_copy(update={"task": "classification", "labels": ["a", "b", "c"]}))
+    logits = StandInRuntime(classifier, ZERO).run(ids, mask, ["logits"])["logits"]
+    assert logits.shape == (3, 3) and logits.dtype == np.float32
+
+    # through the engine, as a replica computes a batch: the runner scatters each text's outputs
+    settings = ServiceSettings(bundle=str(default_bundle))
+    engine = load_engine(settings.bundles[0], settings, runtime_loader=StandInLoader(ZERO))
+    texts = [np.array([101, 7592, 102]), np.array([101, 7592, 2088, 2003, 102])]
+    [result] = engine.runner.compute([EncodeJob(route="test", ids=texts, normalize=True, want_hidden=True)])
+    assert result.embeddings.shape == (2, model.sentence_dim) and result.embeddings.dtype == np.float32
+    assert [h.shape for h in result.hidden] == [(3, model.hidden_size), (5, model.hidden_size)]
+    assert engine.runtime.fast.runs >= 1
+
+
+def test_latency_models():
+    assert ZERO.seconds(128, 49) == 0
+    assert H100.seconds(1, 19) < H100.seconds(32, 47) < H100.seconds(128, 49)  # fixed cost plus a term per token
+    assert latency_model("1.6").seconds(8, 8) == pytest.approx(0.0016)
+    for bad in ("fast", "-1"):
+        with pytest.raises(ValueError):
+            latency_model(bad)
+
+
+def test_the_harness_smoked_against_the_service_writes_its_rows(default_bundle, tmp_path):
+    page, out = tmp_path / "performance.md", tmp_path / "request_path.json"
+    page.write_text(f"# page\n\n{PAGE_START}\nold\n{PAGE_END}\nafter\n")
+    subprocess.run([sys.executable, "-m", "benchmarks.request_path", "--bundle", str(default_bundle), "--smoke",
+                    "--no-echo", "--texts", "64", "--page", str(page), "--json", str(out)],
+                   check=True, cwd=ROOT, timeout=600)
+    result = json.loads(out.read_text())
+    service = [r for r in result["rows"] if r["kind"] == "service"]
+    # the phase checked one answer of each kind (every text a vector of the model's width) before measuring
+    assert {r["scenario"] for r in service} == {"single", "batches"}
+    assert all(r["runtime"] == "stand-in" and r["model"] == "0" and r["replicas"] == 1 for r in service)
+    assert all(r["requests"] > 0 and r["failures"] == 0 and r["texts_s"] > 0 for r in service)
+    alone = [r for r in result["rows"] if r["kind"] == "engine alone"]
+    assert [r["runtime"] for r in alone] == ["stand-in"] and alone[0]["texts_s"] > 0
+    text = page.read_text()
+    section = text[text.index(PAGE_START):text.index(PAGE_END)]
+    assert "old" not in section and text.endswith("after\n")
+    assert "service, stand-in, 0 ms | 1 |" in section and "the engine alone, stand-in" in section
+
+
+# ---- the stand-in can be selected by no production config ----
+
+def test_no_setting_or_config_file_selects_the_stand_in(default_bundle):
+    from service.app import build_app
+    from service.config import RuntimePreference, ServiceSettings
+
+    assert set(RuntimePreference.__args__) == {"auto", "onnxruntime", "openvino"}
+    for values in ({"runtime": "stand-in"}, {"runtime": "standin"}, {"runtime_loader": "benchmarks.standin:StandInLoader"},
+                   {"runtime_loader": None}):
+        with pytest.raises(ValidationError):
+            ServiceSettings.model_validate({"bundle": str(default_bundle), **values})
+    # every shipped Serve config goes through build_app, which binds the settings alone
+    for config in sorted((ROOT / "deploy").glob("serve_config*.yaml")):
+        for application in yaml.safe_load(config.read_text())["applications"]:
+            assert application["import_path"] == "service.app:build_app", config
+    bound = build_app({"bundle": str(default_bundle)})._bound_deployment
+    assert len(bound.init_args) == 1 and isinstance(bound.init_args[0], ServiceSettings) and bound.init_kwargs == {}
+
+
+def test_service_code_never_reaches_the_stand_in():
+    """service/ imports nothing of benchmarks/ (nor loads it by name); only a caller's runtime_loader argument
+    changes what load_engine calls, and service/config.py (the settings) has no such field."""
+    for path in sorted((ROOT / "service").rglob("*.py")):
+        text = path.read_text()
+        assert not re.search(r"^\s*(from|import)\s+benchmarks\b", text, re.M), path
+        assert not re.search(r"import_module\(\s*[\"']benchmarks|[\"']benchmarks\.standin", text), path
+    assert "runtime_loader" not in (ROOT / "service" / "config.py").read_text()
