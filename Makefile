@@ -186,14 +186,15 @@ prometheus:
 # and exports starting, so two share a 2-core machine well; each starts at most one Ray Serve session
 # and they share the exported bundles (tests/conftest.py). TEST_WORKERS=0 runs it in this one process.
 # Then the tests marked `serial` (bounds on time under load) run alone, one at a time, on the bundles the
-# workers exported ($$TEST_SHARED_DIR); both phases always run, and make test fails if either did.
+# workers exported ($$TEST_SHARED_DIR); both phases always run (`&& x=0 || x=$$?`: the recipe's shell has -e),
+# and make test fails if either did.
 TEST_WORKERS ?= 2
 
 test: $(STAMP) reference-envs browser prometheus
 	@shared=$$(mktemp -d); trap 'rm -rf "$$shared"' EXIT; \
-	TEST_SHARED_DIR=$$shared $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial"; parallel=$$?; \
+	TEST_SHARED_DIR=$$shared $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" && parallel=0 || parallel=$$?; \
 	echo "make test: the serial phase (tests whose bounds another test's load would decide)"; \
-	TEST_SHARED_DIR=$$shared $(BIN)/python -m pytest -m serial; serial=$$?; \
+	TEST_SHARED_DIR=$$shared $(BIN)/python -m pytest -m serial && serial=0 || serial=$$?; \
 	echo "make test: parallel phase exit $$parallel, serial phase exit $$serial"; \
 	test $$parallel = 0 -a $$serial = 0
 

@@ -67,6 +67,7 @@ def gpu_ids_in_metrics(families: dict) -> collections.Counter:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a Ray cluster of its own: Serve's proxy start timed out at load 15-17 beside the workers
 def test_two_replicas_with_a_whole_gpu_each_get_one_device_each(default_bundle):
     proc, lines, url, metrics = run_service(default_bundle, 2, "--replica-num-gpus", "1")
     try:
@@ -84,6 +85,7 @@ def test_two_replicas_with_a_whole_gpu_each_get_one_device_each(default_bundle):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a Ray cluster of its own: Serve's proxy start timed out at load 15-17 beside the workers
 def test_four_replicas_share_the_two_gpus_by_the_default_share(default_bundle):
     """No --replica-num-gpus: provider auto on a cluster that has GPUs asks for the default share
     (a quarter), so four replicas fit, every one with a device and no GPU given past its capacity."""

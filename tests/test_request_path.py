@@ -76,6 +76,7 @@ def test_latency_models():
             latency_model(bad)
 
 
+@pytest.mark.serial  # a Ray cluster of its own: Serve's proxy start timed out at load 15-17 beside the workers
 def test_the_harness_smoked_against_the_service_writes_its_rows(default_bundle, tmp_path):
     page, out = tmp_path / "performance.md", tmp_path / "request_path.json"
     page.write_text(f"# page\n\n{PAGE_START}\nold\n{PAGE_END}\nafter\n")
