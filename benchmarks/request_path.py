@@ -37,6 +37,7 @@ from datetime import date
 from pathlib import Path
 
 from benchmarks.corpus import short_texts
+from service.runtimes.onnxruntime import available_cpus
 
 PAGE_START = "<!-- request-path:start -->"
 PAGE_END = "<!-- request-path:end -->"
@@ -46,10 +47,6 @@ SCENARIOS = (  # (key, texts per request, connections)
     ("single", 1, 32),
     ("batches", BATCH, 8),
 )
-
-
-def cpus() -> int:
-    return len(os.sched_getaffinity(0))
 
 
 # ---- one service configuration, in a process of its own (--phase SPEC) ----
@@ -104,7 +101,7 @@ def phase(spec: dict) -> list[dict]:
             row = {
                 "label": spec["label"], "kind": spec["kind"], "model": spec.get("model"), "replicas": spec["replicas"],
                 "scenario": key, "per_request": per_request, "connections": connections, "texts_s": texts_s,
-                "texts_s_per_core": texts_s / cpus(), "p50": measured["p50"], "p99": measured["p99"],
+                "texts_s_per_core": texts_s / available_cpus(), "p50": measured["p50"], "p99": measured["p99"],
                 "failures": measured["failures"], "requests": measured["requests"], "seconds": measured["duration_s"],
                 "runtime": info.get("runtime", ""), "precision": info.get("precision", ""),
                 # the answering replica's counters (/info): with 2 replicas, one of them
@@ -146,7 +143,7 @@ def engine_alone(bundle: Path, seconds: float, standin: str | None) -> list[dict
         rows = json.loads(out.read_text())
     for r in rows:
         r.update({"kind": "engine alone", "model": standin, "replicas": None, "scenario": "batches",
-                  "texts_s_per_core": r["texts_s"] / cpus(), "connections": r["concurrency"]})
+                  "texts_s_per_core": r["texts_s"] / available_cpus(), "connections": r["concurrency"]})
     return rows
 
 
@@ -301,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{load_before[0]:.1f} before, {load_after[0]:.1f} after; {len(texts)} short multilingual texts "
               f"(`benchmarks/corpus.py` short_texts), `{PATH}` returning floats, {DEFAULT_INGRESS} ingress; wrk "
               f"{wrk_version()} (2 threads) for {args.seconds:g} s per row after {args.warmup:g} s of warm-up; texts/s "
-              f"per core divides by the machine's {cpus()} CPUs; CPU ms per text by process, read from /proc."
+              f"per core divides by the machine's {available_cpus()} CPUs; CPU ms per text by process, read from /proc."
               + (" A smoke run: its figures mean nothing." if args.smoke else ""))
     text = table(rows, header)
     lines = ratios(rows)
