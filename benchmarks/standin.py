@@ -2,8 +2,11 @@
 path (HTTP, JSON, tokenizer, batch queue, padding, pooling, the response) is measured as a GPU host sees it.
 
 It implements service/runtimes' `Runtime` (the full and fast graphs, `graph_for`, `run`, `smoke_test`,
-`resized`, `describe_cuda`, the descriptive attributes) with no packed graph, as onnxruntime on CUDA
-serves (service/runtimes/onnxruntime.py packs only on the CPU): a batch runs as padded sub-batches.
+`resized`, `describe_cuda`, the descriptive attributes) with no packed graph and `sizing` "device", as
+onnxruntime on CUDA serves (service/runtimes/onnxruntime.py packs only on the CPU): a batch runs as one
+padded run as large as the device takes (service/engine/runner.py `plan_device_runs`).
+`StandInLoader(sizing="cpu")` sizes its runs as a CPU runtime's instead (length-sorted sub-batches cut
+for padding), to compare.
 Each run returns every output the engine asks for, in the shapes and dtype (float32) the bundle's
 contract gives them (bundle/contract.py: last_hidden_state (rows, tokens, hidden), sentence_embedding
 (rows, dim) or a classifier's logits (rows, labels), attentions (layers, rows, heads, tokens, tokens)),
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bundle.contract import encodings_output_names, output_names
-from service.runtimes import TwoGraphs
+from service.runtimes import Sizing, TwoGraphs
 
 TABLE_ROWS = 1009  # distinct pooled vectors (a prime: ids sums spread over it)
 
@@ -127,12 +130,13 @@ class StandInRuntime(TwoGraphs):
 
     runtime = "stand-in"
     packed = None
+    sizing: Sizing = "device"  # like onnxruntime on CUDA: a run costs about the same whatever its size
     provider = "stand-in"
     precision = "fp32"
     precision_requested = "fp32"
 
-    def __init__(self, manifest, latency: LatencyModel, seed: int = 0) -> None:
-        self.manifest, self.latency = manifest, latency
+    def __init__(self, manifest, latency: LatencyModel, seed: int = 0, sizing: Sizing = "device") -> None:
+        self.manifest, self.latency, self.sizing = manifest, latency, sizing
         model = manifest.model
         width = max(model.hidden_size, model.sentence_dim, len(model.labels or []))
         table = np.random.default_rng(seed).standard_normal((TABLE_ROWS, width)).astype(np.float32)
@@ -154,6 +158,7 @@ class StandInLoader:
     (service/app.py compose's runtime_loader). Picklable: Ray carries it to every replica."""
 
     latency: LatencyModel = ZERO
+    sizing: Sizing = "device"  # "cpu": runs sized as on a CPU (service/runtimes' Sizing), for comparison
 
     def __call__(self, bundle, settings, threads: int, gpu, streams: int = 1) -> StandInRuntime:
-        return StandInRuntime(bundle.manifest, self.latency)
+        return StandInRuntime(bundle.manifest, self.latency, sizing=self.sizing)

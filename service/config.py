@@ -86,6 +86,19 @@ class BatchingSettings(BaseModel):
         0.1, ge=0, le=1,
         description="padding share (1 - real/padded tokens) at which a length-sorted sub-batch is cut; 1: never",
     )
+    device_run_tokens: int = Field(
+        32768, ge=1,
+        description="padded tokens per run on a device (onnxruntime on CUDA): there a run costs about the same "
+        "from 1 to 128 texts (docs/gpu.md's H100: 1.2-1.7 ms), so a batch's texts run as one padded run up to "
+        "this many tokens (rows x padded length), cut beyond it, and past 512 tokens a row also where rows x "
+        "length^2 would pass this x 512 (attention's scores); sub_batch_tokens, max_sub_batch_size and "
+        "max_padding size the runs on a CPU only. Runs asking for attention weights are sized as on a CPU",
+    )
+    device_length_bucket: int = Field(
+        16, ge=1, le=512,
+        description="on a device, a run's length is its longest text's rounded up to a multiple of this (never "
+        "past the model's max_tokens), so the device sees a few shapes again and again; 1: the longest text's",
+    )
     packed_tokens: int = Field(
         256, ge=0, le=2048,
         description="tokens per packed run: texts that need only their pooled output run several to a row of the "

@@ -34,7 +34,8 @@ def test_the_stand_in_returns_every_output_in_the_contracts_shapes(default_bundl
     bundle = load_bundle(default_bundle)
     model = bundle.manifest.model
     runtime = StandInLoader(ZERO)(bundle, None, 1, None, 2)
-    assert runtime.packed is None and runtime.runtime == "stand-in"  # padded sub-batches, as on CUDA
+    assert runtime.packed is None and runtime.runtime == "stand-in"  # padded runs, as on CUDA
+    assert runtime.sizing == "device"  # sized for a device, as on CUDA (tests/test_device_sizing.py)
     assert runtime.graph_for(["sentence_embedding"]) is runtime.fast
     assert runtime.graph_for(["sentence_embedding", "attentions"]) is runtime.full
     assert runtime.resized(4, 4) is runtime and runtime.describe_cuda()["usable"] is False

@@ -369,12 +369,17 @@ class EncoderService:
     def batch_shape(self, engine: Engine) -> str:
         """How this model's texts are batched, and why not packed where they are not: packed rows hold
         every family exactly (each text keeps its own positions, window and causal mask), but not a
-        pooling without per-token weights, nor a replica configured without them."""
+        pooling without per-token weights, nor a replica configured without them; a runtime on a device
+        (its `sizing`) runs a batch as one padded run instead."""
         if engine.runtime.packed is not None and self.batching.packed_tokens:
             return (f"packed: texts that need only their pooled output run several to a row of up to "
                     f"{self.batching.packed_tokens} tokens, each attending only its own; the rest run padded")
         if engine.runtime.packed is not None:
             return "padded only: batching.packed_tokens is 0"
+        if engine.runtime.sizing == "device":  # onnxruntime on CUDA packs nothing: its runs are one per batch
+            return (f"padded, sized for a device: a batch's texts run as one padded run of up to "
+                    f"{self.batching.device_run_tokens} tokens, its length rounded up to a multiple of "
+                    f"{self.batching.device_length_bucket} (texts that want attention weights: sized as on a CPU)")
         if engine.model.pooling not in PACKED_POOLINGS:
             return f"padded only: {engine.model.pooling} pooling has no per-token weights to pool a packed row by"
         return "padded only: the bundle has no packed graph"
@@ -395,6 +400,7 @@ class EncoderService:
             "graphs": {"attentions": runtime.full.label, "encodings": runtime.fast.label,
                        "packed": runtime.packed.label if runtime.packed is not None else None},
             "batches": self.batch_shape(engine),
+            "sizing": runtime.sizing,  # how its padded runs are sized: "cpu" or "device" (service/runtimes' Sizing)
             "graph_providers": {"attentions": runtime.full.provider, "encodings": runtime.fast.provider},
             "ort_runs_by_graph": dict(engine.runner.runs_by_graph),
             "counters": dict(engine.runner.counters),

@@ -4,8 +4,14 @@ Each request (one client call, one or more texts) is one item of the queue, coun
 (EncodeJob.cost), so a batch is bounded by a token budget, not a request count. Texts that need
 only their pooled output (an embedding, a classifier's logits) run packed where the runtime has the
 bundle's packed graph: several texts one after another in a row of up to `packed_tokens`, with no
-padding at all (service/runtimes/packing.py). All other texts are sorted by length and cut into
-sub-batches whose padded size stays under `sub_batch_tokens`: on a CPU, padding is the first cost.
+padding at all (service/runtimes/packing.py). All other texts are sorted by length and cut into runs
+as the runtime's `sizing` says (service/runtimes' `Sizing`): on a CPU, into sub-batches whose padded
+size stays under `sub_batch_tokens` and whose padding under `max_padding`, since there padding is the
+first cost (`plan_sub_batches`); on a device (onnxruntime on CUDA), where a run costs about the same
+whatever its size and a padded token next to nothing, into one run as large as the device takes
+(`device_run_tokens`), its length rounded up to a bucket (`plan_device_runs`): cut by the CPU's padding
+rule, a batch of 40-70 short texts runs as sub-batches of a few texts each, every one paying a device
+run's fixed cost (about 1.4 ms on an H100).
 Texts whose request wants attention weights run on the bundle's full graph; the rest on its fused
 encodings-only graph of the configured precision (the `graph` label of the inference-runs metric
 says which graph ran: full, encodings-<precision>, packed-<precision>). How a text's pooled output
@@ -16,8 +22,17 @@ The runs of a batch (its pieces: packed rows, padded sub-batches) are independen
 in the batch's worker thread under load; when the batch queue lends free runner slots (an otherwise
 idle replica, batcher.py), they run on those slots at once, each in a thread of the runner's pool
 (onnxruntime's run and OpenVINO's infer requests release the GIL), and a batch of one large piece is
-cut in two first. The sessions stay as sized for the throughput configuration (intra_op_threads per
-slot): a lent slot is one more run at once, never more threads per run.
+cut in two first (on a CPU only: on a device the cut would add a run's fixed cost and save nothing). The
+sessions stay as sized for the throughput configuration (intra_op_threads per slot): a lent slot is one
+more run at once, never more threads per run.
+
+On a device, `max_concurrent_batches` (2) is the pipeline: each batch runs in its own worker thread, and
+a device run releases the GIL while it waits, so while one batch's run is on the device the batch queue
+forms the next batch on the other slot (its requests were tokenized on the event loop as they arrived),
+which pads its texts and hands its run to the device; meanwhile the first batch's outputs are scattered
+to its jobs in its thread and its responses serialised on the event loop. A batch being one run is what
+makes two slots a pipeline of depth two: cut into runs one after another, each batch would hold its slot
+through all of them.
 """
 
 from __future__ import annotations
@@ -151,6 +166,42 @@ def plan_sub_batches(lengths: list[int], token_budget: int, max_size: int, max_p
     return groups
 
 
+# past this length a row's attention scores (heads x length^2 per row and layer) outgrow its tokens' other
+# activations, so a device run is bounded by rows x length^2 as well (plan_device_runs)
+DEVICE_SCORE_LENGTH = 512
+
+
+def bucketed(longest: int, bucket: int, max_length: int) -> int:
+    """A device run's length: its longest text's rounded up to a multiple of `bucket`, never past
+    `max_length` (the model's position limit) unless the text itself is longer."""
+    return max(longest, min(-(-longest // bucket) * bucket, max_length))
+
+
+def plan_device_runs(lengths: list[int], run_tokens: int, bucket: int, max_length: int) -> list[list[int]]:
+    """Text indexes in runs for a device, shortest first: one run for the whole batch where it fits, cut
+    only where a run's padded tokens (rows x its bucketed length) would pass `run_tokens` or, past
+    DEVICE_SCORE_LENGTH tokens a row, its attention scores (rows x length^2) would pass `run_tokens` x
+    DEVICE_SCORE_LENGTH. A text that alone passes them runs alone.
+
+    No padding rule: on a device a run's fixed cost (about 1.35 ms on an H100, benchmarks/standin.py) is
+    worth some 27,000 padded tokens (0.05 us each), so cutting where lengths jump costs more than padding.
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        length = bucketed(lengths[index], bucket, max_length)  # ascending order: the newcomer is the longest
+        # rows x length tokens, or past DEVICE_SCORE_LENGTH rows x length^2 scores, against the budget
+        cost = (len(current) + 1) * length * max(length, DEVICE_SCORE_LENGTH)
+        if current and cost > run_tokens * DEVICE_SCORE_LENGTH:
+            runs.append(current)
+            current = []
+        current.append(index)
+    if current:
+        runs.append(current)
+    return runs
+
+
 def halves(row: list[int], lengths: list[int]) -> list[list[int]]:
     """A packed row's texts in two rows of about equal tokens (longest first, each to the lighter row),
     each in the row's order: the two runs of a row cut for two slots take about the same time."""
@@ -172,11 +223,14 @@ def pad_types(types: list[np.ndarray | None], longest: int) -> np.ndarray:
     return out
 
 
-def pad(ids: list[np.ndarray], pad_id: int, attended: list[int | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pad(ids: list[np.ndarray], pad_id: int, attended: list[int | None] | None = None,
+        length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Right-pad token id arrays into (batch, longest) ids and attention mask. `attended`: per text, the
     leading tokens the mask lets be attended to (None: all of them); the tokens after are computed like
-    padding, which is what a ColBERT query's unattended expansion tokens are."""
+    padding, which is what a ColBERT query's unattended expansion tokens are. `length`: pad to this many
+    tokens instead of the longest text's (a device run's bucket; at least the longest)."""
     longest = max(int(a.shape[0]) for a in ids)
+    longest = max(longest, length or 0)
     input_ids = np.full((len(ids), longest), pad_id, dtype=np.int64)
     mask = np.zeros((len(ids), longest), dtype=np.int64)
     for row, a in enumerate(ids):
@@ -314,6 +368,13 @@ class Batch:
         """Whether texts that need only their pooled output run packed: packing on and served."""
         return self.runtime.packed is not None and bool(self.batching.packed_tokens)
 
+    def device_sized(self, needs: Needs) -> bool:
+        """Whether texts that need this run in device-sized runs (plan_device_runs): the runtime is on a
+        device, and they want no attention weights. Those are sized as on a CPU: the full graph returns
+        every row's (layers, heads, length, length) to the host, so padding there is memory the padding
+        bound keeps near what max_batch_attention_values counted for the batch."""
+        return self.runtime.sizing == "device" and not needs.attention
+
     def needs(self, j: int) -> Needs:
         job = self.jobs[j]
         # a text whose prompt pooling leaves out is pooled by weights on a packed row, else here from
@@ -427,8 +488,9 @@ class BatchRunner:
             batch = self._new_batch(jobs)
             pieces = self._plan(batch)
             # a batch of one piece, on an otherwise idle replica: cut in two where it is large enough,
-            # the second half on a slot taken before the cut (none free: it stays whole)
-            held = lender is not None and len(pieces) == 1 and lender.lend()
+            # the second half on a slot taken before the cut (none free: it stays whole). Not on a device,
+            # where the second run would add its fixed cost and save nothing
+            held = lender is not None and len(pieces) == 1 and batch.runtime.sizing != "device" and lender.lend()
             if held:
                 pieces = self._plan(batch, split=True)
                 if len(pieces) == 1:
@@ -518,14 +580,24 @@ class BatchRunner:
         return packed.run_packed(feed), int(feed["input_ids"].shape[1])
 
     def _padded(self, batch: Batch, needs: Needs, texts: list[TextRef], split: bool = False) -> list[Piece]:
-        """Texts length-sorted into padded sub-batches, on the graph that has every output they need: a
-        piece per sub-batch. `split`: a lone sub-batch of SPLIT_MIN_TOKENS or more is cut into its shorter
-        and its longer half (each padded less than the whole)."""
+        """Texts length-sorted into padded runs, on the graph that has every output they need: a piece per
+        run. On a device (Batch.device_sized) as few runs as the device takes, each padded to its length
+        bucket (plan_device_runs); else sub-batches cut for a CPU's padding cost (plan_sub_batches), and
+        with `split`, a lone sub-batch of SPLIT_MIN_TOKENS or more is cut into its shorter and its longer
+        half (each padded less than the whole)."""
         outputs = [self.pooled, *(["last_hidden_state"] if needs.hidden else []),
                    *(["attentions"] if needs.attention else [])]
         graph = batch.runtime.graph_for(outputs)
         lengths = [int(batch.ids(text).shape[0]) for text in texts]
         settings = batch.batching
+        if batch.device_sized(needs):
+            max_length = self.manifest.model.max_tokens
+            bucket = settings.device_length_bucket
+            runs = plan_device_runs(lengths, settings.device_run_tokens, bucket, max_length)
+            sized = [([texts[i] for i in run], bucketed(max(lengths[i] for i in run), bucket, max_length))
+                     for run in runs]
+            return [lambda members=members, length=length: self._padded_run(batch, graph, outputs, members, length)
+                    for members, length in sized]
         groups = plan_sub_batches(lengths, settings.sub_batch_tokens, settings.max_sub_batch_size, settings.max_padding)
         if split and len(groups) == 1 and len(groups[0]) > 1 and sum(lengths) >= SPLIT_MIN_TOKENS:
             half = len(groups[0]) // 2
@@ -533,10 +605,12 @@ class BatchRunner:
         return [lambda members=[texts[i] for i in group]: self._padded_run(batch, graph, outputs, members)
                 for group in groups]
 
-    def _padded_run(self, batch: Batch, graph, outputs: list[str], members: list[TextRef]) -> Run:
+    def _padded_run(self, batch: Batch, graph, outputs: list[str], members: list[TextRef],
+                    length: int | None = None) -> Run:
+        """One padded run of these texts (to their longest, or to `length`), its outputs scattered to their jobs."""
         attended = [batch.attended(m) for m in members]
         input_ids, mask = pad([batch.ids(m) for m in members], self.manifest.model.pad_token_id,
-                              attended if any(a is not None for a in attended) else None)
+                              attended if any(a is not None for a in attended) else None, length)
         types = None
         if any(batch.jobs[j].type_ids is not None for j, _ in members):
             types = pad_types([batch.type_ids(m) for m in members], input_ids.shape[1])

@@ -4,7 +4,10 @@ The engine (service/engine/) sees only `Runtime`: two graphs (`full`, with atten
 `fast`, the fused encodings graph of the served precision), `graph_for(outputs)` to pick one, a
 `smoke_test()` for health checks, what it runs on (`runtime`, `provider`, `precision`, `threads`,
 the notes that say why, `choice`, `describe_cuda()`), and `resized(threads, streams)`: the same
-graphs in sessions sized for another number of concurrent batches (a live max_concurrent_batches).
+graphs in sessions sized for another number of concurrent batches (a live max_concurrent_batches), and
+`sizing`: what kind of device its runs go to, which decides how the runner cuts a batch into runs
+(`cpu`, the default: length-sorted sub-batches cut where padding would cost; `device`: one run as large
+as the device takes, service/engine/runner.py `plan_device_runs`).
 `load_runtime` builds one from the settings (service/runtimes/choice.py, whose table says why). Implementations: onnxruntime (service/runtimes/onnxruntime.py) on CUDA
 or CPU, which owns its probing (service/runtimes/cuda.py), its session options and the start-up
 preflight of bundles; OpenVINO (service/runtimes/openvino.py) for bf16 on CPUs with bf16 units.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
@@ -28,6 +31,15 @@ if TYPE_CHECKING:  # not at run time: `python -m service.runtimes.cuda` must fin
     from bundle.manifest import Bundle
     from service.config import ServiceSettings
     from service.runtimes.cuda import GpuAssignment
+
+
+# How the runner sizes a runtime's padded runs (service/engine/runner.py `BatchRunner._padded`):
+# - "cpu": every padded token costs what a real one does and a run's fixed cost is small, so a batch is
+#   length-sorted into sub-batches cut at `sub_batch_tokens`, `max_sub_batch_size` and `max_padding`;
+# - "device": a run costs about the same from 1 to 128 texts (docs/gpu.md's H100: 1.2-1.7 ms for
+#   fp16 MiniLM) and a padded token next to nothing, so a batch is one run as large as the device takes
+#   (`device_run_tokens`), its length rounded up to a bucket (`device_length_bucket`).
+Sizing = Literal["cpu", "device"]
 
 
 class Graph(Protocol):
@@ -65,6 +77,7 @@ class Runtime(Protocol):
     precision_note: str
     choice: dict | None  # the row of service/runtimes/choice.py's table that chose it, for /info
     threads: int  # per run of the encodings graph
+    sizing: Sizing  # how the runner sizes its padded runs: "device" where the encodings graph runs on CUDA
 
     def graph_for(self, outputs: Sequence[str]) -> Graph: ...
 
@@ -91,6 +104,7 @@ class TwoGraphs:
     fast: Graph
     packed: PackedGraph | None = None
     choice: dict | None = None  # set by service/runtimes/choice.py
+    sizing: Sizing = "cpu"  # a runtime on a device says so (onnxruntime on CUDA, the benchmarks' stand-in)
 
     @property
     def threads(self) -> int:

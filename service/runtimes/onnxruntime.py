@@ -19,7 +19,7 @@ import onnxruntime as ort
 from bundle.contract import INPUT_NAMES, PACKED_INPUT_NAMES, encodings_output_names, output_names, packed_output_names
 from bundle.manifest import Bundle, BundleError, load_bundle
 from service.config import ServiceSettings
-from service.runtimes import TwoGraphs
+from service.runtimes import Sizing, TwoGraphs
 from service.runtimes.cuda import CUDA, CudaCheck, CudaOptions, GpuAssignment, check_cuda, session_memory_limit
 
 logger = logging.getLogger("service.runtimes.onnxruntime")
@@ -243,6 +243,7 @@ class OrtEncoder(TwoGraphs):
             with_options(providers, self.cuda_options), options,
         )
         self._check_dims(self.fast.shapes)
+        self.sizing = sizing_for(self.fast.provider)
         # texts that need only their pooled output run packed, where the fp32 graph serves on the CPU
         # (on CUDA, the fp16 graph and the GPU's own kernels are the design: docs/gpu.md)
         self.packed = None
@@ -272,6 +273,14 @@ class OrtEncoder(TwoGraphs):
             for axis, size in expected[name].items():
                 if len(shape) <= axis or (isinstance(shape[axis], int) and shape[axis] != size):
                     raise BundleError(f"graph output {name} has shape {shape}, the manifest implies {size} at axis {axis}")
+
+
+def sizing_for(provider: str) -> Sizing:
+    """How the runner sizes runs of a graph on `provider` (service/runtimes' `Sizing`): "device" on CUDA,
+    where a run's cost hardly depends on its size, "cpu" elsewhere. Read from the encodings graph's
+    session, the one every run without attention weights goes to (a CUDA session that fell back to the
+    CPU is sized as the CPU it runs on)."""
+    return "device" if provider == CUDA else "cpu"
 
 
 def resolve_precision(bundle: Bundle, precision: str, provider: str) -> tuple[str, str]:
