@@ -120,7 +120,7 @@ bench-int8: bundle
 # Ray Serve's echo ceiling, the real model and the engine alone; rows into docs/performance.md and
 # results/request_path.json. REQUEST_PATH_ARGS, e.g. '--seconds 5' or '--smoke' (its figures mean nothing).
 REQUEST_PATH_ARGS ?=
-bench-request-path: bundle
+bench-request-path: bundle wrk
 	$(BIN)/python -m benchmarks.request_path --bundle $(BUNDLE) $(REQUEST_PATH_ARGS)
 
 # py-spy flame graphs of the replica under single-text load (PROFILE_ARGS='--ingress proxy --precision int8')
@@ -182,6 +182,16 @@ prometheus:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	else echo "the metrics and alert tests need the Debian package prometheus (prometheus, promtool): apt-get install prometheus" >&2; exit 1; fi
 
+# wrk from Debian's package, the load generator of the request-path harness (its smoke test) and of
+# make bench-request-path: installed when missing and apt-get can, else one line naming it.
+.PHONY: wrk
+wrk:
+	@if command -v wrk >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing wrk (Debian package) for the request-path harness"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends wrk >/dev/null; \
+	else echo "the request-path harness needs the Debian package wrk: apt-get install wrk" >&2; exit 1; fi
+
 # pytest-xdist workers for make test, each given whole files: much of the suite waits on Ray, services
 # and exports starting, so two share a 2-core machine well; each starts at most one Ray Serve session
 # and they share the exported bundles (tests/conftest.py). TEST_WORKERS=0 runs it in this one process.
@@ -190,7 +200,7 @@ prometheus:
 # and make test fails if either did.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) reference-envs browser prometheus
+test: $(STAMP) reference-envs browser prometheus wrk
 	@shared=$$(mktemp -d); trap 'rm -rf "$$shared"' EXIT; \
 	TEST_SHARED_DIR=$$shared $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" && parallel=0 || parallel=$$?; \
 	echo "make test: the serial phase (tests whose bounds another test's load would decide)"; \

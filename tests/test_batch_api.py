@@ -241,6 +241,8 @@ def service_config(tmp_path: Path, jobs_dir: Path) -> Path:
     return path
 
 
+@pytest.mark.serial  # two `python -m service` clusters, one after the other, beside no other: in CI's parallel phase
+# (load 10-15, two workers' clusters) the second one's start lost an actor ("died unexpectedly")
 def test_a_service_restarted_mid_batch_resumes_it_and_another_token_sees_none_of_it(default_bundle, tmp_path):
     """Token A submits a batch to `python -m service` and the service is stopped (SIGTERM) mid-batch; started
     again with token B and another precision, the service resumes A's batch to the end as the same embedding

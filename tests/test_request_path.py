@@ -81,9 +81,11 @@ def test_latency_models():
 def test_the_harness_smoked_against_the_service_writes_its_rows(default_bundle, tmp_path):
     page, out = tmp_path / "performance.md", tmp_path / "request_path.json"
     page.write_text(f"# page\n\n{PAGE_START}\nold\n{PAGE_END}\nafter\n")
-    subprocess.run([sys.executable, "-m", "benchmarks.request_path", "--bundle", str(default_bundle), "--smoke",
-                    "--no-echo", "--texts", "64", "--page", str(page), "--json", str(out)],
-                   check=True, cwd=ROOT, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.request_path", "--bundle", str(default_bundle), "--smoke",
+                          "--no-echo", "--texts", "64", "--page", str(page), "--json", str(out)],
+                         cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert run.returncode == 0, f"the harness exited {run.returncode}:\n" + "\n".join(
+        (run.stdout + run.stderr).splitlines()[-40:])
     result = json.loads(out.read_text())
     service = [r for r in result["rows"] if r["kind"] == "service"]
     # the phase checked one answer of each kind (every text a vector of the model's width) before measuring

@@ -52,7 +52,15 @@ def wait_for_health(url: str, proc: subprocess.Popen, lines: list[str] | None = 
     """Wait for this service's own answer on /health: 200 with its JSON (not another server's).
     The bound is start-up on a loaded 2-core CI machine (make run once took over 120 s beside the other worker's tests).
     On failure, say what the service printed (`lines`, from collect())."""
-    output = lambda: f"\n--- its output ---\n{''.join(lines or [])[-4000:]}"  # noqa: E731
+    def output() -> str:
+        printed = "".join(lines or [])
+        said = f"\n--- its output ---\n{printed[-4000:]}"
+        # a start that failed names its log ("details: PATH"): its end says which actor died and why
+        log = re.search(r"\(details: (\S+)\)", printed)
+        if log and Path(log.group(1)).is_file():
+            said += f"\n--- the end of {log.group(1)} ---\n" + "\n".join(
+                Path(log.group(1)).read_text(errors="replace").splitlines()[-60:])[-6000:]
+        return said
 
     def healthy() -> httpx.Response | None:
         assert proc.poll() is None, f"the service exited early with {proc.returncode}{output()}"

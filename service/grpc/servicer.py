@@ -40,7 +40,6 @@ from service.front.gate import Gate
 from service.front.policy import GrpcMethod, RoutePolicy
 from service.front.request_ids import current_request_id, is_valid_request_id, new_request_id
 from service.observability import tracing
-from service.observability.metrics import service_metrics
 
 REQUEST_ID_KEY = "request_id"  # metadata in (the client's) and trailing metadata out (the call's)
 # status details travel in the trailers, whose size gRPC caps (8 KiB by default): what a client sent
@@ -113,7 +112,6 @@ async def answer(svc: EncoderService, full_name: str, method: GrpcMethod, reques
         "rpc.system": "grpc", "rpc.service": full_name.split("/")[1], "rpc.method": method.name,
         "encoder.request_id": call.id}) if tracing.enabled() else None
     id_token = current_request_id.set(call.id)
-    metrics = service_metrics()
     status, code, reply = 500, grpc.StatusCode.INTERNAL, None
     Gate.enter(inference)
     try:
@@ -136,7 +134,6 @@ async def answer(svc: EncoderService, full_name: str, method: GrpcMethod, reques
     finally:
         current_request_id.reset(id_token)
         Gate.leave(inference)
-        metrics.in_flight.set(Gate.in_flight)
         _finish(call, status, code, reply, span)
 
 

@@ -29,7 +29,6 @@ from service.http.errors import error_response, service_error_response
 from service.http.headers import (REQUEST_ID_HEADER, TIMEOUT_HEADER, UNREADABLE_HEADER, app_path, asked_deadline_s,
                                   request_id_of, timeout_header)
 from service.observability import tracing
-from service.observability.metrics import service_metrics
 
 _UNREADABLE_NAME = UNREADABLE_HEADER.encode()
 _REQUEST_ID_NAME = REQUEST_ID_HEADER.encode()
@@ -56,7 +55,6 @@ class CallMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        metrics = service_metrics()
         call = scope[CALL_KEY] = call_of_scope(scope)
         app, inference = self.gated(scope, call)
         id_token = current_request_id.set(call.id)
@@ -68,8 +66,7 @@ class CallMiddleware:
         status = 500  # what an exception that escapes the app without a response amounts to
         responded = False
         sent = 0
-        Gate.enter(inference)
-        metrics.in_flight.set(Gate.in_flight)
+        Gate.enter(inference)  # the in-flight gauge samples Gate.in_flight each second (service/deployment.py)
 
         async def counting_send(message: dict) -> None:
             nonlocal status, sent, responded
@@ -102,7 +99,6 @@ class CallMiddleware:
                 status = CLIENT_GONE  # left mid-upload or mid-wait: the client's doing, not an error of ours
                 call.failed("cancelled")
             Gate.leave(inference)
-            metrics.in_flight.set(Gate.in_flight)
             finish(call, status, sent, span, f"{method} {call.route}", {
                 "http.route": call.route, "http.response.status_code": status, "encoder.task": call.task or None})
 

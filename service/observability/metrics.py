@@ -10,7 +10,7 @@ service/grpc/), on the families a request records:
   ray_encoder_requests_total{route,status_class,protocol}     how many requests, and how they ended
   ray_encoder_request_failures_total{route,reason,protocol}   how many failed, and why
   ray_encoder_request_duration_seconds{route,stage,protocol}  time per stage: tokenization, queue, inference, total
-  ray_encoder_in_flight_requests                        requests being handled right now (per ingress replica)
+  ray_encoder_in_flight_requests                        requests being handled right now (per ingress replica, sampled each second)
   ray_encoder_batch_queue_requests                      requests waiting for a batch (per replica and model)
   ray_encoder_response_bytes_total{route,kind,protocol}  bytes sent, by output kind
   ray_encoder_batch_size_requests                       requests per batch (batch fill)
