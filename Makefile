@@ -34,7 +34,7 @@ help:
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes docs/performance.md and the README's headline"
 	@echo "make bench-representations  issue 48's rows alone: BGE-M3's three outputs in one pass vs three and vs FlagEmbedding, SPLADE vs SparseEncoder (REPRESENTATIONS_ARGS=...)"
 	@echo "make bench-families  MPNet, ModernBERT and Qwen3 shapes at real sizes: the service at its default precision and fp32 vs sentence-transformers fp32 and bf16 (PEERS=infinity: and infinity-emb at both), the engine alone, the physical bound (BENCH_ARGS=--tiny: a smoke run)"
-	@echo "make bench-request-path  the request path's CPU side with the model replaced by a stand-in (0 ms, H100-like), 1 and 2 replicas, beside Ray Serve's echo, the real model and the engine alone; docs/performance.md (REQUEST_PATH_ARGS=--smoke)"
+	@echo "make bench-request-path  the request path's CPU side with the model replaced by a stand-in (0 ms, H100-like), 1 and 2 replicas, beside Ray Serve's echo, the real model and the engine alone; docs/performance.md (REQUEST_PATH_ARGS=--smoke; PEERS=infinity: the peer's request path beside it)"
 	@echo "make bench-int8  every int8 method (dynamic, static onnxruntime, NNCF) vs the 0.999 floor, and its speed vs fp32 and bf16"
 	@echo "make embed  embed every row of INPUT (Parquet, JSONL, CSV) into Parquet shards in OUTPUT, on Ray Data; run again to resume (EMBED_ARGS=...; docs/jobs.md)"
 	@echo "make bench-jobs  the embedding job's texts/s on JOB_TEXTS short texts vs the online service and the engine alone, same run (BENCH_JOBS_ARGS='--nodes 3': on a 3-node loopback cluster, rows by node)"
@@ -118,10 +118,11 @@ bench-int8: bundle
 # The request path as a GPU host sees it (issue 56): the model replaced by benchmarks/standin.py at 0 ms and at
 # docs/gpu.md's H100 cost per run, single texts and client batches of 32 under wrk, 1 and 2 replicas, beside
 # Ray Serve's echo ceiling, the real model and the engine alone; rows into docs/performance.md and
-# results/request_path.json. REQUEST_PATH_ARGS, e.g. '--seconds 5' or '--smoke' (its figures mean nothing).
+# results/request_path.json; PEERS=infinity adds infinity-emb's request path (a near-zero model, its own venv).
+# REQUEST_PATH_ARGS, e.g. '--seconds 5' or '--smoke' (its figures mean nothing).
 REQUEST_PATH_ARGS ?=
 bench-request-path: bundle wrk
-	$(BIN)/python -m benchmarks.request_path --bundle $(BUNDLE) $(REQUEST_PATH_ARGS)
+	$(BIN)/python -m benchmarks.request_path --bundle $(BUNDLE) $(if $(PEERS),--peers $(PEERS)) $(REQUEST_PATH_ARGS)
 
 # py-spy flame graphs of the replica under single-text load (PROFILE_ARGS='--ingress proxy --precision int8')
 PROFILE_ARGS ?=

@@ -62,9 +62,10 @@ def sizes(name: str, tiny: bool) -> dict:
     return {**real, **TINY, **TINY_EXTRA.get(name, {})} if tiny else real
 
 
-def make_checkpoint(name: str, out: Path, tiny: bool = False) -> Path:
-    """A seeded random checkpoint of `name`'s shape with the default model's tokenizer, as a
-    sentence-transformers model (Transformer, Pooling, Normalize); once, kept in `out`."""
+def make_checkpoint(name: str, out: Path, tiny: bool = False, shape: tuple | None = None) -> Path:
+    """A seeded random checkpoint of `name`'s shape (or of `shape`, a SHAPES-like entry at its own sizes)
+    with the default model's tokenizer, as a sentence-transformers model (Transformer, Pooling,
+    Normalize); once, kept in `out`."""
     if (out / "modules.json").exists():
         return out
     import torch
@@ -72,10 +73,10 @@ def make_checkpoint(name: str, out: Path, tiny: bool = False) -> Path:
 
     from export.checkpoint import resolve_checkpoint
 
-    config_class, _, model_class, pooling, _ = SHAPES[name]
+    config_class, own_sizes, model_class, pooling, _ = shape or SHAPES[name]
     source = resolve_checkpoint("default")[0]
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    config = getattr(transformers, config_class)(vocab_size=vocab, **sizes(name, tiny))
+    config = getattr(transformers, config_class)(vocab_size=vocab, **(own_sizes if shape else sizes(name, tiny)))
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config).eval()
     staging = out.with_name(out.name + ".tmp")

@@ -1,7 +1,7 @@
 """make bench-request-path: the CPU side of the request path, measured as a GPU host sees it (issue 56).
 
     python -m benchmarks.request_path [--seconds 12] [--warmup 2] [--models 0,h100] [--replicas 1,2]
-                                      [--no-echo] [--no-real] [--no-engine-alone] [--smoke]
+                                      [--no-echo] [--no-real] [--no-engine-alone] [--peers infinity] [--smoke]
 
 One run, on loopback, `/v1/embeddings` (floats, the OpenAI default), short multilingual texts
 (benchmarks/corpus.py `short_texts`), wrk as the load generator for every row (benchmarks/wrk_load.py: a
@@ -13,7 +13,10 @@ Python client would take the cores the server needs):
 - beside it, Ray Serve's echo ceiling (benchmarks/service_phase.py `echo_app`: a trivial deployment that
   answers the same request with a fixed JSON body), the real model through the service (onnxruntime
   fp32 on this CPU), and the engine alone with no HTTP and no Ray (benchmarks/engine_alone.py, client
-  batches of 32 at 4 clients) on the real model and on the stand-in.
+  batches of 32 at 4 clients) on the real model and on the stand-in;
+- with --peers infinity (`make bench-request-path PEERS=infinity`), the peer's request path: infinity-emb
+  (its own virtual environment, benchmarks/peers.py) serving a model of near-zero cost (one BERT layer of
+  width 32, MiniLM's tokenizer, random weights) under the same wrk load, its process group's CPU per text.
 
 Each service configuration runs in a process of its own with its own Ray (service_phase's `ray_service`;
 this module with --phase). Rows give texts/s, texts/s per core (the machine's CPUs), p50/p99 and CPU
@@ -147,6 +150,63 @@ def engine_alone(bundle: Path, seconds: float, standin: str | None) -> list[dict
     return rows
 
 
+# ---- the peer's request path (--peers infinity) ----
+
+# the peer's model: near-zero cost, so that its rows are its request path (HTTP, JSON, tokenizer, batching), not a model
+NEAR_ZERO = ("BertConfig", {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+                            "max_position_embeddings": 512}, "BertModel", "mean", "one BERT layer of width 32")
+PEER_ROOT = Path("results/request_path")
+
+
+def infinity_phase(texts: list[str], seconds: float, warmup_s: float) -> list[dict]:
+    """infinity-emb serving NEAR_ZERO (a sentence-transformers checkpoint made once under PEER_ROOT) under each
+    scenario, with the same bodies and wrk load as the service's rows: its rows."""
+    import httpx
+
+    from benchmarks.families import make_checkpoint
+    from benchmarks.peers import SERVED_NAME, InfinityServer, ensure_infinity
+    from benchmarks.service_phase import process_group_cpu
+    from benchmarks.wrk_load import run_wrk
+
+    model = make_checkpoint("near-zero", (PEER_ROOT / "near-zero-model").resolve(), shape=NEAR_ZERO)
+    install = ensure_infinity()
+    version = install["versions"]["infinity_emb"]
+    rng = random.Random(0)
+    rows = []
+    with InfinityServer(install, PEER_ROOT / "infinity.log", model=str(model)) as server:
+        for body in ({"model": SERVED_NAME, "input": texts[0]}, {"model": SERVED_NAME, "input": texts[:BATCH]}):
+            r = httpx.post(server.url + "/embeddings", json=body, timeout=60)
+            n = 1 if isinstance(body["input"], str) else BATCH
+            if r.status_code != 200 or len(r.json()["data"]) != n:
+                raise SystemExit(f"the peer infinity-emb answered {r.status_code}: {r.text[:200]}")
+        for key, per_request, connections in SCENARIOS:
+            if per_request == 1:
+                bodies = [json.dumps({"model": SERVED_NAME, "input": t}) for t in texts]
+            else:
+                bodies = [json.dumps({"model": SERVED_NAME, "input": rng.sample(texts, per_request)}) for _ in range(64)]
+            if warmup_s:
+                run_wrk(server.url, "/embeddings", bodies, connections, warmup_s)
+            cpu_before = process_group_cpu(server.proc.pid)
+            measured = run_wrk(server.url, "/embeddings", bodies, connections, seconds)
+            cpu = process_group_cpu(server.proc.pid) - cpu_before
+            n_texts = max(1, (measured["requests"] - measured["non2xx"]) * per_request)
+            texts_s = measured["texts_s"] * per_request
+            rows.append({
+                "label": f"infinity-emb {version}", "kind": "peer", "model": None, "replicas": 1, "scenario": key,
+                "per_request": per_request, "connections": connections, "texts_s": texts_s,
+                "texts_s_per_core": texts_s / available_cpus(), "p50": measured["p50"], "p99": measured["p99"],
+                "failures": measured["failures"], "requests": measured["requests"], "seconds": measured["duration_s"],
+                "runtime": "torch", "precision": "fp32", "peer_version": version,
+                "cpu_ms_per_text": {"peer server": round(cpu * 1000 / n_texts, 3),
+                                    "load generator": round(measured["load_cpu_s"] * 1000 / n_texts, 3)},
+            })
+            print(f"  infinity-emb {version}, {key} ({per_request} per request, {connections} connections): "
+                  f"{texts_s:,.0f} texts/s, p50 {measured['p50']:.1f} ms, p99 {measured['p99']:.1f} ms, "
+                  f"failures {measured['failures']}; CPU ms per text: peer server {rows[-1]['cpu_ms_per_text']['peer server']:.2f}",
+                  flush=True)
+    return rows
+
+
 # ---- the whole run ----
 
 def model_label(name: str | None) -> str:
@@ -194,7 +254,10 @@ def table(rows: list[dict], header: str) -> str:
             lines.append(f"| {what} | | | | {batches['texts_s']:,.0f} ({batches['texts_s_per_core']:,.0f}/core) | "
                          f"| | engine {batches['cpu_ms_per_text']['engine']:.2f} |")
             continue
-        what = "Ray Serve echo (fixed JSON body, no model)" if kind == "echo" else f"service, {model_label(model)}"
+        if kind == "peer":
+            what = f"{single['label'] if single else batches['label']} (torch), {NEAR_ZERO[4]}: the peer's request path"
+        else:
+            what = "Ray Serve echo (fixed JSON body, no model)" if kind == "echo" else f"service, {model_label(model)}"
         lines.append("| " + " | ".join([what, str(replicas), *cells(single), *cells(batches), cpu(single), cpu(batches)]) + " |")
     return "\n".join(lines)
 
@@ -221,6 +284,11 @@ def ratios(rows: list[dict]) -> list[str]:
     two = rate("service", "0", 2, "batches")
     if zero and two:
         out.append(f"2 replicas / 1 at 0 ms, client batches: {two / zero:.2f}x")
+    for scenario in ("single", "batches"):
+        ours, peer = rate("service", "0", 1, scenario), rate("peer", None, 1, scenario)
+        if ours and peer:
+            what = "single texts" if scenario == "single" else "client batches"
+            out.append(f"{what}: the service at 0 ms / infinity-emb on a near-zero model, 1 replica each: {ours / peer:.2f}x")
     real, alone = rate("service", None, 1, "batches"), rate("engine alone", None, None, "batches")
     if real and alone:
         out.append(f"the real model through the service / the engine alone, client batches: {real / alone:.2f}x (target: >= 0.95x)")
@@ -242,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the real model (onnxruntime fp32) through the service, 1 replica")
     p.add_argument("--engine-alone", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine alone (no HTTP, no Ray) on the real model and on each stand-in model")
+    p.add_argument("--peers", default="", help="infinity: the peer's request path beside ours (its own venv, "
+                   "installed on first use)")
     p.add_argument("--smoke", action="store_true", help="1 s per row, no warm-up, 1 replica, 0 ms only, no real model")
     p.add_argument("--page", type=Path, default=Path("docs/performance.md"))
     p.add_argument("--no-page", dest="write", action="store_false", help="do not write the page")
@@ -293,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"the engine alone, {model_label(standin)} ...", flush=True)
             rows += engine_alone(bundle, args.seconds, standin)
+    from benchmarks.peers import parse_peers
+
+    if "infinity" in parse_peers(args.peers):
+        print("the peer infinity-emb on a near-zero model ...", flush=True)
+        rows += infinity_phase(texts, args.seconds, args.warmup)
     load_after = os.getloadavg()
     header = (f"Measured {date.today().isoformat()} by `make bench-request-path` on {machine()}; 1-minute load "
               f"{load_before[0]:.1f} before, {load_after[0]:.1f} after; {len(texts)} short multilingual texts "

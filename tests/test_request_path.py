@@ -127,3 +127,34 @@ def test_service_code_never_reaches_the_stand_in():
         assert not re.search(r"^\s*(from|import)\s+benchmarks\b", text, re.M), path
         assert not re.search(r"import_module\(\s*[\"']benchmarks|[\"']benchmarks\.standin", text), path
     assert "runtime_loader" not in (ROOT / "service" / "config.py").read_text()
+
+
+def test_the_peers_rows_sit_beside_ours_and_its_model_costs_next_to_nothing(tmp_path):
+    """--peers infinity: the peer serves NEAR_ZERO (one BERT layer of width 32, MiniLM's tokenizer) as a
+    sentence-transformers model (what infinity-emb loads), and its rows render beside the service's with the
+    ratios. The peer itself is not started here: it installs into a virtual environment of its own
+    (benchmarks/peers.py), which make test never builds."""
+    from sentence_transformers import SentenceTransformer
+
+    from benchmarks.families import make_checkpoint
+    from benchmarks.request_path import NEAR_ZERO, ratios, table
+
+    model = make_checkpoint("near-zero", tmp_path / "near-zero", shape=NEAR_ZERO)
+    encoder = SentenceTransformer(str(model), device="cpu")
+    vectors = encoder.encode(["a short text", "ein kurzer Text, etwas länger"])
+    assert vectors.shape == (2, 32) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert sum(p.numel() for n, p in encoder.named_parameters() if "embeddings" not in n) < 20_000  # one tiny layer
+
+    def row(kind, scenario, texts_s, label):
+        return {"label": label, "kind": kind, "model": "0" if kind == "service" else None, "replicas": 1,
+                "scenario": scenario, "per_request": 1 if scenario == "single" else 32, "texts_s": texts_s,
+                "texts_s_per_core": texts_s / 2, "p50": 5.0, "p99": 9.0, "failures": 0,
+                "cpu_ms_per_text": {"peer server" if kind == "peer" else "encoder": 1.0}}
+
+    rows = [row("service", "single", 300, "stand-in 0"), row("service", "batches", 4000, "stand-in 0"),
+            row("peer", "single", 600, "infinity-emb 0.0.77"), row("peer", "batches", 2000, "infinity-emb 0.0.77")]
+    text = table(rows, "header")
+    assert "| infinity-emb 0.0.77 (torch), one BERT layer of width 32: the peer's request path | 1 | 600 (300/core)" in text
+    said = ratios(rows)
+    assert "single texts: the service at 0 ms / infinity-emb on a near-zero model, 1 replica each: 0.50x" in said
+    assert "client batches: the service at 0 ms / infinity-emb on a near-zero model, 1 replica each: 2.00x" in said
