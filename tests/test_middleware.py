@@ -52,8 +52,8 @@ def test_a_handler_cancelled_at_the_clients_deadline_counts_as_a_503_timeout(mon
         await asyncio.sleep(0.2)
         raise asyncio.CancelledError
 
-    real_failures = middleware.service_metrics().failures.inc
-    monkeypatch.setattr(middleware.service_metrics().failures, "inc",
+    real_failures = finish_module.service_metrics().failures.inc
+    monkeypatch.setattr(finish_module.service_metrics().failures, "inc",
                         lambda *a, tags, **k: reasons.append(tags["reason"]) or real_failures(*a, tags=tags, **k))
     deadline = [(b"x-request-timeout-seconds", b"0.2")]
     assert run_through(monkeypatch, slow_then_cancelled, deadline) == [503] and reasons == ["timeout"]
