@@ -40,6 +40,7 @@ from datetime import date
 from pathlib import Path
 
 from benchmarks.corpus import short_texts
+from service.hosting.processes import local_cluster_ports
 from service.runtimes.onnxruntime import available_cpus
 
 PAGE_START = "<!-- request-path:start -->"
@@ -125,8 +126,10 @@ def run_phase(spec: dict) -> list[dict]:
     with tempfile.TemporaryDirectory() as scratch:
         spec_path, out = Path(scratch) / "spec.json", Path(scratch) / "rows.json"
         spec_path.write_text(json.dumps({**spec, "out": str(out)}))
+        # Ray Serve's fixed ports made free ones for each phase, never inherited: a test session's cluster (whose
+        # ports its environment holds) or the last phase's HAProxy, which can outlive its Ray, keeps them bound
         result = subprocess.run([sys.executable, "-m", "benchmarks.request_path", "--phase", str(spec_path)],
-                                timeout=900)
+                                timeout=900, env={**os.environ, **local_cluster_ports()})
         if result.returncode != 0 or not out.exists():
             raise SystemExit(f"request-path phase {spec['label']} failed (exit {result.returncode})")
         return json.loads(out.read_text())
