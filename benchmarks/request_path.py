@@ -328,12 +328,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from benchmarks.bench import machine
+    from benchmarks.peers import parse_peers
     from benchmarks.wrk_load import ensure_wrk, wrk_version
     from bundle.manifest import load_bundle
     from service.config import DEFAULT_INGRESS
 
     if args.smoke:
         args.seconds, args.warmup, args.models, args.replicas, args.real = 1, 0, "0", "1", False
+    peers = parse_peers(args.peers)  # an unknown peer is refused now, not after the service's rows
     ensure_wrk()
     bundle = args.bundle.resolve()
     dim = load_bundle(bundle).manifest.model.sentence_dim
@@ -366,9 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"the engine alone, {model_label(standin)} ...", flush=True)
             rows += engine_alone(bundle, args.seconds, standin)
-    from benchmarks.peers import parse_peers
-
-    if "infinity" in parse_peers(args.peers):
+    if "infinity" in peers:
         print("the peer infinity-emb on a near-zero model ...", flush=True)
         rows += infinity_phase(texts, args.seconds, args.warmup)
     load_after = os.getloadavg()
