@@ -55,21 +55,47 @@ SCENARIOS = (  # (key, texts per request, connections)
 
 # ---- one service configuration, in a process of its own (--phase SPEC) ----
 
-def check_answers(url: str, texts: list[str], dim: int | None) -> None:
-    """One request of each kind: 200, one item per text, each a vector of the model's width (dim None: the echo)."""
+def check_answers(url: str, texts: list[str], dim: int | None, path: str = PATH, model: str | None = None) -> None:
+    """One request of each kind: 200, one item per text, each a vector of the model's width (dim None: the echo).
+    `model`: the body's model field (the peer serves its model by name)."""
     import httpx
 
-    for body in ({"input": texts[0]}, {"input": texts[:BATCH]}):
-        r = httpx.post(url + PATH, json=body, timeout=60)
+    for text_or_texts in (texts[0], texts[:BATCH]):
+        body = {"input": text_or_texts, **({"model": model} if model else {})}
+        r = httpx.post(url + path, json=body, timeout=60)
         if r.status_code != 200:
-            raise SystemExit(f"{PATH} answered {r.status_code}: {r.text[:200]}")
+            raise SystemExit(f"{url}{path} answered {r.status_code}: {r.text[:200]}")
         if dim is None:
             continue
         data = r.json()["data"]
-        n = 1 if isinstance(body["input"], str) else len(body["input"])
+        n = 1 if isinstance(text_or_texts, str) else len(text_or_texts)
         widths = {len(d["embedding"]) for d in data}
         if len(data) != n or widths != {dim}:
-            raise SystemExit(f"{PATH}: {len(data)} items of widths {sorted(widths)} for {n} texts; expected width {dim}")
+            raise SystemExit(f"{url}{path}: {len(data)} items of widths {sorted(widths)} for {n} texts; "
+                             f"expected width {dim}")
+
+
+def scenario_row(label: str, kind: str, scenario: tuple[str, int, int], measured: dict,
+                 cpu_ms: dict[str, float], **more) -> dict:
+    """One row of the page, from a scenario (key, texts per request, connections), wrk's figures and the
+    CPU per text by process; printed as it is made. `more`: the configuration's own fields."""
+    key, per_request, connections = scenario
+    texts_s = measured["texts_s"] * per_request
+    row = {"label": label, "kind": kind, "scenario": key, "per_request": per_request, "connections": connections,
+           "texts_s": texts_s, "texts_s_per_core": texts_s / available_cpus(), "p50": measured["p50"],
+           "p99": measured["p99"], "failures": measured["failures"], "requests": measured["requests"],
+           "seconds": measured["duration_s"], "cpu_ms_per_text": cpu_ms, **more}
+    batching = (f"; {row['texts_per_batch']:.1f} texts per batch, {row['texts_per_run']:.1f} per run"
+                if "texts_per_batch" in row else "")
+    print(f"  {label}, {key} ({per_request} per request, {connections} connections): {texts_s:,.0f} texts/s, "
+          f"p50 {row['p50']:.1f} ms, p99 {row['p99']:.1f} ms, failures {row['failures']}{batching}; CPU ms per text: "
+          + ", ".join(f"{c} {v:.2f}" for c, v in cpu_ms.items()), flush=True)
+    return row
+
+
+def texts_answered(measured: dict, per_request: int) -> int:
+    """The texts of the measured window's 2xx answers (at least 1: CPU per text divides by it)."""
+    return max(1, (measured["requests"] - measured["non2xx"]) * per_request)
 
 
 def phase(spec: dict) -> list[dict]:
@@ -100,25 +126,15 @@ def phase(spec: dict) -> list[dict]:
             cpu_after = cpu_seconds()
             cpu_after["load generator"] = cpu_after.get("load generator", 0.0) + measured["load_cpu_s"]
             counters = {k: v - counters_before[k] for k, v in encoder_counters(url, spec).items()}
-            n_texts = max(1, (measured["requests"] - measured["non2xx"]) * per_request)
-            texts_s = measured["texts_s"] * per_request
-            row = {
-                "label": spec["label"], "kind": spec["kind"], "model": spec.get("model"), "replicas": spec["replicas"],
-                "scenario": key, "per_request": per_request, "connections": connections, "texts_s": texts_s,
-                "texts_s_per_core": texts_s / available_cpus(), "p50": measured["p50"], "p99": measured["p99"],
-                "failures": measured["failures"], "requests": measured["requests"], "seconds": measured["duration_s"],
-                "runtime": info.get("runtime", ""), "precision": info.get("precision", ""),
+            n_texts = texts_answered(measured, per_request)
+            rows.append(scenario_row(
+                spec["label"], spec["kind"], (key, per_request, connections), measured,
+                {c: round((cpu_after.get(c, 0.0) - cpu_before.get(c, 0.0)) * 1000 / n_texts, 3) for c in sorted(cpu_after)},
+                model=spec.get("model"), replicas=spec["replicas"],
+                runtime=info.get("runtime", ""), precision=info.get("precision", ""),
                 # the answering replica's counters (/info): with 2 replicas, one of them
-                "texts_per_batch": counters["texts"] / max(counters["batches"], 1),
-                "texts_per_run": counters["texts"] / max(counters["ort_runs"], 1),
-                "cpu_ms_per_text": {c: round((cpu_after.get(c, 0.0) - cpu_before.get(c, 0.0)) * 1000 / n_texts, 3)
-                                    for c in sorted(cpu_after)},
-            }
-            rows.append(row)
-            print(f"  {spec['label']}, {key} ({per_request} per request, {connections} connections): "
-                  f"{texts_s:,.0f} texts/s, p50 {row['p50']:.1f} ms, p99 {row['p99']:.1f} ms, failures {row['failures']}; "
-                  f"{row['texts_per_batch']:.1f} texts per batch, {row['texts_per_run']:.1f} per run; CPU ms per text: "
-                  + ", ".join(f"{c} {v:.2f}" for c, v in row["cpu_ms_per_text"].items()), flush=True)
+                texts_per_batch=counters["texts"] / max(counters["batches"], 1),
+                texts_per_run=counters["texts"] / max(counters["ort_runs"], 1)))
     return rows
 
 
@@ -164,8 +180,6 @@ PEER_ROOT = Path("results/request_path")
 def infinity_phase(texts: list[str], seconds: float, warmup_s: float) -> list[dict]:
     """infinity-emb serving NEAR_ZERO (a sentence-transformers checkpoint made once under PEER_ROOT) under each
     scenario, with the same bodies and wrk load as the service's rows: its rows."""
-    import httpx
-
     from benchmarks.families import make_checkpoint
     from benchmarks.peers import SERVED_NAME, InfinityServer, ensure_infinity
     from benchmarks.service_phase import process_group_cpu
@@ -177,11 +191,7 @@ def infinity_phase(texts: list[str], seconds: float, warmup_s: float) -> list[di
     rng = random.Random(0)
     rows = []
     with InfinityServer(install, PEER_ROOT / "infinity.log", model=str(model)) as server:
-        for body in ({"model": SERVED_NAME, "input": texts[0]}, {"model": SERVED_NAME, "input": texts[:BATCH]}):
-            r = httpx.post(server.url + "/embeddings", json=body, timeout=60)
-            n = 1 if isinstance(body["input"], str) else BATCH
-            if r.status_code != 200 or len(r.json()["data"]) != n:
-                raise SystemExit(f"the peer infinity-emb answered {r.status_code}: {r.text[:200]}")
+        check_answers(server.url, texts, NEAR_ZERO[1]["hidden_size"], "/embeddings", SERVED_NAME)
         for key, per_request, connections in SCENARIOS:
             if per_request == 1:
                 bodies = [json.dumps({"model": SERVED_NAME, "input": t}) for t in texts]
@@ -192,21 +202,12 @@ def infinity_phase(texts: list[str], seconds: float, warmup_s: float) -> list[di
             cpu_before = process_group_cpu(server.proc.pid)
             measured = run_wrk(server.url, "/embeddings", bodies, connections, seconds)
             cpu = process_group_cpu(server.proc.pid) - cpu_before
-            n_texts = max(1, (measured["requests"] - measured["non2xx"]) * per_request)
-            texts_s = measured["texts_s"] * per_request
-            rows.append({
-                "label": f"infinity-emb {version}", "kind": "peer", "model": None, "replicas": 1, "scenario": key,
-                "per_request": per_request, "connections": connections, "texts_s": texts_s,
-                "texts_s_per_core": texts_s / available_cpus(), "p50": measured["p50"], "p99": measured["p99"],
-                "failures": measured["failures"], "requests": measured["requests"], "seconds": measured["duration_s"],
-                "runtime": "torch", "precision": "fp32", "peer_version": version,
-                "cpu_ms_per_text": {"peer server": round(cpu * 1000 / n_texts, 3),
-                                    "load generator": round(measured["load_cpu_s"] * 1000 / n_texts, 3)},
-            })
-            print(f"  infinity-emb {version}, {key} ({per_request} per request, {connections} connections): "
-                  f"{texts_s:,.0f} texts/s, p50 {measured['p50']:.1f} ms, p99 {measured['p99']:.1f} ms, "
-                  f"failures {measured['failures']}; CPU ms per text: peer server {rows[-1]['cpu_ms_per_text']['peer server']:.2f}",
-                  flush=True)
+            n_texts = texts_answered(measured, per_request)
+            rows.append(scenario_row(
+                f"infinity-emb {version}", "peer", (key, per_request, connections), measured,
+                {"peer server": round(cpu * 1000 / n_texts, 3),
+                 "load generator": round(measured["load_cpu_s"] * 1000 / n_texts, 3)},
+                model=None, replicas=1, runtime="torch", precision="fp32", peer_version=version))
     return rows
 
 

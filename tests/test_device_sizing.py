@@ -52,17 +52,19 @@ def runs_of(runner: BatchRunner, jobs: list[EncodeJob], lender=None) -> tuple[li
 def test_a_device_plan_is_one_run_where_it_fits_and_keeps_every_text_once():
     rng = np.random.default_rng(0)
     lengths = rng.integers(3, 250, size=70).tolist()
-    assert plan_device_runs(lengths, 32768, 16, 512) == [sorted(range(70), key=lengths.__getitem__)]
-    # a smaller budget cuts it, shortest first, each run within rows x bucketed length
+    assert plan_device_runs(lengths, 32768, 16, 512) == [(sorted(range(70), key=lengths.__getitem__),
+                                                          bucketed(max(lengths), 16, 512))]
+    # a smaller budget cuts it, shortest first, each run within rows x bucketed length, its length its longest's bucket
     runs = plan_device_runs(lengths, 2048, 16, 512)
-    assert len(runs) > 1 and sorted(i for r in runs for i in r) == list(range(70))
-    for run in runs:
-        assert len(run) == 1 or len(run) * bucketed(max(lengths[i] for i in run), 16, 512) <= 2048
+    assert len(runs) > 1 and sorted(i for r, _ in runs for i in r) == list(range(70))
+    for run, length in runs:
+        assert length == bucketed(max(lengths[i] for i in run), 16, 512)
+        assert len(run) == 1 or len(run) * length <= 2048
     # past DEVICE_SCORE_LENGTH a row, attention's scores bound the run too: rows x length^2
     long = [4096] * 8
     runs = plan_device_runs(long, 32768, 16, 8192)
-    assert all(len(r) * 4096**2 <= 32768 * DEVICE_SCORE_LENGTH for r in runs) and len(runs) == 8
-    assert plan_device_runs([9000], 16, 16, 8192) == [[0]]  # a text past every bound runs alone
+    assert all(len(r) * 4096**2 <= 32768 * DEVICE_SCORE_LENGTH for r, _ in runs) and len(runs) == 8
+    assert plan_device_runs([9000], 16, 16, 8192) == [([0], 9000)]  # a text past every bound runs alone
 
 
 def test_a_run_length_is_its_longest_text_rounded_up_to_the_bucket_never_past_the_model():

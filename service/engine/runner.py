@@ -177,8 +177,8 @@ def bucketed(longest: int, bucket: int, max_length: int) -> int:
     return max(longest, min(-(-longest // bucket) * bucket, max_length))
 
 
-def plan_device_runs(lengths: list[int], run_tokens: int, bucket: int, max_length: int) -> list[list[int]]:
-    """Text indexes in runs for a device, shortest first: one run for the whole batch where it fits, cut
+def plan_device_runs(lengths: list[int], run_tokens: int, bucket: int, max_length: int) -> list[tuple[list[int], int]]:
+    """Runs for a device, shortest first, each as (its text indexes, its padded length): one run for the whole batch where it fits, cut
     only where a run's padded tokens (rows x its bucketed length) would pass `run_tokens` or, past
     DEVICE_SCORE_LENGTH tokens a row, its attention scores (rows x length^2) would pass `run_tokens` x
     DEVICE_SCORE_LENGTH. A text that alone passes them runs alone.
@@ -187,18 +187,20 @@ def plan_device_runs(lengths: list[int], run_tokens: int, bucket: int, max_lengt
     worth some 27,000 padded tokens (0.05 us each), so cutting where lengths jump costs more than padding.
     """
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    runs: list[list[int]] = []
+    runs: list[tuple[list[int], int]] = []
     current: list[int] = []
+    current_length = 0
     for index in order:
         length = bucketed(lengths[index], bucket, max_length)  # ascending order: the newcomer is the longest
         # rows x length tokens, or past DEVICE_SCORE_LENGTH rows x length^2 scores, against the budget
         cost = (len(current) + 1) * length * max(length, DEVICE_SCORE_LENGTH)
         if current and cost > run_tokens * DEVICE_SCORE_LENGTH:
-            runs.append(current)
+            runs.append((current, current_length))
             current = []
         current.append(index)
+        current_length = length
     if current:
-        runs.append(current)
+        runs.append((current, current_length))
     return runs
 
 
@@ -591,13 +593,11 @@ class BatchRunner:
         lengths = [int(batch.ids(text).shape[0]) for text in texts]
         settings = batch.batching
         if batch.device_sized(needs):
-            max_length = self.manifest.model.max_tokens
-            bucket = settings.device_length_bucket
-            runs = plan_device_runs(lengths, settings.device_run_tokens, bucket, max_length)
-            sized = [([texts[i] for i in run], bucketed(max(lengths[i] for i in run), bucket, max_length))
-                     for run in runs]
-            return [lambda members=members, length=length: self._padded_run(batch, graph, outputs, members, length)
-                    for members, length in sized]
+            runs = plan_device_runs(lengths, settings.device_run_tokens, settings.device_length_bucket,
+                                    self.manifest.model.max_tokens)
+            return [lambda members=[texts[i] for i in run], length=length:
+                    self._padded_run(batch, graph, outputs, members, length)
+                    for run, length in runs]
         groups = plan_sub_batches(lengths, settings.sub_batch_tokens, settings.max_sub_batch_size, settings.max_padding)
         if split and len(groups) == 1 and len(groups[0]) > 1 and sum(lengths) >= SPLIT_MIN_TOKENS:
             half = len(groups[0]) // 2
