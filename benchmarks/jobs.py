@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,6 +95,52 @@ def job_cluster(nodes: int, node_cpus: int):
             print(f"warning: processes of the loopback cluster still alive: {sorted(left)}", flush=True)
 
 
+JOB_COMPONENTS = (  # process title fragment -> what it is, first match wins (a Ray worker's title is its task)
+    ("MapBatches(Embedder)", "embedding actors"),
+    ("ray::", "read tasks and idle Ray workers"),
+)
+
+
+class CpuSampler:
+    """CPU seconds by component of the job's processes, from /proc every half second while it runs: Ray Data's
+    actors and workers exit with the dataset, so the last sample of each process is what it used."""
+
+    def __init__(self) -> None:
+        from benchmarks.service_phase import descendants_cpu
+
+        self.read = descendants_cpu
+        self.before = {pid: cpu for pid, (_, cpu) in self.read().items()}
+        self.last: dict[int, tuple[str, float]] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.last.update(self.read())
+            if self.stop.wait(0.5):
+                self.last.update(self.read())
+                return
+
+    def __enter__(self) -> CpuSampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def by_component(self) -> dict[str, float]:
+        me, totals = os.getpid(), {}
+        for pid, (cmdline, cpu) in self.last.items():
+            if pid == me:
+                component = "driver (this process: Ray Data's executor)"
+            else:
+                component = next((c for fragment, c in JOB_COMPONENTS if fragment in cmdline),
+                                 "ray system (GCS, raylet, agents)")
+            totals[component] = totals.get(component, 0.0) + cpu - self.before.get(pid, 0.0)
+        return totals
+
+
 def job_rate(bundle: Path, texts: list[str], precision: str, work: Path, address: str | None) -> dict:
     """The job on the texts: its summary's texts/s (from its start), its rate between its first and last
     shard, and the rows each node computed with the CPUs Ray saw on it."""
@@ -110,8 +157,9 @@ def job_rate(bundle: Path, texts: list[str], precision: str, work: Path, address
         ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         started = time.perf_counter()
-        summary = run({"bundle": bundle, "inputs": [work / "in.parquet"], "output": work / "out", "address": address,
-                       "precision": precision, "batch_size": max(256, min(4096, n // 16))})
+        with CpuSampler() as sampler:  # this machine's processes: with --nodes, the loopback cluster's too
+            summary = run({"bundle": bundle, "inputs": [work / "in.parquet"], "output": work / "out",
+                           "address": address, "precision": precision, "batch_size": max(256, min(4096, n // 16))})
         wall = time.perf_counter() - started
         node_cpus = {node["NodeID"]: node["Resources"].get("CPU", 0) for node in ray.nodes() if node["Alive"]}
     finally:
@@ -121,7 +169,9 @@ def job_rate(bundle: Path, texts: list[str], precision: str, work: Path, address
     first_shard_rows = records[0].last + 1 if records else 0
     steady = (n - first_shard_rows) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
     return {"texts_s": n / wall, "steady_texts_s": steady, "precision": summary["precision"],
-            "failures": summary["failures"], "rows_by_node": summary["rows_by_node"], "node_cpus": node_cpus}
+            "failures": summary["failures"], "rows_by_node": summary["rows_by_node"], "node_cpus": node_cpus,
+            "cpu_ms_per_text": {k: round(v * 1000 / n, 3) for k, v in sampler.by_component().items()},
+            "actor_cpu_ms_per_text": {k: round(v * 1000 / n, 3) for k, v in summary["actor_cpu_s"].items()}}
 
 
 def main() -> int:
@@ -175,20 +225,25 @@ def main() -> int:
     for node, rows in job["rows_by_node"].items():
         print(f"  rows by node: {node[:12]} ({job['node_cpus'].get(node, '?')} CPUs): {rows}", flush=True)
     print(f"  rows done on every worker node: {'yes' if every_worker else 'no'} ({len(workers)} with CPUs)", flush=True)
+    print("  CPU ms per text by process: " + ", ".join(f"{k} {v:.2f}" for k, v in job["cpu_ms_per_text"].items())
+          + "; in the actors, by stage: " + ", ".join(f"{k} {v:.2f}" for k, v in job["actor_cpu_ms_per_text"].items()),
+          flush=True)
     by_clients = ", ".join(f"{r['concurrency']} clients {r['texts_s']:.0f}" for r in service_rows)
     print(f"online service ({online['runtime']} {online['precision']}, client batches of {PER_REQUEST} on /v1/embeddings, "
           f"same run): best {online['texts_s']:.0f} texts/s at {online['concurrency']} clients ({by_clients})", flush=True)
-    print(f"engine alone ({engine.runtime.runtime} {engine.runtime.precision}, same run): {alone['texts_s']:.0f} texts/s",
-          flush=True)
+    print(f"engine alone ({engine.runtime.runtime} {engine.runtime.precision}, same run): {alone['texts_s']:.0f} texts/s, "
+          f"{alone['cpu_ms_per_text']:.2f} ms of CPU per text", flush=True)
     if args.json:
         args.json.write_text(json.dumps([
             {"engine": f"the embedding job ({job['precision']}): python -m jobs embed, {args.texts} texts, {where}",
              "job": True, "texts_s": job["texts_s"], "steady_texts_s": job["steady_texts_s"], "vs_engine_alone": ratio,
              "vs_online_service": vs_online, "steady_vs_online_service": steady_vs_online, "nodes": args.nodes,
-             "rows_by_node": job["rows_by_node"], "every_worker_node": every_worker},
+             "rows_by_node": job["rows_by_node"], "every_worker_node": every_worker,
+             "cpu_ms_per_text": job["cpu_ms_per_text"], "actor_cpu_ms_per_text": job["actor_cpu_ms_per_text"]},
             *({**row, "online_service": True, "best": row is online} for row in service_rows),
             {"engine": f"the engine alone ({engine.runtime.runtime} {engine.runtime.precision}), same run",
-             "engine_alone": True, "bound": True, "texts_s": alone["texts_s"]}]))
+             "engine_alone": True, "bound": True, "texts_s": alone["texts_s"],
+             "cpu_ms_per_text": alone["cpu_ms_per_text"]}]))
     return 0
 
 

@@ -125,14 +125,9 @@ COMPONENTS = (  # process title fragment -> component, first match wins
 )
 
 
-def cpu_seconds() -> dict[str, float]:
-    """CPU time (user + system) used so far by this phase's processes, by component.
-
-    Read from /proc: the load generator (this process), the Serve proxy, the ingress and
-    encoder replicas, and everything else Ray runs (GCS, raylet, controller, agents). Only this
-    process's descendants count (the Ray cluster it started): another Ray cluster on the same
-    machine (a test suite running beside the benchmark) is not ours.
-    """
+def descendants_cpu() -> dict[int, tuple[str, float]]:
+    """pid -> (command line, CPU seconds, user + system) of this process and its live descendants, from /proc:
+    another Ray cluster on the same machine (a test suite running beside a benchmark) is not ours."""
     tick = os.sysconf("SC_CLK_TCK")
     me = os.getpid()
     procs: dict[int, tuple[int, str, float]] = {}  # pid -> (parent, command line, CPU seconds)
@@ -155,11 +150,21 @@ def cpu_seconds() -> dict[str, float]:
             pid = procs[pid][0] if pid in procs else 0
         return False
 
+    return {pid: (cmdline, cpu) for pid, (_, cmdline, cpu) in procs.items() if ours(pid)}
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU time (user + system) used so far by this phase's processes, by component.
+
+    Read from /proc (descendants_cpu): the load generator (this process), the Serve proxy, the ingress and
+    encoder replicas, and everything else Ray runs (GCS, raylet, controller, agents).
+    """
+    me = os.getpid()
     totals: dict[str, float] = {}
-    for pid, (_, cmdline, cpu) in procs.items():
+    for pid, (cmdline, cpu) in descendants_cpu().items():
         if pid == me:
             component = "load generator"
-        elif not ours(pid) or ("ray" not in cmdline and not any(f in cmdline for f, _ in COMPONENTS)):
+        elif "ray" not in cmdline and not any(f in cmdline for f, _ in COMPONENTS):
             continue
         else:
             component = next((c for fragment, c in COMPONENTS if fragment in cmdline), "ray system")

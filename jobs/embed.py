@@ -15,7 +15,7 @@ import json
 import math
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 OUTPUTS = ("embedding", "sparse", "multivector")
@@ -67,11 +67,30 @@ class EmbedSpec:
             raise ValueError("--connect-timeout: more than 0 seconds")
 
 
+# where an actor's CPU goes, by stage of embed_range (the summary's actor_cpu_s): what a job spends beside the model
+STAGES = ("checks", "tokenize", "model", "arrays", "shard")
+
+
 @dataclass
 class Tally:
     rows: int = 0
     failures: int = 0
     tokens: int = 0
+    cpu_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+
+
+class Laps:
+    """The actor process's CPU by stage: lap(stage) charges the CPU used since the last lap to that stage
+    (process time: the tokenizer's own threads count where they ran)."""
+
+    def __init__(self) -> None:
+        self.cpu_s = dict.fromkeys(STAGES, 0.0)
+        self.last = time.process_time()
+
+    def lap(self, stage: str) -> None:
+        now = time.process_time()
+        self.cpu_s[stage] += now - self.last
+        self.last = now
 
 
 def run(spec: EmbedSpec | dict) -> dict:
@@ -163,6 +182,9 @@ def _run_locked(spec: EmbedSpec, bundle, files) -> dict:
         "seconds": wall, "model": model.name, "bundle_sha256": bundle.sha256,
         "precision": precision or previous.get("precision"), "output": str(spec.output.resolve()),
         "outputs": list(spec.outputs), "rows_by_node": shards.rows_by_node(records),
+        # this run's actors' CPU by stage (model: the runner's runs; the rest is what the job adds around them)
+        "actor_cpu_s": ({k: round(v, 3) for k, v in done.cpu_s.items()} if done.rows
+                        else previous.get("actor_cpu_s", {})),
     }
     shards.finish(spec.output, records, summary)
     return summary
@@ -285,6 +307,8 @@ def _pipeline(spec: EmbedSpec, files, todo: list[tuple[int, int]]) -> tuple[str 
         tally.rows += row["rows"]
         tally.failures += row["failures"]
         tally.tokens += row["tokens"]
+        for stage in STAGES:
+            tally.cpu_s[stage] += row[f"cpu_{stage}_s"]
         precision = row["precision"]
     return precision, tally
 
@@ -379,6 +403,7 @@ class Embedder:
         from jobs.shards import Record, write_shard
 
         spec, engine = self.spec, self.engine
+        laps = Laps()
         rows = table.column("_row").to_pylist()
         texts = table.column("_text").to_pylist()
         errors = table.column("_error").to_pylist()
@@ -390,8 +415,9 @@ class Embedder:
                     text, spec.truncate, advice="; truncate is off: run without --no-truncate to cut it")
         good = [i for i, e in enumerate(errors) if e is None]
         tokens, columns = 0, {}
+        laps.lap("checks")
         if good:
-            result, n_tokens, truncated = self.compute([texts[i] for i in good])
+            result, n_tokens, truncated = self.compute([texts[i] for i in good], laps)
             for k, i in enumerate(good):
                 if truncated[k] and not spec.truncate:
                     errors[i] = (f"more than the model's limit of {max_tokens} tokens (truncate is off: "
@@ -409,12 +435,15 @@ class Embedder:
             if "multivector" in spec.outputs:
                 columns["multivector"] = pa.array([list(result.multivectors[k].astype("float32")) for k in kept],
                                                   pa.list_(pa.list_(pa.float32())))
+        laps.lap("arrays")
         table_out = self.shard_table(table, good, texts, columns)
         failures = [{"row": rows[i], "id": ids[i], "reason": errors[i]} for i in range(len(rows)) if errors[i]]
         record = Record(rows[0], rows[-1], len(good), failures, tokens, self.pid, self.node)
         write_shard(Path(spec.output), table_out, record, self.metadata)
+        laps.lap("shard")
         return {"first": rows[0], "last": rows[-1], "rows": len(rows), "failures": len(failures), "tokens": tokens,
-                "actor": self.pid, "node": self.node, "precision": f"{self.metadata['runtime']} {self.metadata['precision']}"}
+                "actor": self.pid, "node": self.node, "precision": f"{self.metadata['runtime']} {self.metadata['precision']}",
+                **{f"cpu_{stage}_s": laps.cpu_s[stage] for stage in STAGES}}
 
     def shard_table(self, table, good: list[int], texts: list, columns: dict):
         import pyarrow as pa
@@ -429,10 +458,12 @@ class Embedder:
             out = out.append_column(name, columns.get(name, pa.array([], arrow_type)))
         return out
 
-    def compute(self, texts: list[str]):
+    def compute(self, texts: list[str], laps: Laps | None = None):
         """Each text through the engine as /v1/embeddings (and /v1/encode for sparse and token vectors)
         sends it: the same prompt rule, tokenization and job; returns the result, each text's tokens and
-        whether it was cut at the model's limit (a bad row when truncate is off)."""
+        whether it was cut at the model's limit (a bad row when truncate is off). `laps`: charged with the
+        tokenizing and the model's runs."""
+        laps = laps or Laps()
         from bundle.representations import colbert_cut, colbert_ids
         from service.engine.prompts import prompt_for
         from service.engine.runner import EncodeJob
@@ -458,7 +489,9 @@ class Embedder:
         job = EncodeJob(route="job", ids=ids, normalize=self.metadata["normalize"],
                         want_embedding="embedding" in spec.outputs, pool_skip=skip,
                         sparse="sparse" in spec.outputs, multivector="multivector" in spec.outputs, attended=attended)
+        laps.lap("tokenize")
         result = engine.runner.compute([job])[0]
+        laps.lap("model")
         return result, [len(i) for i in ids], [t.truncated for t in tokenized]
 
 

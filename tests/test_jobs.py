@@ -102,6 +102,12 @@ def test_parquet_and_jsonl_in_vectors_equal_sentence_transformers(tiny, cluster,
     import ray
 
     assert summary["rows_by_node"] == {ray.get_runtime_context().get_node_id(): 3000}  # the one node's actors did all
+    # the actors' CPU by stage (docs/jobs.md): every stage there, the model's runs and the shards' writing cost some
+    from jobs.embed import STAGES
+
+    cpu = summary["actor_cpu_s"]
+    assert set(cpu) == set(STAGES) and all(v >= 0 for v in cpu.values()), cpu
+    assert cpu["model"] > 0 and cpu["shard"] > 0 and cpu["tokenize"] > 0, cpu
     assert (tmp_path / "out" / "_errors.jsonl").read_text() == ""
     table = shards_of(tmp_path / "out", "doc_id")
     assert table.column_names == ["doc_id", "text_sha256", "embedding"]
