@@ -8,6 +8,9 @@
 3. Throughput of batches of 1, 8, 32 and 128 texts on CUDA, per encodings graph.
 4. The service end to end: `python -m service --provider cuda`, /v1/embeddings against in-process
    CPU fp32, /info naming CUDA and the device, SIGTERM, exit 0.
+5. The service's rate on the device (issue 56), before that SIGTERM: /v1/embeddings in client batches of
+   32 and in single texts at 64 connections (wrk where it is on the PATH, else httpx clients in this
+   process), each beside step 3's engine at batches of 128 on the graph the service serves.
 
 `--dry-run-on-cpu` runs steps 2-4 with the CPU standing in for the GPU, so that the suite proves this
 script's own code on a machine without one; its figures say nothing about a GPU and are labelled so.
@@ -21,6 +24,7 @@ import os
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +41,7 @@ from service.engine.tokenization import TextTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 FP32_ATOL = 1e-4
 BATCH_SIZES = (1, 8, 32, 128)
+RATE_CONNECTIONS = 64  # issue 56: the service on a GPU at 64 connections
 
 
 def say(line: str) -> None:
@@ -121,9 +126,11 @@ def providers_first(providers: list) -> str:
     return first[0] if isinstance(first, tuple) else first
 
 
-def throughput(bundle: Bundle, device: str, providers: list, repeats: int) -> None:
-    """texts/s and ms per batch of each encodings graph, batches of 1/8/32/128 texts of 8-40 words."""
+def throughput(bundle: Bundle, device: str, providers: list, repeats: int) -> dict[str, dict[int, float]]:
+    """texts/s and ms per batch of each encodings graph, batches of 1/8/32/128 texts of 8-40 words;
+    returns texts/s by graph label ("encodings-fp16") and batch size."""
     options = _session_options(os.cpu_count() or 1, 1, False)
+    rates: dict[str, dict[int, float]] = {}
     for label, path, outputs in graphs(bundle):
         if label == "full":
             continue
@@ -136,18 +143,65 @@ def throughput(bundle: Bundle, device: str, providers: list, repeats: int) -> No
             for _ in range(repeats):
                 graph.run(ids, mask, ["sentence_embedding"])
             seconds = (time.perf_counter() - started) / repeats
+            rates.setdefault(label, {})[size] = size / seconds
             row.append(f"{size}: {size / seconds:.0f} texts/s ({seconds * 1000:.1f} ms)")
         say(f"throughput {label} on {device}: " + ", ".join(row))
+    return rates
 
 
+@dataclass
+class RateLoad:
+    """Step 5's load: seconds per scenario (after a warm-up of a fifth of it) and connections."""
+    seconds: float = 15.0
+    connections: int = RATE_CONNECTIONS
 
 
-def service_end_to_end(bundle_dir: Path, bundle: Bundle, provider: str, timeout_s: float) -> bool:
+def service_rates(url: str, precision: str, engine: dict[str, dict[int, float]], rate_load: RateLoad) -> bool:
+    """The service's /v1/embeddings rate in client batches of 32 and in single texts, each beside the
+    engine's rate at batches of 128 on the graph the service serves (step 3): issue 56's 'at least 50% of
+    the engine alone at batches of 128'. True when requests were answered and none failed."""
+    import asyncio
+    import shutil
+
+    from benchmarks.service_phase import load
+    from benchmarks.wrk_load import run_wrk
+
+    texts = sentences(512, seed=56)
+    best = engine.get(f"encodings-{precision}", {}).get(max(BATCH_SIZES))
+    ok = True
+    for label, per_request in (("client batches of 32", 32), ("single texts", 1)):
+        bodies = ([{"input": texts[i % len(texts)]} for i in range(len(texts))] if per_request == 1 else
+                  [{"input": [texts[(i * 32 + k) % len(texts)] for k in range(32)]} for i in range(64)])
+        if shutil.which("wrk"):
+            lines = [json.dumps(b) for b in bodies]
+            run_wrk(url, "/v1/embeddings", lines, rate_load.connections, rate_load.seconds / 5)  # warm-up
+            m = run_wrk(url, "/v1/embeddings", lines, rate_load.connections, rate_load.seconds)
+            rate, p50, p99, failures, loader = m["texts_s"] * per_request, m["p50"], m["p99"], m["failures"], "wrk"
+        else:
+            asyncio.run(load(url, bodies, rate_load.connections, "/v1/embeddings", rate_load.seconds / 5))
+            wall, latencies, failures = asyncio.run(load(url, bodies, rate_load.connections, "/v1/embeddings", rate_load.seconds))
+            rate = (len(latencies) - failures) * per_request / wall
+            p50, p99 = (float(np.percentile(latencies, q)) * 1000 for q in (50, 99))
+            loader = "httpx clients in this process: on single texts the loader may be the bound"
+        versus = f" = {rate / best:.2f}x the engine's encodings-{precision} at batches of 128 ({best:,.0f})" if best else ""
+        passed = failures == 0 and rate > 0  # no answer in the whole window is a failure too
+        ok &= passed
+        say(f"rate       {'ok' if passed else 'FAILED':<11} {label}, {rate_load.connections} connections "
+            f"({loader}): {rate:,.0f} texts/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms, failures {failures}{versus}")
+    return ok
+
+
+def service_end_to_end(bundle_dir: Path, bundle: Bundle, provider: str, timeout_s: float,
+                       engine: dict[str, dict[int, float]] | None = None, rate_load: RateLoad | None = None) -> bool:
     """`python -m service --provider PROVIDER` as a user starts it: ready, embeddings equal to CPU fp32
-    in-process (to the fp16 floor when it serves fp16), /info names the provider, SIGTERM exits 0."""
+    in-process (to the fp16 floor when it serves fp16), /info names the provider, then (with `rate_load`)
+    its rate beside the engine's (step 5); SIGTERM exits 0."""
     service = LocalService(bundle_dir, "--provider", provider)
     try:
         passed = _check_service(service, bundle, provider, timeout_s)
+        if passed and rate_load is not None:
+            info = json.loads(urllib.request.urlopen(f"{service.url}/info", timeout=30).read())
+            passed = service_rates(service.url, info["precision"], engine or {}, rate_load)
     finally:
         code = service.stop()
         say(f"service    {'ok' if code == 0 else 'FAILED':<11} SIGTERM: exit {code}")
@@ -194,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run-on-cpu", action="store_true",
                    help="after the CUDA steps, run the rest on CPU (proves this script, measures no GPU)")
     p.add_argument("--service-timeout-s", type=float, default=300)
+    p.add_argument("--no-rates", action="store_true", help="skip step 5, the service's rate under load")
+    p.add_argument("--rate-seconds", type=float, default=15, help="step 5: seconds of load per scenario")
+    p.add_argument("--rate-connections", type=int, default=RATE_CONNECTIONS, help="step 5: connections")
     a = p.parse_args(argv)
 
     check = check_cuda(0)
@@ -211,9 +268,10 @@ def main(argv: list[str] | None = None) -> int:
             "not a GPU measurement)")
         device, provider, providers = "CPU (dry run)", "cpu", [CPU]
     ok = parity(bundle, device, providers)
-    throughput(bundle, device, providers, a.repeats)
+    engine = throughput(bundle, device, providers, a.repeats)
     if not a.no_service:
-        ok &= service_end_to_end(a.bundle, bundle, provider, a.service_timeout_s)
+        rate_load = None if a.no_rates else RateLoad(a.rate_seconds, a.rate_connections)
+        ok &= service_end_to_end(a.bundle, bundle, provider, a.service_timeout_s, engine, rate_load)
     say(f"gpu-check: {'PASSED' if ok else 'FAILED'}{' (dry run on CPU)' if not check.usable else ''}")
     return 0 if ok else 1
 

@@ -9,6 +9,7 @@ the scenarios; the rows are written as JSON to the spec's `out` path.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -38,21 +39,29 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-async def load(url: str, payloads: list[dict], concurrency: int, path: str = "/v1/encode") -> tuple[float, list[float], int]:
+async def load(url: str, payloads: list[dict], concurrency: int, path: str = "/v1/encode",
+               seconds: float | None = None) -> tuple[float, list[float], int]:
     """POST payloads to `path` with `concurrency` httpx clients; return wall time, latencies, and
-    failures (answers other than 200)."""
+    failures (answers other than 200). Each payload once, or with `seconds`, the payloads over and over
+    until that time has passed (no request starts after it)."""
     latencies: list[float] = []
     failures = 0
     queue: asyncio.Queue = asyncio.Queue()
     for p in payloads:
         queue.put_nowait(p)
+    sent = itertools.count()
+    deadline = None if seconds is None else time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
 
+        def next_payload() -> dict | None:
+            if deadline is not None:
+                return payloads[next(sent) % len(payloads)] if time.perf_counter() < deadline else None
+            return None if queue.empty() else queue.get_nowait()
+
         async def worker() -> None:
             nonlocal failures
-            while not queue.empty():
-                payload = queue.get_nowait()
+            while (payload := next_payload()) is not None:
                 started = time.perf_counter()
                 r = await client.post(path, json=payload)
                 latencies.append(time.perf_counter() - started)
