@@ -158,3 +158,21 @@ def test_the_peers_rows_sit_beside_ours_and_its_model_costs_next_to_nothing(tmp_
     said = ratios(rows)
     assert "single texts: the service at 0 ms / infinity-emb on a near-zero model, 1 replica each: 0.50x" in said
     assert "client batches: the service at 0 ms / infinity-emb on a near-zero model, 1 replica each: 2.00x" in said
+
+
+def test_a_phase_never_chooses_a_port_its_parent_gave_the_cluster(monkeypatch):
+    """A phase process inherits the cluster's ports from run_phase (local_cluster_ports, chosen in the parent) and
+    chooses its own HTTP port with free_port: that port was once HAProxy's stats port ('cannot bind socket
+    (Address already in use)' for the http frontend, 2026-11-29). In a range of 100 ports, 96 choices never
+    take one of the 4 the environment names."""
+    from service.hosting import processes
+
+    low = 31000
+    monkeypatch.setattr(processes, "FREE_PORT_LOW", low)
+    monkeypatch.setattr(processes, "_ephemeral_low", lambda: low + 100)
+    monkeypatch.setattr(processes, "_taken", set())
+    reserved = dict(zip(processes.CLUSTER_PORT_ENV, (low + 3, low + 40, low + 77, low + 99), strict=True))
+    for key, port in reserved.items():
+        monkeypatch.setenv(key, str(port))
+    chosen = {processes.free_port() for _ in range(96)}
+    assert not chosen & set(reserved.values())

@@ -15,6 +15,14 @@ from pathlib import Path
 # replica ports (30000-31000), and below the kernel's ephemeral range
 FREE_PORT_LOW = 31000
 _taken: set[int] = set()  # ports free_port handed out in this process: never twice
+# the single ports local_cluster_ports hands a cluster through the environment: a child process that inherits
+# them (a benchmark's phase) must not choose one of them again before HAProxy binds it
+CLUSTER_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+
+
+def _reserved_by_environment() -> set[int]:
+    return {int(v) for k in CLUSTER_PORT_ENV if (v := os.environ.get(k, "")).isdigit()}
 
 
 def _ephemeral_low() -> int:
@@ -28,12 +36,15 @@ def free_port() -> int:
     """A TCP port free on every interface right now, below the kernel's ephemeral range. Between
     choosing a port and binding it (Ray and HAProxy take seconds to start), the kernel may hand a
     port of that range to any process that binds port 0 or connects out, as Ray's workers do; HAProxy
-    then fails to start ("cannot bind socket (Address already in use)"). The kernel's own choice only
-    where that range leaves no room below it."""
+    then fails to start ("cannot bind socket (Address already in use)"). Never a port this process
+    handed out before, nor one the environment gives a cluster (CLUSTER_PORT_ENV: chosen by a parent
+    process, not bound until HAProxy starts). The kernel's own choice only where that range leaves no
+    room below it."""
     rng, high = random.Random(), _ephemeral_low()
+    reserved = _taken | _reserved_by_environment()
     for _ in range(200 if high - FREE_PORT_LOW >= 100 else 0):
         port = rng.randrange(FREE_PORT_LOW, high)
-        if port in _taken:
+        if port in reserved:
             continue
         with socket.socket() as s:
             try:
