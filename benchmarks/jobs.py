@@ -157,7 +157,8 @@ def job_rate(bundle: Path, texts: list[str], precision: str, work: Path, address
         ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         started = time.perf_counter()
-        with CpuSampler() as sampler:  # this machine's processes: with --nodes, the loopback cluster's too
+        # this process and its descendants: a local Ray's, not a --nodes cluster's (`ray start` daemonizes them)
+        with CpuSampler() as sampler:
             summary = run({"bundle": bundle, "inputs": [work / "in.parquet"], "output": work / "out",
                            "address": address, "precision": precision, "batch_size": max(256, min(4096, n // 16))})
         wall = time.perf_counter() - started

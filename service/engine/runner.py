@@ -178,10 +178,10 @@ def bucketed(longest: int, bucket: int, max_length: int) -> int:
 
 
 def plan_device_runs(lengths: list[int], run_tokens: int, bucket: int, max_length: int) -> list[tuple[list[int], int]]:
-    """Runs for a device, shortest first, each as (its text indexes, its padded length): one run for the whole batch where it fits, cut
-    only where a run's padded tokens (rows x its bucketed length) would pass `run_tokens` or, past
-    DEVICE_SCORE_LENGTH tokens a row, its attention scores (rows x length^2) would pass `run_tokens` x
-    DEVICE_SCORE_LENGTH. A text that alone passes them runs alone.
+    """Runs for a device, shortest first, each as (its text indexes, its padded length): one run for the
+    whole batch where it fits, cut only where a run's padded tokens (rows x its bucketed length) would pass
+    `run_tokens` or, past DEVICE_SCORE_LENGTH tokens a row, its attention scores (rows x length^2) would
+    pass `run_tokens` x DEVICE_SCORE_LENGTH. A text that alone passes them runs alone.
 
     No padding rule: on a device a run's fixed cost (about 1.35 ms on an H100, benchmarks/standin.py) is
     worth some 27,000 padded tokens (0.05 us each), so cutting where lengths jump costs more than padding.
