@@ -170,7 +170,7 @@ def service_rates(url: str, precision: str, engine: dict[str, dict[int, float]],
     best = engine.get(f"encodings-{precision}", {}).get(max(BATCH_SIZES))
     ok = True
     for label, per_request in (("client batches of 32", 32), ("single texts", 1)):
-        bodies = ([{"input": texts[i % len(texts)]} for i in range(len(texts))] if per_request == 1 else
+        bodies = ([{"input": t} for t in texts] if per_request == 1 else
                   [{"input": [texts[(i * 32 + k) % len(texts)] for k in range(32)]} for i in range(64)])
         if shutil.which("wrk"):
             lines = [json.dumps(b) for b in bodies]
@@ -198,9 +198,9 @@ def service_end_to_end(bundle_dir: Path, bundle: Bundle, provider: str, timeout_
     its rate beside the engine's (step 5); SIGTERM exits 0."""
     service = LocalService(bundle_dir, "--provider", provider)
     try:
-        passed = _check_service(service, bundle, provider, timeout_s)
+        info = _check_service(service, bundle, provider, timeout_s)
+        passed = info is not None
         if passed and rate_load is not None:
-            info = json.loads(urllib.request.urlopen(f"{service.url}/info", timeout=30).read())
             passed = service_rates(service.url, info["precision"], engine or {}, rate_load)
     finally:
         code = service.stop()
@@ -208,11 +208,12 @@ def service_end_to_end(bundle_dir: Path, bundle: Bundle, provider: str, timeout_
     return passed and code == 0
 
 
-def _check_service(service: LocalService, bundle: Bundle, provider: str, timeout_s: float) -> bool:
+def _check_service(service: LocalService, bundle: Bundle, provider: str, timeout_s: float) -> dict | None:
+    """The service's /info when every check passed, else None."""
     if not service.ready(timeout_s):
         say(f"service    FAILED      python -m service --provider {provider} did not start: "
             + " | ".join(line.strip() for line in service.lines[-5:]))
-        return False
+        return None
     url = service.url
     texts = sentences(5, seed=11)
     got = np.array([d["embedding"] for d in post(f"{url}/v1/embeddings", {"input": texts})["data"]])
@@ -232,7 +233,7 @@ def _check_service(service: LocalService, bundle: Bundle, provider: str, timeout
         f"(Ray GPU ids {gpu['ray_gpu_ids']}), /v1/embeddings min cosine vs CPU fp32 {worst:.6f} (>= {floor:g})")
     if info["cuda"]["provider_options"]:
         say(f"           provider options {info['cuda']['provider_options']}")
-    return passed
+    return info if passed else None
 
 
 def post(url: str, body: dict) -> dict:
