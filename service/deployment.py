@@ -125,8 +125,10 @@ class Encoder(grpc_methods()):
         """Serve's graceful stop of this replica, after its requests drained: the spans of its last
         requests exported (Ray kills a worker's child processes when it exits, the span exporter
         with what it held). Off the event loop; bounded, however the exporter process behaves. The Batch API's
-        runner stops first: a batch it ran is resumed from its records by the next runner."""
+        runner stops first: a batch it ran is resumed from its records by the next runner. The metric records
+        of its last requests are recorded in Ray now, not left queued (service/observability/metrics.py Recorder)."""
         await self.batches.stop()
+        await asyncio.to_thread(service_metrics().recorder.flush)
         await asyncio.to_thread(tracing.shutdown, TRACING_CLOSE_S)
 
     def check_health(self) -> None:

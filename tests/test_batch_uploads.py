@@ -504,13 +504,12 @@ def test_uploads_past_the_replicas_concurrent_bound_get_503_with_retry_after(ser
             holders = [asyncio.create_task(c.post("/v1/files", content=held_body(),
                                                   headers={"content-type": "multipart/form-data; boundary=b0undary"}))
                        for _ in range(4)]
+            # Every held upload has taken its slot once it writes its temporary file. Only then the fifth: sent
+            # earlier, it could take a slot before a held one reached the route, and that one be refused instead
             deadline = time.monotonic() + 60
-            while True:  # until every held upload has reached the route and taken its slot
-                refused = await c.post("/v1/files", files={"file": ("x.jsonl", b"{}\n")}, data={"purpose": "batch"})
-                if refused.status_code != 200 or time.monotonic() > deadline:
-                    break
-                await c.delete(f"/v1/files/{refused.json()['id']}")
-                await asyncio.sleep(0.2)
+            while len(list((batch_jobs_dir / "files").glob(".upload-*"))) < 4 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            refused = await c.post("/v1/files", files={"file": ("x.jsonl", b"{}\n")}, data={"purpose": "batch"})
             release.set()
             return [await h for h in holders], refused
 
