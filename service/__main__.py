@@ -42,6 +42,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bundle", action="append", metavar="[NAME=]DIR",
                    help="model bundle directory, optionally with the name clients use for it; repeat it to serve "
                    "several models (every replica serves all; the first is the default)")
+    p.add_argument("--models-dir", type=Path, metavar="DIR",
+                   help="a model repository: every subdirectory holding a bundle is served by its name, loaded on "
+                   "demand (docs/models.md); without --bundle its --default-model (or first by name) is the default")
+    p.add_argument("--default-model", metavar="NAME", help="the repository's model loaded at start and used when a "
+                   "request names none (with --models-dir and no --bundle)")
+    p.add_argument("--model-memory-bytes", type=int, help="each replica's memory for on-demand models")
+    p.add_argument("--idle-unload-s", type=float, help="unload an on-demand model idle this long (0: never)")
     p.add_argument("--host", help="HTTP host (default from the config, else 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default from the config, else 8000)")
     p.add_argument("--grpc-port", type=int, help="KServe v2 gRPC port, on the HTTP host (default from the config, "
@@ -101,7 +108,12 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
         settings.pop("bundle", None)
         settings.pop("model_name", None)
         settings["bundles"] = args.bundle
-    for key in ("replicas", "num_cpus", "num_gpus", "intra_op_threads", "provider", "runtime", "precision",
+    if args.models_dir is not None:
+        settings["models_dir"] = args.models_dir
+        if not args.bundle:  # the repository's default model, not the config's
+            for key in ("bundle", "model_name", "bundles"):
+                settings.pop(key, None)
+    for key in ("default_model", "model_memory_bytes", "idle_unload_s", "replicas", "num_cpus", "num_gpus", "intra_op_threads", "provider", "runtime", "precision",
                 "max_ongoing_requests", "max_queued_requests", "request_timeout_s"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)

@@ -7,6 +7,7 @@ environment variables or files for configuration, except the optional auth token
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -181,6 +182,25 @@ class ServiceSettings(BaseModel):
         description="several models, each `PATH`, `NAME=PATH` or {path, name}; every replica serves all of them, "
         "the first is the default of routes whose `model` field is left out; replaces bundle and model_name",
     )
+    # a model repository (docs/models.md): a directory of bundles, each available by its directory's name and
+    # loaded on a replica the first time a request there names it
+    models_dir: Path | None = Field(
+        None, description="model repository: a directory whose subdirectories are bundles, each served by its "
+        "directory's name, loaded on demand and unloaded by memory or idleness; with no bundle/bundles, its "
+        "default_model (or its first by name) is loaded at start and is the default")
+    default_model: str | None = Field(
+        None, min_length=1, description="the repository's model loaded at start on every replica and used by routes "
+        "whose `model` is left out; default: its first by name (only with models_dir and no bundle/bundles)")
+    model_memory_bytes: int | None = Field(
+        None, ge=1 << 20, description="each replica's memory for on-demand models (measured per model at its load); "
+        "the least recently used idle one is unloaded to make room; null: half the node's memory times the "
+        "replica's share of its CPUs")
+    max_concurrent_loads: int = Field(
+        1, ge=1, description="on-demand model loads running at once on a replica; a load past it is refused with "
+        "503 and Retry-After (requests for a model already loading wait for it)")
+    idle_unload_s: float = Field(
+        0.0, ge=0, description="an on-demand model not used for this many seconds is unloaded (0: never for "
+        "idleness; memory still evicts)")
 
     # replicas and capacity: one deployment, whose replicas each parse, batch and run the model
     replicas: int = Field(1, ge=1, description="replicas (when not autoscaling)")
@@ -385,6 +405,14 @@ class ServiceSettings(BaseModel):
     def _one_list_of_bundles(self) -> ServiceSettings:
         """`bundle` (and `model_name`) is the one-model form of `bundles`; afterwards `bundles` is
         always the list served and `bundle` its first."""
+        # (a dumped settings object has bundles with default_model first: it validates again as it was)
+        if self.default_model is not None and (self.models_dir is None or (
+                self.bundles[0].name != self.default_model if self.bundles else "bundle" in self.model_fields_set)):
+            raise ValueError("default_model names a model of models_dir, which is then the default: give it with "
+                             "models_dir and without bundle/bundles")
+        if not self.bundles and self.models_dir is not None and "bundle" not in self.model_fields_set:
+            name = self.default_model or first_in_repository(self.models_dir)
+            self.bundles = [BundleRef(path=self.models_dir / name, name=name)]
         if not self.bundles:
             self.bundles = [BundleRef(path=self.bundle, name=self.model_name)]
         else:
@@ -409,7 +437,29 @@ class ServiceSettings(BaseModel):
         """A copy with the bundle paths made absolute, so replicas in other directories find them; not
         resolved, so that a replica (re)started after a new export loads the bundle published then."""
         bundles = [b.model_copy(update={"path": b.path.expanduser().absolute()}) for b in self.bundles]
-        return self.model_copy(update={"bundles": bundles, "bundle": bundles[0].path})
+        models_dir = self.models_dir.expanduser().absolute() if self.models_dir is not None else None
+        return self.model_copy(update={"bundles": bundles, "bundle": bundles[0].path, "models_dir": models_dir})
+
+
+# A repository model's name is its directory's: letters, digits, '.', '_', '-', starting with a letter or digit
+# (no '/', never '..'; a hidden directory, such as an export's versions behind its published link, is no model)
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def valid_model_name(name: str) -> bool:
+    return bool(MODEL_NAME.fullmatch(name)) and ".." not in name
+
+
+def first_in_repository(models_dir: Path) -> str:
+    """The first bundle of a model repository by name: its default when none is named."""
+    try:
+        names = sorted(p.name for p in models_dir.expanduser().iterdir()
+                       if valid_model_name(p.name) and (p / "bundle.json").is_file())
+    except OSError as exc:
+        raise ValueError(f"models_dir {models_dir}: {exc.strerror or exc}") from None
+    if not names:
+        raise ValueError(f"models_dir {models_dir}: no bundle in it (a subdirectory holding bundle.json)")
+    return names[0]
 
 
 def serve_app_values(app: dict) -> dict:

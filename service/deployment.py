@@ -29,6 +29,7 @@ from service.observability import tracing
 from service.config import BatchingSettings, ServiceSettings
 from service.engine.engine import EngineTable, load_engine, resize_runtimes
 from service.engine.encoder_service import EncoderService
+from service.engine.repository import ModelRepository, default_model_budget
 from service.apis.ops.health import replica_info
 from jobs.batch import BatchJobs
 from service.apis.openai_batch.runner import BatchRunner
@@ -66,6 +67,11 @@ class Encoder(grpc_methods()):
         self.gpu = ray_gpu_assignment(settings.num_gpus or 0.0)
         self.engines = EngineTable([load_engine(ref, settings, self.gpu, runtime_loader) for ref in settings.bundles])
         self.svc = EncoderService(settings, self.engines)
+        if settings.models_dir is not None:  # a model repository: the rest of its models loaded on demand
+            self.svc.repository = self.engines.repository = ModelRepository(
+                settings.models_dir, self.engines, lambda ref: load_engine(ref, settings, self.gpu, runtime_loader),
+                settings.model_memory_bytes or default_model_budget(settings.num_cpus), settings.max_concurrent_loads,
+                settings.idle_unload_s)
         Gate.configure(settings)
         configure(settings)
         if Gate.token is None:
@@ -86,15 +92,25 @@ class Encoder(grpc_methods()):
         self.batches.start()
         metrics = service_metrics()
         gpu_ids = ",".join(self.gpu.ray_gpu_ids)
-        info_tags = [{"model": m.name, "task": m.model.task, "bundle_sha256": m.sha256, "provider": m.runtime.provider,
-                      "runtime": m.runtime.runtime, "precision": m.runtime.precision, "gpu_ids": gpu_ids} for m in self.engines]
+        repository = self.svc.repository
+        reported: set[str] = set()  # on-demand models whose bytes the gauge showed last time
 
         def refresh() -> None:  # Ray drops gauges that are not set again
-            for tags in info_tags:
-                metrics.model_info.set(1, tags=tags)
-            metrics.in_flight.set(Gate.in_flight)
-            for m in self.engines:
+            for m in self.engines:  # (a copy: the repository adds and removes models meanwhile)
+                metrics.model_info.set(1, tags={"model": m.name, "task": m.model.task, "bundle_sha256": m.sha256,
+                                                "provider": m.runtime.provider, "runtime": m.runtime.runtime,
+                                                "precision": m.runtime.precision, "gpu_ids": gpu_ids})
                 metrics.batch_queue.set(m.batcher.queued, tags={"model": m.name})
+            metrics.in_flight.set(Gate.in_flight)
+            if repository is not None:
+                loaded = repository.loaded_bytes()
+                for name in reported - loaded.keys():
+                    metrics.model_loaded_bytes.set(0, tags={"model": name})
+                for name, size in loaded.items():
+                    metrics.model_loaded_bytes.set(size, tags={"model": name})
+                reported.clear()
+                reported.update(loaded)
+                metrics.model_budget_bytes.set(repository.budget_bytes)
 
         refresh_periodically(refresh)
         # What start-up made (Ray, FastAPI, the runtimes' Python objects) lives as long as the replica:

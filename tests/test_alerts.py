@@ -41,6 +41,11 @@ MUTATIONS = [
     ("EncoderReplicaMemoryGrowing", 'Component=~"ray::ServeReplica:.*:Encoder|ray::ProxyActor"', 'Component=~".+"'),
     ("EncoderOnCPUDespiteGPU", 'and on (instance) (sum by (instance) (ray_resources{Name="GPU"}) > 0)', ""),
     ("EncoderOnCPUDespiteGPU", 'provider!="CUDAExecutionProvider"', 'provider=~".+"'),
+    ("EncoderModelLoadFailing", 'outcome="failed"', 'outcome=~".+"'),  # every load would page
+    ("EncoderModelLoadFailing", "[10m]", "[1m]"),  # a failure seen for a minute only
+    ("EncoderModelThrashing", "for: 5m", "for: 0s"),  # one eviction and a load would page
+    ("EncoderModelThrashing", 'reason="memory"', 'reason="idle"'),
+    ("EncoderModelThrashing", "(sum by (application, model) (increase(ray_encoder_model_evictions_total{reason=\"memory\"}[1m])) > 0.5)\n  and on (application, model)\n", ""),
 ]
 
 

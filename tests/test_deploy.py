@@ -366,16 +366,18 @@ def test_rayservice_manifests_are_rendered_from_the_current_serve_config():
 
 GPU_ARGS = {"provider": "cuda", "num_gpus": 0.25}  # all that a GPU cluster's Serve config changes
 CPU_CLUSTER_ARGS = {"max_replicas_per_node": 1}  # and a CPU cluster's
-BATCH_ARGS = {"jobs_dir": "/data/openai-batches"}  # and both: the Batch API's files and batches on the jobs volume
+# and both: the Batch API's files and batches, and the model repository, on the jobs volume
+BATCH_ARGS = {"jobs_dir": "/data/openai-batches", "models_dir": "/data/models"}
 
 
 @pytest.mark.parametrize("name", RAYSERVICES)
 def test_every_rayservice_pod_mounts_the_jobs_claim_at_the_serve_configs_jobs_dir(name):
     """OpenAI's Batch API keeps its files and batches in jobs_dir, and a batch's embedding job (a Ray actor
     on any pod) writes its shards there: every pod mounts the jobs PersistentVolumeClaim where the embedded
-    Serve config's jobs_dir is."""
+    Serve config's jobs_dir is, and where its model repository (models_dir) is."""
     manifest = load(name)
-    jobs_dir = Path(yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]["jobs_dir"])
+    args = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]
+    jobs_dir, models_dir = Path(args["jobs_dir"]), Path(args["models_dir"])
     templates = pod_templates(manifest)
     assert len(templates) >= 2
     for group, template in templates:
@@ -384,6 +386,7 @@ def test_every_rayservice_pod_mounts_the_jobs_claim_at_the_serve_configs_jobs_di
         for c in template["spec"]["containers"]:
             mounted = [m for m in c.get("volumeMounts", []) if claims.get(m["name"]) == "mha-encoder-jobs"]
             assert any(jobs_dir.is_relative_to(m["mountPath"]) for m in mounted), (group, c["name"], mounted)
+            assert any(models_dir.is_relative_to(m["mountPath"]) for m in mounted), (group, c["name"], mounted)
 
 
 @pytest.mark.parametrize("name", RAYSERVICES)

@@ -60,13 +60,16 @@ def test_every_mounted_route_has_the_policy_its_api_declared():
         "POST /embed_sparse", "POST /v1/score", "POST /score",
         # OpenAI's Batch API: a batch runs the model later; every route needs the token (a token sees its own)
         "POST /v1/files", "GET /v1/files/{file_id}", "GET /v1/files/{file_id}/content", "DELETE /v1/files/{file_id}",
-        "POST /v1/batches", "GET /v1/batches", "GET /v1/batches/{batch_id}", "POST /v1/batches/{batch_id}/cancel"])
+        "POST /v1/batches", "GET /v1/batches", "GET /v1/batches/{batch_id}", "POST /v1/batches/{batch_id}/cancel",
+        # the model repository: loading and unloading a model costs memory and evicts others' (docs/models.md)
+        "POST /v2/repository/models/{name}/load", "POST /v2/repository/models/{name}/unload"])
 
 
 def test_every_grpc_method_has_the_policy_its_api_declared():
     served = {service.path(name) for service in grpc_services() for name in service.methods}
-    assert served == set(grpc_policies()) and len(served) == 6
-    assert sorted(full for full, p in grpc_policies().items() if p.inference) == ["/inference.GRPCInferenceService/ModelInfer"]
+    assert served == set(grpc_policies()) and len(served) == 9
+    assert sorted(full for full, p in grpc_policies().items() if p.inference) == [
+        f"/inference.GRPCInferenceService/{m}" for m in ("ModelInfer", "RepositoryModelLoad", "RepositoryModelUnload")]
     assert {name for name in vars(grpc_methods()) if not name.startswith("_")} == {full.rsplit("/", 1)[1] for full in served}
 
 

@@ -8,7 +8,7 @@ RayJob of the embedding job (python -m jobs embed, docs/jobs.md).
 The RayServices' serveConfigV2 is deploy/serve_config.yaml, so `make run` and the cluster cannot drift,
 with CLUSTER_DEPLOYMENT applied (at least two replicas), CPU_CLUSTER_ARGS (one replica a worker
 pod) for the CPU one or GPU_ARGS for the GPU one, and BATCH_ARGS (the Batch API's jobs_dir on the
-PersistentVolumeClaim every pod mounts); the GPU config (without BATCH_ARGS) is also written to
+PersistentVolumeClaim every pod mounts, and the model repository models_dir beside it); the GPU config (without BATCH_ARGS) is also written to
 deploy/serve_config.gpu.yaml for `serve deploy` on a GPU cluster. deploy/k8s/kuberay.py turns a rendered manifest into the containers KubeRay would run.
 """
 
@@ -52,7 +52,9 @@ CPU_CLUSTER_ARGS = {"max_replicas_per_node": 1}
 # service resumes them.
 JOBS_CLAIM = "mha-encoder-jobs"
 JOBS_MOUNT = "/data"
-BATCH_ARGS = {"jobs_dir": f"{JOBS_MOUNT}/openai-batches"}
+# The model repository (docs/models.md) on the same claim: a bundle copied into /data/models/NAME on the volume
+# is served as NAME, loaded on demand, beside the image's default model (the `bundles` entry, loaded eagerly)
+BATCH_ARGS = {"jobs_dir": f"{JOBS_MOUNT}/openai-batches", "models_dir": f"{JOBS_MOUNT}/models"}
 
 
 def jobs_volume() -> dict:

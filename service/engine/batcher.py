@@ -69,6 +69,13 @@ class Batcher(Generic[Job, Result]):
         self._changed.set()
         return await future
 
+    def close(self) -> None:
+        """Stop forming batches (its model is being unloaded: the former task would hold the model, and its
+        sessions' memory, for as long as the process lives). Call when nothing is queued or running."""
+        if self._former is not None and not self._former.done():
+            self._former.cancel()
+        self._former = None
+
     def knobs_changed(self) -> None:
         """New knobs (reconfigure): the former looks at the queue again now. Raising
         max_concurrent_batches frees a slot that no arrival or finished batch would announce, so jobs

@@ -55,6 +55,14 @@ class EncoderService:
         self.batching = settings.batching
         self.healthy = True
         self.replica: dict = {}  # what the deployment knows of its replica (id, node, GPU), for /info
+        self.repository = None  # the replica's ModelRepository (service/engine/repository.py), with models_dir
+
+    async def load_if_needed(self, name: str | None, timeout_s: float) -> None:
+        """A model of the repository that a request names, loaded on this replica first (within `timeout_s`);
+        a no-op for a loaded model, a served one, or no repository."""
+        if name is not None and self.repository is not None and name not in self.engines.by_name \
+                and name not in self.engines.by_alias:
+            await self.repository.ensure(name, timeout_s)
 
     # ---- lifecycle ----
 

@@ -51,6 +51,7 @@ class Engine:
     runner: BatchRunner
     batcher: Batcher[EncodeJob, EncodeResult]  # the model's batch queue
     aliases: tuple[str, ...] = ()  # other names requests may use for it (BundleRef.aliases)
+    leases: int = 0  # calls in progress that named it (front/call.py Call.serves): never unloaded while above 0
 
     @property
     def model(self) -> ModelInfo:
@@ -135,26 +136,42 @@ async def resize_runtimes(engines: EngineTable, settings: ServiceSettings) -> No
 
 
 class EngineTable:
-    """The served models by name; the first listed is the default of routes that allow leaving it out."""
+    """The models loaded on this replica by name; the first listed is the default of routes that allow leaving
+    it out. A model repository (service/engine/repository.py) adds and removes the models it loads on demand."""
 
     def __init__(self, models: list[Engine]) -> None:
-        self.by_name = {m.name: m for m in models}
-        if len(self.by_name) != len(models):
-            names = [m.name for m in models]
-            raise ValueError(f"two bundles are served under one name ({', '.join(names)}); name them: NAME=PATH")
+        self.by_name: dict[str, Engine] = {}
         self.by_alias: dict[str, Engine] = {}
-        for m in models:
-            for alias in m.aliases:
-                if alias in self.by_name or alias in self.by_alias:
-                    raise ValueError(f"model alias {alias!r} is a served name or another model's alias: an alias "
-                                     "names one model")
-                self.by_alias[alias] = m
         self.default = models[0]
+        self.repository = None  # the replica's ModelRepository, when it serves one: named in a 404
+        for m in models:
+            self.add(m)
+
+    def add(self, m: Engine) -> None:
+        if m.name in self.by_name:
+            raise ValueError(f"two bundles are served under one name ({m.name!r}); name them: NAME=PATH")
+        for alias in m.aliases:
+            if alias in self.by_name or alias in self.by_alias or alias == m.name:
+                raise ValueError(f"model alias {alias!r} is a served name or another model's alias: an alias "
+                                 "names one model")
+        self.by_name[m.name] = m
+        for alias in m.aliases:
+            self.by_alias[alias] = m
+        self._neighbours()
+
+    def remove(self, name: str) -> None:
+        m = self.by_name.pop(name)
+        for alias in m.aliases:
+            self.by_alias.pop(alias, None)
+        self._neighbours()
+
+    def _neighbours(self) -> None:
+        models = list(self.by_name.values())
         for m in models:  # a batch is lent free slots only while the replica's other models compute nothing
             m.batcher.neighbours = [other.batcher for other in models if other is not m]
 
     def __iter__(self):
-        return iter(self.by_name.values())
+        return iter(list(self.by_name.values()))  # a copy: models are added and removed while others iterate
 
     def __len__(self) -> int:
         return len(self.by_name)
@@ -172,7 +189,9 @@ class EngineTable:
             return self.default
         found = self.by_name.get(name) or self.by_alias.get(name)
         if found is None:
-            raise NotFound(f"model {shown(name)} is not served here; served: {self.described()} (a bundle's `aliases` "
+            listed = "GET /v1/models or POST /v2/repository/index lists them" if self.repository is not None else \
+                f"served: {self.described()}"
+            raise NotFound(f"model {shown(name)} is not served here; {listed} (a bundle's `aliases` "
                            "setting lets clients that send another model name, such as Cohere's, reach it)")
         return found
 

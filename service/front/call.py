@@ -46,11 +46,23 @@ class Call:
     failure_reason: str | None = None  # why it failed, when it did (an error type)
     timed_out: bool = False  # cancelled because its deadline passed
     client_gone: bool = False  # cancelled because the client went away
+    engine: Engine | None = None  # the model it holds a lease on (a model with leases is never unloaded)
 
     def serves(self, engine: Engine) -> Engine:
-        """Note the model the call is for (the metrics' model and task labels); returns it."""
+        """Note the model the call is for (the metrics' model and task labels), and hold it loaded until the
+        call ends (`release`, at its record: front/finish.py); returns it."""
         self.model, self.task = engine.name, engine.model.task
+        if self.engine is not engine:
+            self.release()
+            engine.leases += 1
+            self.engine = engine
         return engine
+
+    def release(self) -> None:
+        """The call no longer needs its model loaded."""
+        if self.engine is not None:
+            self.engine.leases -= 1
+            self.engine = None
 
     def count(self, jobs: list[EncodeJob]) -> None:
         """Texts and tokens the call sends to inference, for its access log line and span."""

@@ -65,19 +65,24 @@ def call_of(request: Request) -> Call:
     return call
 
 
-def model_for(svc: EncoderService, name: str | None, request: Request, required: bool = False,
-              task: str | None = "embedding", dense: bool = False) -> Engine:
-    """The model a request names (EncoderService.model_for), noted on its call for the metrics. `dense`: the
-    route returns dense embeddings, which a SPLADE or ColBERT model has not (a 400 naming what it gives)."""
-    engine = call_of(request).serves(svc.model_for(name, request.url.path, required, task))
+async def model_for(svc: EncoderService, name: str | None, request: Request, required: bool = False,
+                    task: str | None = "embedding", dense: bool = False) -> Engine:
+    """The model a request names (EncoderService.model_for; a repository's loaded here first, within the call's
+    deadline), noted on its call for the metrics and held loaded until the call ends. `dense`: the route returns
+    dense embeddings, which a SPLADE or ColBERT model has not (a 400 naming what it gives)."""
+    call = call_of(request)
+    await svc.load_if_needed(name, call.deadline(svc.settings.request_timeout_s))
+    engine = call.serves(svc.model_for(name, request.url.path, required, task))
     if dense:
         svc.check_representations(engine, ["dense"])
     return engine
 
 
-def reranker(svc: EncoderService, name: str | None, request: Request) -> Engine:
-    """The cross-encoder a rerank request names (engine/scoring.py reranker), noted on its call."""
-    return call_of(request).serves(find_reranker(svc, name, request.url.path))
+async def reranker(svc: EncoderService, name: str | None, request: Request) -> Engine:
+    """The cross-encoder a rerank request names (engine/scoring.py reranker), loaded and noted on its call."""
+    call = call_of(request)
+    await svc.load_if_needed(name, call.deadline(svc.settings.request_timeout_s))
+    return call.serves(find_reranker(svc, name, request.url.path))
 
 
 async def _within_call(svc: EncoderService, request: Request, jobs: list[EncodeJob],

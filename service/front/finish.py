@@ -23,6 +23,7 @@ def finish(call: Call, status: int, sent_bytes: int, span: Any = None, span_name
            span_attributes: dict[str, Any] | None = None, grpc_status: str | None = None) -> None:
     """Record a call that ended with `status` (a gRPC call's as HTTP would answer it, beside its
     `grpc_status`) after `sent_bytes` of response."""
+    call.release()
     metrics = service_metrics()
     now = time.perf_counter()
     route, model, task, protocol = call.route, call.model, call.task, call.protocol

@@ -23,6 +23,11 @@ service/grpc/), on the families a request records:
   ray_encoder_model_info{model,task,bundle_sha256,provider,runtime,precision,gpu_ids}  1 per encoder replica: what it
       serves, and where (gpu_ids: the Ray GPU ids the replica was given, empty without a GPU share)
   ray_encoder_metric_records_dropped_total              records dropped because the recorder fell behind (Recorder)
+  ray_encoder_model_loads_total{model,outcome}          on-demand loads of a model repository's models (loaded, failed)
+  ray_encoder_model_load_seconds{model}                 how long each load took
+  ray_encoder_model_evictions_total{model,reason}       unloads, by reason: memory, idle, removed, unloaded (asked)
+  ray_encoder_model_loaded_bytes{model}                 each loaded on-demand model's measured bytes, per replica
+  ray_encoder_model_budget_bytes                        the replica's budget for on-demand models (model_memory_bytes)
 
 Counters and histograms are recorded in Ray by a thread of the process (Recorder, each second), never by
 the request path: Ray's record call releases the GIL, which an event loop then waits to take back.
@@ -195,6 +200,22 @@ class ServiceMetrics:
             "(onnxruntime, openvino), precision and Ray GPU ids it serves with.",
             tag_keys=("model", "task", "bundle_sha256", "provider", "runtime", "precision", "gpu_ids"),
         )
+        # the model repository (service/engine/repository.py)
+        self.model_loads = self._deferred(Counter(
+            PREFIX + "model_loads_total", "Loads of a model repository's models on demand, by outcome (loaded, failed).",
+            tag_keys=("model", "outcome")))
+        self.model_load_seconds = self._deferred(Histogram(
+            PREFIX + "model_load_seconds", "Seconds each on-demand model load took.", boundaries=LATENCY_BUCKETS,
+            tag_keys=MODEL))
+        self.model_evictions = self._deferred(Counter(
+            PREFIX + "model_evictions_total",
+            "On-demand models unloaded, by reason: memory (room for another), idle (idle_unload_s), removed (its "
+            "directory), unloaded (asked through the repository API).", tag_keys=("model", "reason")))
+        self.model_loaded_bytes = Gauge(
+            PREFIX + "model_loaded_bytes", "Each loaded on-demand model's measured memory on this replica.",
+            tag_keys=MODEL)
+        self.model_budget_bytes = Gauge(
+            PREFIX + "model_budget_bytes", "This replica's memory budget for on-demand models (model_memory_bytes).")
 
 
     def _deferred(self, family: Counter | Histogram) -> Deferred:

@@ -80,7 +80,7 @@ async def cut(svc: EncoderService, engine: Engine, texts: list[str], tokens: int
 @router.post("/v2/embed", response_model=CohereEmbedResponse, responses=ERROR_RESPONSES, tags=["Cohere"])
 async def embed(body: CohereEmbedRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Cohere's embed (v2): the texts' embeddings in each requested type (`embeddings_by_type`)."""
-    engine = model_for(svc, body.model, request, required=True, dense=True)
+    engine = await model_for(svc, body.model, request, required=True, dense=True)
     if body.images or body.inputs:
         raise BadRequest(f"model {engine.name!r} embeds text only: send `texts` (images and inputs are not served)")
     if not body.texts:
@@ -118,7 +118,7 @@ async def rerank(body: CohereRerankRequest, request: Request, svc: EncoderServic
     """Cohere's rerank (v2): the documents' indexes by relevance to the query, most relevant first; the
     score is CrossEncoder.predict's (the logit through the model's saved activation); on a ColBERT or
     BGE-M3, its late-interaction score, as /v1/rerank gives it."""
-    engine = reranker(svc, body.model, request)
+    engine = await reranker(svc, body.model, request)
     if not body.documents:
         raise EmptyInput("documents: at least one document")
     documents = svc.texts(body.documents)

@@ -10,12 +10,14 @@ _MODEL = "/v2/models/{name}"
 API = Api(
     name="kserve_v2",
     routes=("service.apis.kserve_v2.http",),
-    inference=frozenset({f"POST {_MODEL}/infer", f"POST {_MODEL}/versions/{{version}}/infer"}),
+    # loading and unloading a model: the token when authentication is on, as inference
+    inference=frozenset({f"POST {_MODEL}/infer", f"POST {_MODEL}/versions/{{version}}/infer",
+                         "POST /v2/repository/models/{name}/load", "POST /v2/repository/models/{name}/unload"}),
     open=frozenset({"GET /v2", "GET /v2/health/live", "GET /v2/health/ready", f"GET {_MODEL}",
                     f"GET {_MODEL}/versions/{{version}}", f"GET {_MODEL}/ready", f"GET {_MODEL}/versions/{{version}}/ready",
                     "POST /v2/repository/index"}),
     grpc="service.apis.kserve_v2.grpc",
-    grpc_inference=frozenset({f"/{SERVICE}/ModelInfer"}),
+    grpc_inference=frozenset(f"/{SERVICE}/{m}" for m in ("ModelInfer", "RepositoryModelLoad", "RepositoryModelUnload")),
     grpc_open=frozenset(f"/{SERVICE}/{m}" for m in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata",
-                                                     "ModelMetadata")),
+                                                     "ModelMetadata", "RepositoryIndex")),
 )

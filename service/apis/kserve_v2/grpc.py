@@ -1,7 +1,7 @@
-"""KServe v2 over gRPC: the six calls of `inference.GRPCInferenceService` (kserve_v2.proto), each
-`answer(svc, request, call)`, answered with the same semantics as HTTP's (semantics.py: the same models,
+"""KServe v2 over gRPC: the six calls of `inference.GRPCInferenceService` and the repository extension's three
+(kserve_v2.proto), each `answer(svc, request, call)`, answered with the same semantics as HTTP's (semantics.py: the same models,
 inputs, outputs, limits and errors). The gRPC transport (service/grpc) hands each call its record,
-checks the token of ModelInfer, maps errors to status codes and records the call.
+checks the token of ModelInfer, RepositoryModelLoad and RepositoryModelUnload, maps errors to status codes and records the call.
 
 A ModelInferRequest is read into the v2 request HTTP reads (`V2InferRequest`, with the raw input
 contents as the binary tail), its counts checked before any element is copied.
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from service.apis.kserve_v2 import repository
 from service.apis.kserve_v2.messages import METHODS, SERVICE as SERVICE_NAME, messages
 from service.apis.kserve_v2.schemas import V2InferRequest
 from service.apis.kserve_v2.semantics import (V2_DATATYPES, V2_EXTENSIONS, V2_KINDS, V2Call, declared_count,
@@ -38,8 +39,10 @@ def _ready(svc: EncoderService) -> bool:
     return True
 
 
-def _engine(svc: EncoderService, name: str, call: Call):
-    """The model a call names (NOT_FOUND naming the served ones); an empty name is the default model."""
+async def _engine(svc: EncoderService, name: str, call: Call):
+    """The model a call names (a repository's loaded here first; NOT_FOUND naming the served ones); an empty
+    name is the default model."""
+    await svc.load_if_needed(name or None, call.deadline(svc.settings.request_timeout_s))
     return call.serves(svc.engines.get(name or None, False))
 
 
@@ -52,7 +55,7 @@ async def server_ready(svc: EncoderService, request: Any, call: Call) -> Any:
 
 
 async def model_ready(svc: EncoderService, request: Any, call: Call) -> Any:
-    _engine(svc, request.name, call)
+    await _engine(svc, request.name, call)
     return messages().ModelReadyResponse(ready=_ready(svc))
 
 
@@ -61,7 +64,7 @@ async def server_metadata(svc: EncoderService, request: Any, call: Call) -> Any:
 
 
 async def model_metadata(svc: EncoderService, request: Any, call: Call) -> Any:
-    described = v2_model_metadata(_engine(svc, request.name, call))
+    described = v2_model_metadata(await _engine(svc, request.name, call))
     m = messages()
     tensors = m.ModelMetadataResponse.TensorMetadata
     return m.ModelMetadataResponse(
@@ -72,7 +75,7 @@ async def model_metadata(svc: EncoderService, request: Any, call: Call) -> Any:
 
 
 async def model_infer(svc: EncoderService, request: Any, call: Call) -> Any:
-    engine = _engine(svc, request.model_name, call)
+    engine = await _engine(svc, request.model_name, call)
     req, binary = v2_request(request, svc.settings.max_inputs)
     outputs = select_outputs(req, engine.model)
 
@@ -150,8 +153,27 @@ def _response(head: dict[str, str], tensors: dict[str, np.ndarray], call: Call) 
 
 
 
+async def repository_index(svc: EncoderService, request: Any, call: Call) -> Any:
+    m = messages()
+    return m.RepositoryIndexResponse(models=[
+        m.RepositoryIndexResponse.ModelIndex(name=r["name"], version=r["version"], state=r["state"], reason=r["reason"])
+        for r in repository.index(svc, request.ready)])
+
+
+async def repository_load(svc: EncoderService, request: Any, call: Call) -> Any:
+    await repository.load(svc, request.model_name, call)
+    return messages().RepositoryModelLoadResponse()
+
+
+async def repository_unload(svc: EncoderService, request: Any, call: Call) -> Any:
+    repository.unload(svc, request.model_name)
+    return messages().RepositoryModelUnloadResponse()
+
+
 _ANSWERS = {"ServerLive": server_live, "ServerReady": server_ready, "ModelReady": model_ready,
-            "ServerMetadata": server_metadata, "ModelMetadata": model_metadata, "ModelInfer": model_infer}
+            "ServerMetadata": server_metadata, "ModelMetadata": model_metadata, "ModelInfer": model_infer,
+            "RepositoryIndex": repository_index, "RepositoryModelLoad": repository_load,
+            "RepositoryModelUnload": repository_unload}
 
 
 def _service() -> GrpcService:

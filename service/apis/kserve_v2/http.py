@@ -14,6 +14,7 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from service.apis.kserve_v2 import repository
 from service.apis.kserve_v2.schemas import V2InferRequest, V2ModelMetadata
 from service.apis.kserve_v2.semantics import (V2_DATATYPES, V2_EXTENSIONS, V2_KINDS, V2_ROUTE, V2Call, select_outputs,
                                               v2_head, v2_model_metadata, v2_run)
@@ -103,21 +104,57 @@ async def v2_ready(svc: EncoderService = Depends(service)) -> JSONResponse:
 @router.get("/v2/models/{name}", response_model=V2ModelMetadata, responses=ERROR_RESPONSES)
 @router.get("/v2/models/{name}/versions/{version}", include_in_schema=False)
 async def v2_metadata(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
-    return JSONResponse(v2_model_metadata(model_for(svc, name, request, task=None)))
+    return JSONResponse(v2_model_metadata(await model_for(svc, name, request, task=None)))
 
 
 @router.get("/v2/models/{name}/ready", responses=ERROR_RESPONSES)
 @router.get("/v2/models/{name}/versions/{version}/ready", include_in_schema=False)
 async def v2_model_ready(name: str, request: Request, version: str = "1", svc: EncoderService = Depends(service)) -> JSONResponse:
-    engine = model_for(svc, name, request, task=None)
+    engine = await model_for(svc, name, request, task=None)
     svc.check_ready()
     return JSONResponse({"name": engine.name, "ready": True})
 
 
 @router.post("/v2/repository/index")
-async def v2_repository_index(svc: EncoderService = Depends(service)) -> JSONResponse:
-    """The model repository extension's index: every served model, all loaded and ready."""
-    return JSONResponse([{"name": m.name, "version": "1", "state": "READY", "reason": ""} for m in svc.engines])
+async def v2_repository_index(request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
+    """The model repository extension's index: every model with its state on this replica (READY, LOADING,
+    UNAVAILABLE and why); `{"ready": true}` lists the ready ones only. tritonclient's
+    get_model_repository_index."""
+    body = await _small_json(request)
+    return JSONResponse(repository.index(svc, bool(body.get("ready", False))))
+
+
+@router.post("/v2/repository/models/{name}/load", responses=ERROR_RESPONSES)
+async def v2_repository_load(name: str, request: Request, svc: EncoderService = Depends(service)) -> Response:
+    """Load the model on this replica (tritonclient's load_model): 200 once it is ready, 404 when no such model,
+    503 with Retry-After when the replica's model budget or load slots leave no room now."""
+    await _small_json(request)
+    await repository.load(svc, name, call_of(request))
+    return Response(status_code=200)
+
+
+@router.post("/v2/repository/models/{name}/unload", responses=ERROR_RESPONSES)
+async def v2_repository_unload(name: str, request: Request, svc: EncoderService = Depends(service)) -> Response:
+    """Unload the model on this replica (tritonclient's unload_model), now or once its requests are done."""
+    await _small_json(request)
+    repository.unload(svc, name)
+    return Response(status_code=200)
+
+
+async def _small_json(request: Request) -> dict:
+    """A repository call's optional JSON body (`ready`, `parameters`): empty, or an object of at most 64 KiB."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    if len(raw) > 65536:
+        raise TooLarge(f"a repository request's body is {len(raw)} bytes; at most 65536")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body is a JSON object (`ready`, `parameters`), or empty")
+    return body
 
 
 @router.post("/v2/models/{name}/infer", responses=ERROR_RESPONSES)
@@ -127,7 +164,7 @@ async def v2_infer(name: str, request: Request, version: str = "1", svc: Encoder
 
     Supports the binary tensor data extension that tritonclient uses by default.
     """
-    engine = model_for(svc, name, request, task=None)
+    engine = await model_for(svc, name, request, task=None)
     raw, header_len = await request.body(), request.headers.get("inference-header-content-length")
     # a large body's JSON is counted, then parsed, in a worker thread: its data may hold millions of
     # elements, refused before any of them is parsed

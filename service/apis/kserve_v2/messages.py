@@ -30,6 +30,9 @@ METHODS = {
     "ServerMetadata": ("ServerMetadataRequest", "ServerMetadataResponse"),
     "ModelMetadata": ("ModelMetadataRequest", "ModelMetadataResponse"),
     "ModelInfer": ("ModelInferRequest", "ModelInferResponse"),
+    "RepositoryIndex": ("RepositoryIndexRequest", "RepositoryIndexResponse"),
+    "RepositoryModelLoad": ("RepositoryModelLoadRequest", "RepositoryModelLoadResponse"),
+    "RepositoryModelUnload": ("RepositoryModelUnloadRequest", "RepositoryModelUnloadResponse"),
 }
 
 
@@ -38,7 +41,8 @@ def method_path(method: str) -> str:
     return f"/{SERVICE}/{method}"
 
 
-MESSAGES = sorted({name for pair in METHODS.values() for name in pair} | {"InferParameter", "InferTensorContents"})
+MESSAGES = sorted({name for pair in METHODS.values() for name in pair} | {"InferParameter", "InferTensorContents",
+                                                                  "ModelRepositoryParameter"})
 
 
 @cache

@@ -74,7 +74,7 @@ def analyse(body: AttentionRequest, attention: np.ndarray, units: Units) -> dict
 @router.post("/v1/attention", response_model=AttentionResponse, responses=ERROR_RESPONSES)
 async def attention(body: AttentionRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Attention rollout, per-head entropy and top-k per unit (token or word); weights on request."""
-    engine = model_for(svc, body.model, request)
+    engine = await model_for(svc, body.model, request)
     texts = svc.texts(body.inputs)
     # in model order: rollout multiplies layers in the order the model applies them
     layers = tuple(sorted(svc.indexes(body.layers, engine.model.num_layers, "layer")))
@@ -124,7 +124,7 @@ async def attention(body: AttentionRequest, request: Request, svc: EncoderServic
 @router.post("/v1/similarity", response_model=SimilarityResponse, responses=ERROR_RESPONSES)
 async def similarity(body: SimilarityRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Cosine similarity of text pairs; with explain, each token's (or word's) exact share of it."""
-    engine = model_for(svc, body.model, request, dense=True)
+    engine = await model_for(svc, body.model, request, dense=True)
     pooling = engine.model.pooling
     if body.explain:
         try:

@@ -104,7 +104,7 @@ class Representations:
 async def encode(body: EncodeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Embeddings, sparse vectors, token vectors (multi-vector), token encodings, tokens with offsets,
     attention weights: any mix, from one forward pass."""
-    engine = model_for(svc, body.model, request)
+    engine = await model_for(svc, body.model, request)
     wants = Representations.asked(body, engine, svc)
     pooled_only = not (body.token_embeddings or body.attention is not None or wants.multivector
                        or engine.model.needs_heads and wants.sparse)
@@ -193,7 +193,7 @@ async def encode(body: EncodeRequest, request: Request, svc: EncoderService = De
 @router.post("/v1/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Tokens, ids and character offsets, exactly as /v1/encode sees them."""
-    engine = model_for(svc, body.model, request, task=None)  # every model has a tokenizer
+    engine = await model_for(svc, body.model, request, task=None)  # every model has a tokenizer
     texts = svc.texts(body.inputs)
     tokenized = await svc.tokenize(engine, texts, body.truncate, "/v1/tokenize", limit_tokens=False)
     kinds = KindCounter()

@@ -26,7 +26,7 @@ async def rerank(body: RerankRequest, request: Request, svc: EncoderService = De
     """Documents ranked by a cross-encoder's score for the query, as sentence-transformers'
     CrossEncoder.predict gives it: its one logit through the activation saved with the model (the
     manifest's score_activation: a sigmoid unless the model says otherwise); raw_scores: the logit."""
-    engine = reranker(svc, body.model, request)
+    engine = await reranker(svc, body.model, request)
     documents = body.documents
     if is_late_interaction(engine):  # a ColBERT or BGE-M3: MaxSim over token vectors (engine/late_interaction.py)
         late = await late_interaction_scores(svc, engine, body.query, documents, body.truncate, "/v1/rerank",
@@ -49,7 +49,7 @@ async def rerank(body: RerankRequest, request: Request, svc: EncoderService = De
 @router.post("/v1/classify", response_model=ClassifyResponse, responses=ERROR_RESPONSES)
 async def classify(body: ClassifyRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """Every label with its score for each input, best first."""
-    engine = model_for(svc, body.model, request, task="classification")
+    engine = await model_for(svc, body.model, request, task="classification")
     texts = svc.texts(body.input)
     tokenized = await svc.tokenize(engine, texts, body.truncate, "/v1/classify")
     logits, explaining = await run_classifier(svc, engine, tokenized, texts, body.explain, "/v1/classify",

@@ -7,6 +7,7 @@ from datetime import datetime
 
 from fastapi import Depends, Request
 
+from bundle.manifest import BundleManifest
 from service.engine.runner import EncodeJob, mean_of_chunks
 from service.engine.encoder_service import EncoderService
 from service.engine.prompts import check_dimensions, describe, shortened
@@ -22,7 +23,7 @@ router = api_router()
 @router.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=ERROR_RESPONSES)
 async def embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """OpenAI's embeddings API: works with the official `openai` client."""
-    engine = model_for(svc, body.model, request, required=True, dense=True)
+    engine = await model_for(svc, body.model, request, required=True, dense=True)
     check_dimensions(engine.model, engine.name, body.dimensions)
     texts, skip = svc.prompted(engine, svc.texts(body.input), body.prompt_name, body.input_type,
                            chunked=body.chunking is not None)
@@ -56,20 +57,33 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request, svc: Encode
 
 @router.get("/v1/models")
 async def models_list(svc: EncoderService = Depends(service)) -> JSONResponse:
-    """The served models, in OpenAI's list format (`client.models.list()` works unchanged)."""
+    """The served models, in OpenAI's list format (`client.models.list()` works unchanged); with a model
+    repository, every model in it, `loaded` saying whether this replica holds it now."""
+    if svc.repository is None:
+        return JSONResponse({"object": "list", "data": [_model(m.name, m.manifest, list(m.aliases), True)
+                                                        for m in svc.engines]})
     return JSONResponse({"object": "list", "data": [
-        {"id": m.name, "object": "model", "created": _unix_time(m.manifest.created_at), "owned_by": SERVER_NAME,
-         "task": m.model.task, "aliases": list(m.aliases), **describe(m.model)}
-        for m in svc.engines
-    ]})
+        _model(name, engine.manifest if engine else manifest, list(engine.aliases) if engine else [], engine is not None)
+        for name, engine, manifest in svc.repository.models()]})
 
 
 @router.get("/v1/models/{name}", responses=ERROR_RESPONSES)
 async def model_retrieve(name: str, svc: EncoderService = Depends(service)) -> JSONResponse:
-    """One served model (OpenAI's `client.models.retrieve`)."""
+    """One served model (OpenAI's `client.models.retrieve`), described without loading it."""
+    if svc.repository is not None and name not in svc.engines.by_name and name not in svc.engines.by_alias:
+        for listed, engine, manifest in svc.repository.models():
+            if listed == name:
+                return JSONResponse(_model(name, manifest, [], engine is not None))
     m = svc.engines.get(name)
-    return JSONResponse({"id": m.name, "object": "model", "created": _unix_time(m.manifest.created_at),
-                         "owned_by": SERVER_NAME, "task": m.model.task, "aliases": list(m.aliases), **describe(m.model)})
+    return JSONResponse(_model(m.name, m.manifest, list(m.aliases), True))
+
+
+def _model(name: str, manifest: BundleManifest | None, aliases: list[str], loaded: bool) -> dict:
+    """OpenAI's model object, with what the bundle's manifest says of it (nothing more when it is unreadable)."""
+    if manifest is None:
+        return {"id": name, "object": "model", "created": 0, "owned_by": SERVER_NAME, "loaded": loaded}
+    return {"id": name, "object": "model", "created": _unix_time(manifest.created_at), "owned_by": SERVER_NAME,
+            "task": manifest.model.task, "aliases": aliases, "loaded": loaded, **describe(manifest.model)}
 
 
 def _unix_time(iso: str) -> int:

@@ -57,7 +57,7 @@ def texts_of(svc: EncoderService, inputs: str | list[str]) -> list[str]:
 async def embeddings(body: TEIEmbedRequest, request: Request, svc: EncoderService, route: str) -> JSONResponse:
     """The pooled embedding of every input, `[[floats]]` (a single text too), normalised by default
     (TEI's `normalize: true`); `dimensions` cuts before normalising, as TEI does."""
-    engine = model_for(svc, body.model, request, dense=True)
+    engine = await model_for(svc, body.model, request, dense=True)
     raw = texts_of(svc, body.inputs)
     check_dimensions(engine.model, engine.name, body.dimensions)
     texts, skip = svc.prompted(engine, raw, body.prompt_name, None)
@@ -86,7 +86,7 @@ async def embed_sparse(body: TEIEmbedSparseRequest, request: Request, svc: Encod
     """TEI's /embed_sparse: every input's sparse vector, its non-zero weights as `[{"index", "value"}]` in
     vocabulary order (a single text too is a list of one). A SPLADE model's, as TEI serves it, and BGE-M3's
     (its lexical weights, which TEI does not serve); any other model is TEI's 424."""
-    engine = model_for(svc, body.model, request)
+    engine = await model_for(svc, body.model, request)
     raw = texts_of(svc, body.inputs)
     if "sparse" not in engine.model.representations:  # TEI's words and status (its infer.rs embed_sparse)
         raise BackendError(f"Backend error: Model is not an embedding model with SPLADE pooling: {engine.name!r} gives "
@@ -115,7 +115,7 @@ async def embed_sparse(body: TEIEmbedSparseRequest, request: Request, svc: Encod
 @router.post("/embed_all", response_model=list[list[list[float]]], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
 async def embed_all(body: TEIEmbedAllRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's /embed_all: every token's encoding (the last hidden state), per input."""
-    engine = model_for(svc, body.model, request)
+    engine = await model_for(svc, body.model, request)
     raw = texts_of(svc, body.inputs)
     texts, _ = svc.prompted(engine, raw, body.prompt_name, None, pooled_only=False)
     truncate, from_start = truncation(body.truncate, body.truncation_direction)
@@ -139,7 +139,7 @@ async def rerank(body: TEIRerankRequest, request: Request, svc: EncoderService =
     """TEI's /rerank: every text's score for the query, best first: CrossEncoder.predict's (the logit
     through the model's saved activation, a sigmoid unless it saved another), or the logit (raw_scores);
     on a ColBERT or BGE-M3, its late-interaction score, as /v1/rerank gives it (raw already)."""
-    engine = reranker(svc, body.model, request)
+    engine = await reranker(svc, body.model, request)
     if not body.texts:
         raise EmptyInput("`texts` cannot be empty")
     truncate, from_start = truncation(body.truncate, body.truncation_direction)
@@ -179,7 +179,7 @@ def predict_inputs(inputs: str | list[str] | list[list[str]]) -> tuple[list[tupl
 async def classify(inputs: list[tuple[str, ...]], truncate: bool, from_start: bool, request: Request,
                    svc: EncoderService, route: str, model: str | None = None) -> tuple[Engine, np.ndarray]:
     """The logits of texts and text pairs (one job: a pair's second text gets its token type)."""
-    engine = model_for(svc, model, request, task="classification")
+    engine = await model_for(svc, model, request, task="classification")
     if len(inputs) > svc.settings.max_inputs:
         raise TooLarge(f"{len(inputs)} inputs; at most {svc.settings.max_inputs} per request")
     for item in inputs:
@@ -218,7 +218,7 @@ async def tokenize(body: TEITokenizeRequest, request: Request, svc: EncoderServi
     """TEI's /tokenize: each input's tokens (the whole text, never truncated, as TEI), with character
     offsets; within the response limit, its tokens counted before any is listed (a 413 past it), and
     tokenized and listed off the event loop when large."""
-    engine = model_for(svc, body.model, request, task=None)
+    engine = await model_for(svc, body.model, request, task=None)
     texts = texts_of(svc, body.inputs)
     if body.prompt_name is not None:
         texts, _ = svc.prompted(engine, texts, body.prompt_name, None)
@@ -245,7 +245,7 @@ async def tokenize(body: TEITokenizeRequest, request: Request, svc: EncoderServi
 @router.post("/decode", response_model=list[str], responses=TEI_ERROR_RESPONSES, tags=["TEI"])
 async def decode(body: TEIDecodeRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """TEI's /decode: token ids back to text, one string per list of ids."""
-    engine = model_for(svc, body.model, request, task=None)
+    engine = await model_for(svc, body.model, request, task=None)
     if not body.ids:
         raise EmptyInput("`ids` cannot be empty")
     rows = [body.ids] if isinstance(body.ids[0], int) else body.ids

@@ -82,7 +82,7 @@ async def cosine_scores(svc: EncoderService, engine: Engine, text_1: list[str], 
 @router.post("/score", response_model=VLLMScoreResponse, responses=VLLM_ERROR_RESPONSES, tags=["vLLM"])
 async def score(body: VLLMScoreRequest, request: Request, svc: EncoderService = Depends(service)) -> JSONResponse:
     """vLLM's score: `data[i].score` for the pair (text_1[i], text_2[i]), text_1 repeated when it is one."""
-    engine = model_for(svc, body.model, request, task=None)
+    engine = await model_for(svc, body.model, request, task=None)
     if body.priority != 0:
         raise BadRequest(f"priority {body.priority}: this server schedules without priorities; send 0")
     text_2 = svc.texts(body.text_2)

@@ -1,0 +1,420 @@
+"""The model repository (issue 57): a directory of bundles, each available by its directory's name without
+being loaded. A replica loads one the first time a request there names it (the request waits, within its
+deadline; a second request for the same model waits on the same load), keeps it while it is used, and
+unloads the least recently used idle one when its memory budget needs the room, when it has been idle for
+`idle_unload_s`, or when its directory is removed. Eager models (the Serve config's `bundles`, a
+repository's default) are loaded at start and never unloaded; they are not counted in the budget.
+
+What a loaded model costs is measured, not assumed: the replica's resident memory before and after its load
+(its sessions built and run once), never counted below its fp32 graph files' size (memory an unload freed and
+this load reused is not in the difference). Before its first load a model is reckoned at those files' size.
+
+Nothing here knows HTTP or Ray Serve: the routes call `ensure` (service/front/deps.py model_for) and the
+repository API (service/apis/kserve_v2) `index`, `load` and `unload`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bundle.contract import BUNDLE_MANIFEST
+from bundle.manifest import BundleError, BundleManifest
+from service.config import BundleRef, valid_model_name
+from service.engine.engine import Engine, EngineTable, shown
+from service.engine.errors import BadRequest, NotFound, ServiceError, Timeout
+from service.observability.metrics import service_metrics
+
+logger = logging.getLogger("ray.serve")
+
+SCAN_PERIOD_S = 1.0  # the directory is listed again at most this often, unless a name is not found:
+MISS_SCAN_PERIOD_S = 0.2  # then at most this often (a flood of unknown names lists it five times a second)
+SWEEP_PERIOD_S = 1.0  # idle and removed models are looked for this often
+RETRY_FAILED_S = 30.0  # a bundle that failed to load is tried again after this long (or when its files change)
+GRAPH_SUFFIXES = (".onnx", ".onnx.data", ".xml", ".bin")
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
+
+
+class ModelsBusy(ServiceError):
+    """A load that cannot start now: the budget is held by models in use, or every load slot is taken (503)."""
+
+    type = "overloaded"
+
+
+class ModelUnavailable(ServiceError):
+    """A bundle of the repository that does not load (bad hashes, a half-copied directory): 503 naming why."""
+
+    type = "not_ready"
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux's /proc/self/statm; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def graph_bytes(path: Path) -> int:
+    """The bytes of a bundle's fp32 graphs (what a replica loads by default): the reckoning before a load."""
+    total = 0
+    for p in path.iterdir():
+        if p.name.endswith(GRAPH_SUFFIXES) and "int8" not in p.name and "fp16" not in p.name:
+            total += p.stat().st_size
+    return total
+
+
+def give_back_memory() -> None:
+    """Freed sessions' memory back to the system (glibc keeps freed pages otherwise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Entry:
+    """One model of the repository, as this replica sees it."""
+
+    name: str
+    path: Path
+    eager: bool = False  # loaded at start, never unloaded (a `bundles` entry, or the repository's default)
+    engine: Engine | None = None
+    bytes: int = 0  # measured at its last load (0: never loaded here)
+    last_used: float = 0.0
+    loading: asyncio.Future | None = None
+    failed: str = ""  # why its last load failed, shown as the index's reason
+    failed_at: float = 0.0
+    failed_stamp: float = 0.0  # its manifest's mtime when it failed: a new copy is tried at once
+    removed: bool = False  # its directory is gone: unloaded once idle
+    loads: int = 0  # times it was loaded on this replica
+    manifest: BundleManifest | None = None  # read (not verified) to describe it before it loads
+    manifest_stamp: float = -1.0
+
+    @property
+    def state(self) -> str:
+        if self.engine is not None:
+            return READY
+        if self.loading is not None:
+            return LOADING
+        return UNAVAILABLE
+
+    def idle(self) -> bool:
+        e = self.engine
+        return e is not None and e.leases == 0 and e.batcher.queued == 0 and e.batcher.held == 0 \
+            and e.runner.running == 0
+
+
+@dataclass
+class ModelRepository:
+    """The repository's models on this replica: which are available, which loaded, and the room left."""
+
+    directory: Path | None
+    engines: EngineTable
+    loader: Callable[[BundleRef], Engine]  # blocking: load_engine with the replica's settings and device
+    budget_bytes: int
+    max_concurrent_loads: int = 1
+    idle_unload_s: float = 0.0
+    entries: dict[str, Entry] = field(default_factory=dict)
+    scanned_at: float = float("-inf")
+    loads_running: int = 0
+    reserved: int = 0  # bytes reckoned for the loads running now
+    scan_error: str = ""
+    _sweeper: asyncio.Task | None = None
+
+    def __post_init__(self) -> None:
+        for engine in self.engines:  # the eager ones, loaded at start
+            self.entries[engine.name] = Entry(engine.name, engine.path, eager=True, engine=engine)
+        self.scan(force=True)
+
+    # ---- what is available ----
+
+    def scan(self, force: bool = False) -> None:
+        """List the directory again (at most every SCAN_PERIOD_S unless forced): new bundles become available,
+        removed ones are marked to unload once idle. An unreadable directory keeps what was known, and says so."""
+        now = time.monotonic()
+        if self.directory is None or (not force and now - self.scanned_at < SCAN_PERIOD_S):
+            return
+        self.scanned_at = now
+        try:
+            found = {p.name: p for p in self.directory.iterdir()
+                     if valid_model_name(p.name) and (p / BUNDLE_MANIFEST).is_file()}
+            self.scan_error = ""
+        except OSError as exc:
+            if not self.scan_error:
+                logger.warning("model repository %s is unreadable (%s); serving what was listed before",
+                               self.directory, exc.strerror or exc)
+            self.scan_error = f"the repository directory is unreadable: {exc.strerror or exc}"
+            return
+        for name, path in found.items():
+            entry = self.entries.get(name)
+            if entry is None:
+                self.entries[name] = Entry(name, path)
+            elif entry.removed:
+                entry.removed = False
+        for name, entry in list(self.entries.items()):
+            if not entry.eager and name not in found:
+                if entry.engine is None and entry.loading is None:
+                    del self.entries[name]
+                else:
+                    entry.removed = True
+
+    def available(self) -> list[str]:
+        self.scan()
+        return [n for n, e in self.entries.items() if not e.removed]
+
+    def used_bytes(self) -> int:
+        return sum(e.bytes for e in self.entries.values() if e.engine is not None and not e.eager) + self.reserved
+
+    def index(self) -> list[dict]:
+        """Every model with its state on this replica (KServe v2's repository index, with our bytes)."""
+        self.scan()
+        rows = []
+        for name, e in sorted(self.entries.items()):
+            reason = e.failed if e.state == UNAVAILABLE and e.failed else ("removed from the repository"
+                                                                           if e.removed else "")
+            rows.append({"name": name, "version": "1", "state": e.state, "reason": reason,
+                         "load": "eager" if e.eager else "on-demand", "bytes": e.bytes})
+        return rows
+
+    def models(self) -> list[tuple[str, Engine | None, BundleManifest | None]]:
+        """Every available model: its engine where loaded here, else its manifest as read (None: unreadable),
+        to describe it without loading it (/v1/models)."""
+        self.scan()
+        return [(name, e.engine, e.engine.manifest if e.engine is not None else self.manifest_of(e))
+                for name, e in sorted(self.entries.items()) if not e.removed]
+
+    def manifest_of(self, entry: Entry) -> BundleManifest | None:
+        stamp = self._stamp(entry)
+        if stamp != entry.manifest_stamp:
+            entry.manifest_stamp = stamp
+            try:
+                entry.manifest = BundleManifest.model_validate_json((entry.path / BUNDLE_MANIFEST).read_bytes())
+            except (OSError, ValueError):
+                entry.manifest = None
+        return entry.manifest
+
+    # ---- loading ----
+
+    def knows(self, name: str) -> bool:
+        """Whether `name` is one of the repository's models (loaded or not); lists the directory at once
+        when it is not known yet (a bundle just copied in is found by its first request)."""
+        if name in self.entries and not self.entries[name].removed:
+            return True
+        if self.directory is None or not valid_model_name(name):
+            return False
+        if time.monotonic() - self.scanned_at >= MISS_SCAN_PERIOD_S:
+            self.scan(force=True)
+        return name in self.entries and not self.entries[name].removed
+
+    async def ensure(self, name: str, timeout_s: float) -> None:
+        """`name` loaded on this replica when it is one of the repository's models, waiting for its load within
+        `timeout_s`; any other name is left to the model table, which answers 404 naming the served ones."""
+        self._start_sweeper()
+        entry = self.entries.get(name)
+        if entry is not None and entry.engine is not None:
+            entry.last_used = time.monotonic()
+            return
+        if not self.knows(name):
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:  # a model evicted between its load and this request's turn is loaded again
+            entry = self.entries[name]
+            if entry.engine is not None:
+                entry.last_used = time.monotonic()
+                return
+            if entry.loading is None:
+                entry.loading = asyncio.ensure_future(self._load(entry))
+                entry.loading.add_done_callback(lambda f, e=entry: self._loaded(e, f))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Timeout(f"model {name!r} is still loading on this replica; the request's deadline passed",
+                              retry_after_s=1)
+            try:
+                await asyncio.wait_for(asyncio.shield(entry.loading), left)
+            except asyncio.TimeoutError:
+                raise Timeout(f"model {name!r} did not load within the request's deadline ({timeout_s:.1f} s); it "
+                              "goes on loading: retry shortly", retry_after_s=1) from None
+
+    async def load(self, name: str, timeout_s: float) -> None:
+        """The repository API's load: `name` loaded here (404 when it is not in the repository)."""
+        if not valid_model_name(name):
+            raise BadRequest(f"model name {shown(name)}: a repository's model names are letters, digits, '.', '_' "
+                             "and '-' (no '/', no '..')")
+        if not self.knows(name) and name not in self.engines.by_name:
+            raise NotFound(f"model {shown(name)} is not in the model repository (POST /v2/repository/index "
+                           "lists it)")
+        await self.ensure(name, timeout_s)
+
+    def unload(self, name: str) -> None:
+        """The repository API's unload: `name` unloaded here now, or once its requests finish. An eager model
+        stays (it is served from the start by configuration)."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise NotFound(f"model {shown(name)} is not in the model repository (POST /v2/repository/index lists it)")
+        if entry.eager:
+            raise BadRequest(f"model {name!r} is loaded at start by the service's configuration (`bundles`, or the "
+                             "repository's default): it is not unloaded on request")
+        if entry.engine is not None:
+            if entry.idle():
+                self._unload(entry, "unloaded")
+            else:
+                self._pending_unload.add(name)  # the sweeper unloads it once its requests are done
+
+    async def _load(self, entry: Entry) -> None:
+        name = entry.name
+        if entry.failed and time.monotonic() - entry.failed_at < RETRY_FAILED_S and \
+                self._stamp(entry) == entry.failed_stamp:
+            raise ModelUnavailable(f"model {name!r} could not be loaded: {entry.failed}", retry_after_s=int(
+                RETRY_FAILED_S))
+        if self.loads_running >= self.max_concurrent_loads:
+            raise ModelsBusy(f"{self.loads_running} model loads are running on this replica, the limit "
+                             f"(max_concurrent_loads): retry shortly", retry_after_s=1)
+        self.loads_running += 1
+        reckoned = 0
+        metrics = service_metrics()
+        started = time.perf_counter()
+        try:
+            reckoned = entry.bytes or await asyncio.to_thread(graph_bytes, entry.path)
+            self._make_room(reckoned, name)
+            self.reserved += reckoned
+            try:
+                before = resident_bytes()
+                engine = await asyncio.to_thread(self._load_blocking, entry)
+                measured = resident_bytes() - before
+            finally:
+                self.reserved -= reckoned
+        except ModelsBusy:
+            raise
+        except Exception as exc:  # a bad bundle (BundleError: its hashes, a half-copied file) or a runtime's refusal
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            entry.failed, entry.failed_at, entry.failed_stamp = why, time.monotonic(), self._stamp(entry)
+            metrics.model_loads.inc(tags={"model": name, "outcome": "failed"})
+            logger.error("model %s: not loaded: %s", name, why, exc_info=not isinstance(exc, BundleError))
+            raise ModelUnavailable(f"model {name!r} could not be loaded: {why}", retry_after_s=int(RETRY_FAILED_S)) \
+                from None
+        finally:
+            self.loads_running -= 1
+        # never below its graphs' bytes: memory freed by an earlier unload and reused by this load is not in the
+        # difference, and with several loads at once each one's difference holds the others'
+        entry.bytes = max(measured, reckoned, 1 << 20)
+        entry.failed = ""
+        entry.loads += 1
+        entry.engine = engine
+        entry.last_used = time.monotonic()
+        self.engines.add(engine)
+        self._trim(keep=entry)  # its first load was reckoned at its files' size: what it measured may need more
+        seconds = time.perf_counter() - started
+        metrics.model_loads.inc(tags={"model": name, "outcome": "loaded"})
+        metrics.model_load_seconds.observe(seconds, tags={"model": name})
+        logger.info("model %s loaded on demand in %.2f s, %.1f MiB (budget %.1f of %.1f MiB in use)", name, seconds,
+                    entry.bytes / 2**20, self.used_bytes() / 2**20, self.budget_bytes / 2**20)
+
+    @staticmethod
+    def _loaded(entry: Entry, future: asyncio.Future) -> None:
+        entry.loading = None
+        if not future.cancelled():
+            future.exception()  # seen here: a load whose waiters all timed out is not an unretrieved error
+
+    def _load_blocking(self, entry: Entry) -> Engine:
+        engine = self.loader(BundleRef(path=entry.path, name=entry.name))
+        engine.runner.warm_up()  # its sessions' arenas allocated now, so the measure holds them
+        return engine
+
+    @staticmethod
+    def _stamp(entry: Entry) -> float:
+        try:
+            return (entry.path / BUNDLE_MANIFEST).stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def _make_room(self, needed: int, for_name: str) -> None:
+        """Unload idle on-demand models, least recently used first, until `needed` bytes fit the budget;
+        503 when the models in use leave no room (never more than the budget loaded)."""
+        if needed > self.budget_bytes:
+            raise ModelsBusy(f"model {for_name!r} needs about {needed / 2**20:.0f} MiB, more than this replica's whole "
+                             f"model budget ({self.budget_bytes / 2**20:.0f} MiB, model_memory_bytes)",
+                             retry_after_s=30)
+        idle = sorted((e for e in self.entries.values() if not e.eager and e.idle()), key=lambda e: e.last_used)
+        while self.used_bytes() + needed > self.budget_bytes:
+            if not idle:
+                raise ModelsBusy(f"model {for_name!r} needs about {needed / 2**20:.0f} MiB and the models in use on "
+                                 f"this replica hold {self.used_bytes() / 2**20:.0f} of its "
+                                 f"{self.budget_bytes / 2**20:.0f} MiB (model_memory_bytes): retry shortly",
+                                 retry_after_s=1)
+            self._unload(idle.pop(0), "memory")
+
+    def _trim(self, keep: Entry) -> None:
+        """Unload idle on-demand models but `keep` (just loaded, for a request waiting on it), least recently used
+        first, while more than the budget is loaded."""
+        idle = sorted((e for e in self.entries.values() if not e.eager and e.idle() and e is not keep),
+                      key=lambda e: e.last_used)
+        while self.used_bytes() > self.budget_bytes and idle:
+            self._unload(idle.pop(0), "memory")
+
+    def _unload(self, entry: Entry, reason: str) -> None:
+        engine = entry.engine
+        if engine is None:
+            return
+        entry.engine = None
+        self.engines.remove(engine.name)
+        engine.batcher.close()
+        self._pending_unload.discard(entry.name)
+        service_metrics().model_evictions.inc(tags={"model": entry.name, "reason": reason})
+        logger.info("model %s unloaded (%s): %.1f MiB freed", entry.name, reason, entry.bytes / 2**20)
+        del engine
+        give_back_memory()
+        if entry.removed:
+            del self.entries[entry.name]
+
+    # ---- the sweeper: idle, removed and asked-to-unload models, once idle ----
+
+    _pending_unload: set[str] = field(default_factory=set)
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_PERIOD_S)
+            try:
+                self.sweep()
+            except Exception:  # a bug to see in the log, never a reason to stop sweeping
+                logger.exception("model repository sweep failed")
+
+    def sweep(self) -> None:
+        self.scan()
+        now = time.monotonic()
+        for entry in list(self.entries.values()):
+            if entry.eager or entry.engine is None or not entry.idle():
+                continue
+            if entry.removed:
+                self._unload(entry, "removed")
+            elif entry.name in self._pending_unload:
+                self._unload(entry, "unloaded")
+            elif self.idle_unload_s > 0 and now - entry.last_used >= self.idle_unload_s:
+                self._unload(entry, "idle")
+
+    def loaded_bytes(self) -> dict[str, int]:
+        """Each loaded on-demand model's measured bytes (the loaded-models gauges)."""
+        return {n: e.bytes for n, e in self.entries.items() if e.engine is not None and not e.eager}
+
+
+def default_model_budget(num_cpus: float) -> int:
+    """model_memory_bytes left unset: half the node's memory times the replica's share of its CPUs."""
+    import psutil
+
+    share = min(1.0, num_cpus / (os.cpu_count() or 1)) if num_cpus > 0 else 1.0 / (os.cpu_count() or 1)
+    return int(psutil.virtual_memory().total * 0.5 * share)

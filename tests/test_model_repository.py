@@ -1,0 +1,341 @@
+"""A model repository (issue 57): a directory of 12 small bundles of four families, each available by its
+directory's name and loaded on demand. In-process, the repository itself with real bundles and onnxruntime:
+single-flight loads, eviction by recency within a memory budget, models in use never evicted, a corrupt
+bundle refused by its hashes with the others unaffected, bundles added and removed while serving, idle
+unloads, the concurrent-loads limit and an unreadable directory. Through Ray Serve on loopback, two replicas
+each with room for about three models: a rotation over all twelve with no failed request and every answer
+equal to sentence-transformers on the model's checkpoint, the listings, tritonclient's repository calls over
+HTTP and gRPC, the 404 of an unknown model in each API's style, and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import shutil
+import time
+import weakref
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from service.engine.repository import MISS_SCAN_PERIOD_S
+from tests.conftest import deploy, exported_once, shared_dir
+from tests.families import make_checkpoint
+from tests.metrics_scrape import poll, total
+from tests.reliability import record
+
+FAMILIES = ("bert", "roberta", "xlm-roberta", "mpnet")
+SEEDS = (0, 1, 2)
+NAMES = [f"{family}-{seed}" for family in FAMILIES for seed in SEEDS]
+TEXTS = ["The weather is lovely today.", "Der Zug nach München fährt um acht Uhr ab."]
+APP, PREFIX = "repository", "/repository"
+
+
+@pytest.fixture(scope="session")
+def repository_sources(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """name -> (checkpoint, bundle): 12 random checkpoints (4 families, 3 seeds) exported once per run."""
+    from bundle.contract import DEFAULT_ATOL, DEFAULT_OPSET, DEFAULT_RTOL
+    from export.pipeline import ExportOptions, build_bundle
+
+    root = shared_dir(tmp_path_factory, "repository")
+    made = {}
+    for name in NAMES:
+        family, seed = name.rsplit("-", 1)
+        checkpoint = root / f"{name}-ckpt"
+
+        def export(out: Path, family=family, seed=int(seed), checkpoint=checkpoint, name=name) -> None:
+            make_checkpoint(family, checkpoint, pooling="mean", seed=seed, normalize=True)
+            build_bundle(ExportOptions(str(checkpoint), out, DEFAULT_OPSET, DEFAULT_ATOL, DEFAULT_RTOL, name=name,
+                                       lossy=()), progress=lambda _: None)
+
+        made[name] = (checkpoint, exported_once(root / name, export))
+    return made
+
+
+def repository_of(sources: dict[str, tuple[Path, Path]], directory: Path, names=NAMES) -> Path:
+    """A repository directory: one entry per name, each a copy of its exported bundle (a real directory, as
+    a team would copy one in)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copytree(sources[name][1].resolve(), directory / name)
+    return directory
+
+
+def references(sources, names) -> dict[str, np.ndarray]:
+    from sentence_transformers import SentenceTransformer
+
+    return {name: SentenceTransformer(str(sources[name][0]), device="cpu").encode(TEXTS, convert_to_numpy=True)
+            for name in names}
+
+
+def min_cosine(got, expected) -> float:
+    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    return float(((got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)).min())
+
+
+# ---- the repository in-process: real bundles, real onnxruntime, no Ray ----
+
+def in_process(directory: Path, budget: int = 1 << 40, **settings):
+    """A replica's models as the deployment builds them: the default loaded at start, the others on demand."""
+    from service.config import ServiceSettings
+    from service.engine.engine import EngineTable, load_engine
+    from service.engine.repository import ModelRepository
+
+    s = ServiceSettings(models_dir=directory, default_model=NAMES[0], warmup=False, **settings)
+    engines = EngineTable([load_engine(ref, s) for ref in s.bundles])
+    repo = ModelRepository(s.models_dir, engines, lambda ref: load_engine(ref, s), budget,
+                           s.max_concurrent_loads, s.idle_unload_s)
+    engines.repository = repo
+    return engines, repo
+
+
+def test_a_model_loads_once_for_concurrent_requests_and_serves_what_its_bundle_computes(repository_sources, tmp_path):
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:3])
+    engines, repo = in_process(directory)
+    assert [r["state"] for r in repo.index()] == ["READY", "UNAVAILABLE", "UNAVAILABLE"]
+    assert engines.names == [NAMES[0]]
+
+    async def both() -> None:
+        await asyncio.gather(repo.ensure(NAMES[1], 60), repo.ensure(NAMES[1], 60), repo.ensure(NAMES[1], 60))
+
+    asyncio.run(both())
+    assert repo.entries[NAMES[1]].loads == 1  # three requests, one load
+    assert engines.get(NAMES[1]).name == NAMES[1] and repo.entries[NAMES[1]].bytes >= 1 << 20
+    state = {r["name"]: r["state"] for r in repo.index()}
+    assert state == {NAMES[0]: "READY", NAMES[1]: "READY", NAMES[2]: "UNAVAILABLE"}
+
+
+def test_the_least_recently_used_idle_model_makes_room_and_a_model_in_use_never_does(repository_sources, tmp_path):
+    from service.engine.repository import ModelsBusy
+
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:6])
+    engines, repo = in_process(directory)
+    for name in NAMES[1:4]:
+        asyncio.run(repo.ensure(name, 60))
+    # each loaded model reckoned at 100 MiB, a budget of three: the next load must unload one first
+    for name in NAMES[1:4]:
+        repo.entries[name].bytes = 100 << 20
+    repo.budget_bytes = 300 << 20
+    repo.entries[NAMES[1]].last_used = time.monotonic()  # 1 used last; 2 is now the least recently used
+    engines.get(NAMES[2]).leases += 1  # ... but a request holds it
+    asyncio.run(repo.ensure(NAMES[4], 60))
+    assert sorted(engines.names) == sorted([NAMES[0], NAMES[1], NAMES[2], NAMES[4]])  # 3 went, not 2
+    assert repo.used_bytes() <= repo.budget_bytes
+    # every on-demand model in use: no room, a 503 with Retry-After, and nothing unloaded
+    for name in (NAMES[1], NAMES[4]):
+        repo.entries[name].bytes = 100 << 20
+        engines.get(name).leases += 1
+    with pytest.raises(ModelsBusy) as refused:
+        asyncio.run(repo.ensure(NAMES[5], 60))
+    assert refused.value.retry_after_s >= 1 and "model_memory_bytes" in refused.value.message
+    assert sorted(engines.names) == sorted([NAMES[0], NAMES[1], NAMES[2], NAMES[4]])
+    # a model larger than the whole budget is refused as such
+    repo.budget_bytes = 1024
+    with pytest.raises(ModelsBusy, match="more than this replica's whole model budget"):
+        asyncio.run(repo.ensure(NAMES[5], 60))
+
+
+def test_a_corrupt_bundle_is_refused_by_its_hashes_and_the_others_are_unaffected(repository_sources, tmp_path):
+    from service.engine.errors import NotFound
+    from service.engine.repository import ModelUnavailable
+
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:3])
+    graph = directory / NAMES[2] / "model.onnx"
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte of a half-copied or damaged file
+    graph.write_bytes(bytes(data))
+    engines, repo = in_process(directory)
+    with pytest.raises(ModelUnavailable) as refused:
+        asyncio.run(repo.ensure(NAMES[2], 60))
+    assert "model.onnx" in refused.value.message and "\n" not in refused.value.message
+    row = next(r for r in repo.index() if r["name"] == NAMES[2])
+    assert row["state"] == "UNAVAILABLE" and "model.onnx" in row["reason"]
+    asyncio.run(repo.ensure(NAMES[1], 60))  # the others load and serve
+    assert NAMES[1] in engines.names
+    # names that are not a directory of the repository are never looked up on disk
+    for bad in ("../" + NAMES[1], NAMES[1] + "/..", "..", "/etc", ".hidden", "a" * 300):
+        asyncio.run(repo.ensure(bad, 60))  # not the repository's: the model table answers 404
+        with pytest.raises(NotFound, match="GET /v1/models or POST /v2/repository/index"):
+            engines.get(bad)
+
+
+def test_bundles_added_and_removed_while_serving_and_idle_models_unload(repository_sources, tmp_path):
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:2])
+    engines, repo = in_process(directory, idle_unload_s=0.5)
+    assert repo.available() == NAMES[:2]
+    shutil.copytree(repository_sources[NAMES[2]][1].resolve(), directory / NAMES[2])  # dropped in: found by the
+    time.sleep(MISS_SCAN_PERIOD_S)  # first request once the last listing is this old (a flood of misses lists it 5x a second)
+    asyncio.run(repo.ensure(NAMES[2], 60))
+    assert NAMES[2] in engines.names
+    # removed from the directory while a request holds it: served until it is done, then unloaded
+    engines.get(NAMES[2]).leases += 1
+    shutil.rmtree(directory / NAMES[2])
+    repo.scan(force=True)
+    repo.sweep()
+    assert NAMES[2] in engines.names and NAMES[2] not in repo.available()
+    engines.get(NAMES[2]).leases -= 1
+    repo.sweep()
+    assert NAMES[2] not in engines.names and NAMES[2] not in repo.entries
+    # idle for idle_unload_s: unloaded; the default (loaded by configuration) stays
+    asyncio.run(repo.ensure(NAMES[1], 60))
+    unloaded = weakref.ref(engines.get(NAMES[1]))
+    time.sleep(0.6)
+    repo.sweep()
+    assert engines.names == [NAMES[0]]
+    gc.collect()
+    assert unloaded() is None  # nothing holds the unloaded model (its batch queue's task, its sessions)
+    assert {r["name"]: r["state"] for r in repo.index()} == {NAMES[0]: "READY", NAMES[1]: "UNAVAILABLE"}
+
+
+def test_loads_past_the_replicas_limit_are_refused_and_an_unreadable_directory_keeps_what_was_listed(
+        repository_sources, tmp_path):
+    from service.engine.repository import ModelsBusy
+
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:4])
+    engines, repo = in_process(directory, max_concurrent_loads=1)
+
+    async def two_models_at_once() -> list:
+        return await asyncio.gather(repo.ensure(NAMES[1], 60), repo.ensure(NAMES[2], 60), return_exceptions=True)
+
+    first, second = asyncio.run(two_models_at_once())
+    assert first is None and isinstance(second, ModelsBusy) and "max_concurrent_loads" in second.message
+    moved = directory.with_name("moved")
+    directory.rename(moved)  # the volume gone from under the replica
+    try:
+        repo.scan(force=True)
+        assert "unreadable" in repo.scan_error and NAMES[1] in engines.names
+        assert set(repo.available()) == set(NAMES[:4])  # what was listed stays listed
+    finally:
+        moved.rename(directory)
+    repo.scan(force=True)
+    assert repo.scan_error == ""
+
+
+# ---- through Ray Serve: two replicas, a budget of about three models each ----
+
+@pytest.fixture(scope="module")
+def repository_app(ray_serve, default_bundle, repository_sources, tmp_path_factory):
+    from ray import serve
+
+    directory = repository_of(repository_sources, tmp_path_factory.mktemp("repository") / "models")
+    budget = 16 << 20  # room for about three on each replica: one of these measures 3.5-5 MiB at its load
+    deploy({"models_dir": str(directory), "replicas": 2, "num_cpus": 0.5, "model_memory_bytes": budget},
+           APP, PREFIX, default_bundle)
+    try:
+        yield ray_serve.url + PREFIX, directory, budget
+    finally:
+        serve.delete(APP)
+
+
+def test_a_rotation_over_twelve_models_on_two_replicas_fails_no_request_and_answers_as_each_model(
+        repository_app, repository_sources, metrics_url):
+    import openai
+
+    url, _, budget = repository_app
+    expected = references(repository_sources, NAMES)
+    failed, answered = [], 0
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as client:
+        for _ in range(2):
+            for name in NAMES:
+                try:
+                    got = client.embeddings.create(model=name, input=TEXTS)
+                except openai.APIError as exc:
+                    failed.append((name, str(exc)))
+                    continue
+                answered += 1
+                assert got.model == name
+                assert min_cosine([d.embedding for d in got.data], expected[name]) > 0.9999, name
+    assert not failed, failed
+    listed = {m.id: m for m in openai.OpenAI(base_url=f"{url}/v1", api_key="none").models.list().data}
+    assert set(NAMES) <= set(listed)
+    # what each replica holds stays within its budget: the gauges of both replicas, set each second
+    samples = poll(metrics_url, lambda f: total(f, "ray_encoder_model_loads_total", application=APP,
+                                                outcome="loaded") >= len(NAMES) - 1
+                   and total(f, "ray_encoder_model_evictions_total", application=APP, reason="memory") >= 1,
+                   "the loads and evictions counted")
+    per_replica: dict[str, float] = {}
+    for s in samples["ray_encoder_model_loaded_bytes"].samples:
+        if s.labels.get("application") == APP:
+            per_replica[s.labels.get("replica", "")] = per_replica.get(s.labels.get("replica", ""), 0) + s.value
+    assert per_replica and max(per_replica.values()) <= budget, per_replica
+    record("a rotation over 12 on-demand models", "2 replicas, room for about 3 models each, 24 requests naming "
+           "each model in turn", {"200": answered, "failed": len(failed)},
+           note="every answer equal to sentence-transformers on the model's checkpoint (cosine > 0.9999)")
+
+
+def test_tritonclient_lists_loads_and_unloads_over_http_and_grpc(repository_app, ray_serve):
+    import tritonclient.grpc as triton_grpc
+    import tritonclient.http as triton_http
+
+    url, _, _ = repository_app
+    http = triton_http.InferenceServerClient(url=url.removeprefix("http://"))
+    index = http.get_model_repository_index()
+    assert {m["name"] for m in index} >= set(NAMES)
+    assert all(m["state"] in ("READY", "LOADING", "UNAVAILABLE") for m in index)
+    http.load_model(NAMES[5])  # raises unless the replica that took it answered 200 once the model was ready
+    http.unload_model(NAMES[5])
+    with pytest.raises(triton_http.InferenceServerException) as refused:
+        http.load_model("no-such-model")
+    assert refused.value.status() == "404" and "not in the model repository" in str(refused.value.message())
+    grpc = triton_grpc.InferenceServerClient(ray_serve.grpc_target)
+    headers = {"application": APP}
+    names = {m.name for m in grpc.get_model_repository_index(headers=headers).models}
+    assert names >= set(NAMES)
+    grpc.load_model(NAMES[6], headers=headers)
+    grpc.unload_model(NAMES[6], headers=headers)
+    with pytest.raises(triton_grpc.InferenceServerException) as refused:
+        grpc.load_model("no-such-model", headers=headers)
+    assert refused.value.status() == "StatusCode.NOT_FOUND"
+
+
+@pytest.mark.parametrize("method, path, body, words", [
+    ("POST", "/v1/embeddings", {"model": "no-such-model", "input": "a"}, "GET /v1/models"),
+    ("POST", "/v1/encode", {"model": "no-such-model", "inputs": "a"}, "GET /v1/models"),
+    ("POST", "/embed", {"model": "no-such-model", "inputs": "a"}, "GET /v1/models"),
+    ("POST", "/v2/embed", {"model": "no-such-model", "texts": ["a"], "input_type": "search_document",
+                           "embedding_types": ["float"]}, "GET /v1/models"),
+    ("POST", "/v2/models/no-such-model/infer", {"inputs": []}, "GET /v1/models"),
+    ("POST", "/v2/repository/models/no-such-model/load", None, "POST /v2/repository/index"),
+    ("POST", "/v1/embeddings", {"model": "../" + NAMES[1], "input": "a"}, "GET /v1/models"),
+    ("POST", "/v2/repository/models/..etc/load", None, "letters, digits"),
+])
+def test_a_model_not_in_the_repository_is_a_404_in_each_apis_style_with_no_load(repository_app, method, path, body,
+                                                                                words):
+    url, _, _ = repository_app
+    r = httpx.request(method, url + path, json=body, timeout=60)
+    assert r.status_code in (400, 404), r.text
+    assert words in r.text, r.text
+
+
+def test_a_bundle_copied_in_while_serving_is_served_and_one_removed_is_gone(repository_app, repository_sources):
+    url, directory, _ = repository_app
+    name = "added-" + NAMES[3]
+    shutil.copytree(repository_sources[NAMES[3]][1].resolve(), directory / name)
+    try:
+        r = httpx.post(f"{url}/v1/embeddings", json={"model": name, "input": TEXTS}, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        shutil.rmtree(directory / name)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        r = httpx.post(f"{url}/v1/embeddings", json={"model": name, "input": TEXTS}, timeout=120)
+        if r.status_code == 404:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 404, r.text
+
+
+def test_the_repository_is_served_with_no_bundle_named(repository_sources, tmp_path):
+    """`python -m service --models-dir DIR` with no --bundle: the settings take the first model by name as the
+    default, and the command line offers the flag."""
+    from service.config import ServiceSettings
+
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:2])
+    s = ServiceSettings(models_dir=directory)
+    assert [b.name for b in s.bundles] == [NAMES[0]]
+    with pytest.raises(ValueError, match="no bundle in it"):
+        ServiceSettings(models_dir=tmp_path)
+    assert os.path.isdir(directory)
