@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.errors import error_type
 from tests.conftest import deploy
 
 TOKEN = "s3cret-token-for-tests"
@@ -43,7 +44,7 @@ def test_inference_routes_need_the_token(secured, path, body):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}):
         r = httpx.post(f"{secured}{path}", json=body, headers=headers, timeout=30)
         assert r.status_code == 401, (headers, r.text)
-        assert r.json()["error"]["type"] == "unauthorized"
+        assert error_type(r) == "unauthorized"
         assert r.headers["www-authenticate"].startswith("Bearer")
     assert encoder_requests() == before, "a refused request reached the model"
     ok = httpx.post(f"{secured}{path}", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)

@@ -31,10 +31,12 @@ def error_shape_of(path: str, method: str = "POST") -> set[str]:
     them), as the routes' APIs declare their error styles."""
     from service.apis import path_policies
     from service.apis.cohere import cohere_error_body
+    from service.apis.kserve_v2 import v2_error_body
     from service.apis.tei import tei_error_body
 
     style = path_policies().of(method, path).error_style
-    return {tei_error_body: {"error", "error_type"}, cohere_error_body: {"id", "message"}}.get(style, {"error"})
+    return {tei_error_body: {"error", "error_type"}, cohere_error_body: {"id", "message"},
+            v2_error_body: {"error", "type", "request_id"}}.get(style, {"error"})
 
 
 def is_vllms(path: str, method: str = "POST") -> bool:
@@ -63,6 +65,8 @@ def check(r: httpx.Response) -> None:
         assert set(body) == error_shape_of(r.request.url.path, r.request.method), body
         if "error_type" in body:  # TEI's
             assert isinstance(body["error"], str) and isinstance(body["error_type"], str)
+        elif "type" in body:  # KServe v2's
+            assert isinstance(body["error"], str) and isinstance(body["type"], str)
         elif "id" in body:  # Cohere's
             assert body["id"] == r.headers["x-request-id"] and isinstance(body["message"], str)
         elif is_vllms(r.request.url.path, r.request.method):
@@ -257,6 +261,8 @@ def test_openapi_fuzzing_finds_no_server_errors(service_url):
                     assert body["error"]["request_id"] == echoed, where
                 elif shape == {"id", "message"}:
                     assert body["id"] == echoed, where
+                elif shape == {"error", "type", "request_id"}:  # KServe v2's
+                    assert isinstance(body["error"], str) and body["request_id"] == echoed, where
 
         fuzz()
     record("schema-driven fuzzing (schemathesis)", f"{len(operations)} OpenAPI operations, 20 generated requests each",

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.errors import error_message
 from tests.conftest import deploy, wait_until
 from tests.families import add_dense, make_checkpoint
 
@@ -127,7 +128,7 @@ def test_listings_and_info_describe_every_model(two_models, default_bundle, othe
 def test_bad_model_names_and_mixed_up_fields_are_4xx(two_models, method, path, body, status, words):
     r = httpx.request(method, f"{two_models}{path}", json=body, timeout=30)
     assert r.status_code == status, r.text
-    message = r.json()["error"]["message"]
+    message = error_message(r)
     for word in words:
         assert word in message, message
 

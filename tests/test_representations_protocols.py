@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.errors import error_message
 from tests.conftest import encoded
 
 TEXTS = ["The cat sat on the mat.", "Paris is the capital of France, isn't it?", "zebra"]
@@ -174,7 +175,7 @@ def test_kserve_v2_colbert_gives_its_query_vectors_and_refuses_what_it_lacks(cli
     assert "sentence_embedding" not in names and "sparse_indices" not in names and "multivector" in names
     for output in ("sparse_indices", "sentence_embedding"):
         refused = client.post("/v2/models/colbert/infer", json={**body, "outputs": [{"name": output}]})
-        assert refused.status_code == 422 and f"unknown output '{output}'" in refused.json()["error"]["message"], refused.text
+        assert refused.status_code == 422 and f"unknown output '{output}'" in error_message(refused), refused.text
 
 
 def test_tei_embed_sparse_on_splade_is_the_vocabulary_vector(client):

@@ -89,9 +89,9 @@ def read_outputs(r: httpx.Response) -> tuple[dict[str, np.ndarray], set[str]]:
 def assert_error_names(r: httpx.Response, status: int, words: str) -> None:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
-    error = r.json()["error"]
-    assert set(error) == {"type", "message", "request_id"} and words in error["message"], error
-    assert error["request_id"] == r.headers["x-request-id"]
+    body = r.json()  # KServe's {"error": message}, our type and the request's id beside it
+    assert set(body) == {"error", "type", "request_id"} and words in body["error"], body
+    assert body["request_id"] == r.headers["x-request-id"]
 
 
 def text_request(**extra) -> dict:
