@@ -193,11 +193,11 @@ class ServiceSettings(BaseModel):
         "whose `model` is left out; default: its first by name (only with models_dir and no bundle/bundles)")
     model_memory_bytes: int | None = Field(
         None, ge=1 << 20, description="each replica's memory for on-demand models (measured per model at its load); "
-        "the least recently used idle one is unloaded to make room; null: half the node's memory times the "
+        "the idle one used least lately is unloaded to make room; null: half the node's memory times the "
         "replica's share of its CPUs")
     max_concurrent_loads: int = Field(
-        1, ge=1, description="on-demand model loads running at once on a replica; a load past it is refused with "
-        "503 and Retry-After (requests for a model already loading wait for it)")
+        1, ge=1, description="on-demand model loads running at once on a replica; others wait for a slot (a few, "
+        "briefly; the model used most lately first), past that 503 with Retry-After")
     idle_unload_s: float = Field(
         0.0, ge=0, description="an on-demand model not used for this many seconds is unloaded (0: never for "
         "idleness; memory still evicts)")

@@ -1,6 +1,6 @@
 """A model repository (issue 57): a directory of 12 small bundles of four families, each available by its
 directory's name and loaded on demand. In-process, the repository itself with real bundles and onnxruntime:
-single-flight loads, eviction by recency within a memory budget, models in use never evicted, a corrupt
+single-flight loads, eviction of the model used least lately within a memory budget, models in use never evicted, a corrupt
 bundle refused by its hashes with the others unaffected, bundles added and removed while serving, idle
 unloads, the concurrent-loads limit and an unreadable directory. Through Ray Serve on loopback, two replicas
 each with room for about three models: a rotation over all twelve with no failed request and every answer
@@ -24,7 +24,7 @@ import pytest
 from service.engine.repository import MISS_SCAN_PERIOD_S
 from tests.conftest import deploy, exported_once, shared_dir
 from tests.families import make_checkpoint
-from tests.metrics_scrape import poll, total
+from tests.metrics_scrape import poll, scrape, total
 from tests.reliability import record
 
 FAMILIES = ("bert", "roberta", "xlm-roberta", "mpnet")
@@ -108,7 +108,7 @@ def test_a_model_loads_once_for_concurrent_requests_and_serves_what_its_bundle_c
     assert state == {NAMES[0]: "READY", NAMES[1]: "READY", NAMES[2]: "UNAVAILABLE"}
 
 
-def test_the_least_recently_used_idle_model_makes_room_and_a_model_in_use_never_does(repository_sources, tmp_path):
+def test_the_idle_model_used_least_lately_makes_room_and_a_model_in_use_never_does(repository_sources, tmp_path):
     from service.engine.repository import ModelsBusy
 
     directory = repository_of(repository_sources, tmp_path / "models", NAMES[:6])
@@ -119,15 +119,23 @@ def test_the_least_recently_used_idle_model_makes_room_and_a_model_in_use_never_
     for name in NAMES[1:4]:
         repo.entries[name].bytes = 100 << 20
     repo.budget_bytes = 300 << 20
-    repo.entries[NAMES[1]].last_used = time.monotonic()  # 1 used last; 2 is now the least recently used
-    engines.get(NAMES[2]).leases += 1  # ... but a request holds it
+    for _ in range(5):  # 1 is hot: used five times more, though longest ago
+        repo.entries[NAMES[1]].used()
+    repo.entries[NAMES[1]].last_used -= 1.0
+    engines.get(NAMES[2]).leases += 1  # 2 is held by a request
     asyncio.run(repo.ensure(NAMES[4], 60))
-    assert sorted(engines.names) == sorted([NAMES[0], NAMES[1], NAMES[2], NAMES[4]])  # 3 went, not 2
+    assert sorted(engines.names) == sorted([NAMES[0], NAMES[1], NAMES[2], NAMES[4]])  # 3 went: not 2, not 1
+    # only the hot model idle: a cold load is refused rather than unload it
+    repo.entries[NAMES[4]].bytes = 100 << 20
+    engines.get(NAMES[4]).leases += 1
+    with pytest.raises(ModelsBusy, match="used more lately"):
+        asyncio.run(repo.ensure(NAMES[5], 60))
+    assert NAMES[1] in engines.names
     assert repo.used_bytes() <= repo.budget_bytes
     # every on-demand model in use: no room, a 503 with Retry-After, and nothing unloaded
     for name in (NAMES[1], NAMES[4]):
         repo.entries[name].bytes = 100 << 20
-        engines.get(name).leases += 1
+    engines.get(NAMES[1]).leases += 1
     with pytest.raises(ModelsBusy) as refused:
         asyncio.run(repo.ensure(NAMES[5], 60))
     assert refused.value.retry_after_s >= 1 and "model_memory_bytes" in refused.value.message
@@ -190,24 +198,36 @@ def test_bundles_added_and_removed_while_serving_and_idle_models_unload(reposito
     assert {r["name"]: r["state"] for r in repo.index()} == {NAMES[0]: "READY", NAMES[1]: "UNAVAILABLE"}
 
 
-def test_loads_past_the_replicas_limit_are_refused_and_an_unreadable_directory_keeps_what_was_listed(
-        repository_sources, tmp_path):
+def test_loads_past_the_replicas_limit_wait_hot_first_and_an_unreadable_directory_keeps_what_was_listed(
+        repository_sources, tmp_path, monkeypatch):
+    from service.engine import repository
     from service.engine.repository import ModelsBusy
 
-    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:4])
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:5])
     engines, repo = in_process(directory, max_concurrent_loads=1)
+    repo.entries[NAMES[3]].uses = 50.0  # hot lately (used, then unloaded here)
+    repo.entries[NAMES[3]].last_used = time.monotonic()
+    order: list[str] = []
+    loader = repo.loader
+    repo.loader = lambda ref: (order.append(ref.name), loader(ref))[1]
 
-    async def two_models_at_once() -> list:
-        return await asyncio.gather(repo.ensure(NAMES[1], 60), repo.ensure(NAMES[2], 60), return_exceptions=True)
+    async def four_at_once() -> list:
+        return await asyncio.gather(*(repo.ensure(n, 60) for n in NAMES[1:5]), return_exceptions=True)
 
-    first, second = asyncio.run(two_models_at_once())
+    assert asyncio.run(four_at_once()) == [None] * 4  # one load at a time, the others waited their turn
+    assert order[0] == NAMES[1] and order[1] == NAMES[3]  # the hot one first among those that waited
+    # past the waiting bound, refused at once with Retry-After
+    for name in NAMES[1:5]:
+        repo._unload(repo.entries[name], "unloaded")
+    monkeypatch.setattr(repository, "MAX_WAITING_LOADS", 0)
+    first, second = asyncio.run(four_at_once())[:2]
     assert first is None and isinstance(second, ModelsBusy) and "max_concurrent_loads" in second.message
     moved = directory.with_name("moved")
     directory.rename(moved)  # the volume gone from under the replica
     try:
         repo.scan(force=True)
         assert "unreadable" in repo.scan_error and NAMES[1] in engines.names
-        assert set(repo.available()) == set(NAMES[:4])  # what was listed stays listed
+        assert set(repo.available()) == set(NAMES[:5])  # what was listed stays listed
     finally:
         moved.rename(directory)
     repo.scan(force=True)
@@ -340,3 +360,66 @@ def test_the_repository_is_served_with_no_bundle_named(repository_sources, tmp_p
     with pytest.raises(ValueError, match="no bundle in it"):
         ServiceSettings(models_dir=tmp_path)
     assert os.path.isdir(directory)
+
+
+def test_a_flood_naming_every_model_is_bounded_and_the_hot_model_keeps_serving(repository_app, metrics_url):
+    """Four clients for 10 s, each request naming another cold model, beside a client of one hot model: the
+    flood gets answers or 503s with Retry-After (loads bounded by the budget and max_concurrent_loads), never
+    a 5xx of another kind, and the hot model, used all along, is never evicted for the cold ones."""
+    url, _, _ = repository_app
+    hot, cold = NAMES[1], NAMES[2:]
+    body = {"input": TEXTS}
+    from concurrent.futures import ThreadPoolExecutor
+
+    def replicas_holding(model: str) -> set[str]:
+        family = scrape(metrics_url).get("ray_encoder_model_loaded_bytes")  # none until a replica loads one
+        return {s.labels["replica"] for s in (family.samples if family else [])
+                if s.labels.get("application") == APP and s.labels.get("model") == model and s.value > 0}
+
+    # the hot model loaded on both replicas first (a model not loaded on a replica yet competes there with every
+    # cold load for its load slot: docs/models.md): concurrent requests until both replicas' gauges show it
+    deadline = time.monotonic() + 90
+    with httpx.Client(timeout=60) as c, ThreadPoolExecutor(8) as pool:
+        while len(replicas_holding(hot)) < 2:
+            assert time.monotonic() < deadline, f"{hot} not loaded on both replicas: {replicas_holding(hot)}"
+            list(pool.map(lambda _: c.post(f"{url}/v1/embeddings", json={**body, "model": hot}), range(16)))
+            time.sleep(1.5)
+    stop = time.monotonic() + 10
+    flood_statuses: dict[str, int] = {}
+    hot_statuses: dict[str, int] = {}
+    missing_retry_after = []
+    hot_refusals: list[str] = []
+
+    def flood(offset: int) -> None:
+        with httpx.Client(timeout=60) as c:
+            i = offset
+            while time.monotonic() < stop:
+                r = c.post(f"{url}/v1/embeddings", json={**body, "model": cold[i % len(cold)]})
+                flood_statuses[str(r.status_code)] = flood_statuses.get(str(r.status_code), 0) + 1
+                if r.status_code == 503 and "retry-after" not in r.headers:
+                    missing_retry_after.append(r.text)
+                i += 1
+
+    def hot_client() -> None:
+        with httpx.Client(timeout=60) as c:
+            while time.monotonic() < stop:
+                r = c.post(f"{url}/v1/embeddings", json={**body, "model": hot})
+                hot_statuses[str(r.status_code)] = hot_statuses.get(str(r.status_code), 0) + 1
+                if r.status_code != 200:
+                    hot_refusals.append(r.text[:300])
+
+    import threading
+
+    threads = [threading.Thread(target=flood, args=(k * 3,)) for k in range(4)] + [threading.Thread(target=hot_client)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert set(flood_statuses) <= {"200", "503"} and flood_statuses.get("200", 0) > 0, flood_statuses
+    assert not missing_retry_after, missing_retry_after[:2]
+    assert set(hot_statuses) == {"200"}, (hot_statuses, hot_refusals[:3])
+    record("a flood naming a different model each request", "4 clients for 10 s, each request a cold model of 10, "
+           "beside a client of a hot one; 2 replicas with room for about 3 models each",
+           {f"flood {k}": v for k, v in flood_statuses.items()} | {f"hot {k}": v for k, v in hot_statuses.items()},
+           note="loads bounded by the budget and one load at a time per replica (503 + Retry-After); the hot "
+           "model never evicted")

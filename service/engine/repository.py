@@ -1,7 +1,8 @@
 """The model repository (issue 57): a directory of bundles, each available by its directory's name without
 being loaded. A replica loads one the first time a request there names it (the request waits, within its
 deadline; a second request for the same model waits on the same load), keeps it while it is used, and
-unloads the least recently used idle one when its memory budget needs the room, when it has been idle for
+unloads the idle one used least lately (a decayed count of its requests, then recency) when its memory budget
+needs the room, when it has been idle for
 `idle_unload_s`, or when its directory is removed. Eager models (the Serve config's `bundles`, a
 repository's default) are loaded at start and never unloaded; they are not counted in the budget.
 
@@ -37,7 +38,16 @@ logger = logging.getLogger("ray.serve")
 SCAN_PERIOD_S = 1.0  # the directory is listed again at most this often, unless a name is not found:
 MISS_SCAN_PERIOD_S = 0.2  # then at most this often (a flood of unknown names lists it five times a second)
 SWEEP_PERIOD_S = 1.0  # idle and removed models are looked for this often
-RETRY_FAILED_S = 30.0  # a bundle that failed to load is tried again after this long (or when its files change)
+RETRY_FAILED_S = 30.0
+# What makes room: the idle model used least lately, a count of its requests halved every this many seconds, so
+# that a flood of requests each naming another cold model unloads cold ones, not the hot model used all along
+# (plain recency did: between two of its requests on a replica, each cold load was more recent)
+USES_HALF_LIFE_S = 30.0
+# A model used more than this many times as lately as the one a load is for is not unloaded for it: that load is
+# refused (503, Retry-After) instead. Models used about as often (a rotation) make room for each other.
+HOTTER_BY = 2.0
+LOAD_WAIT_S = 5.0  # the longest a load waits for a load slot (within the request's deadline) ...
+MAX_WAITING_LOADS = 8  # ... and how many wait at once on a replica; past either, 503 with Retry-After  # a bundle that failed to load is tried again after this long (or when its files change)
 GRAPH_SUFFIXES = (".onnx", ".onnx.data", ".xml", ".bin")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -93,6 +103,19 @@ class Entry:
     engine: Engine | None = None
     bytes: int = 0  # measured at its last load (0: never loaded here)
     last_used: float = 0.0
+    uses: float = 0.0  # requests that used it, each weighing half as much every USES_HALF_LIFE_S (at last_used)
+
+    def used(self) -> None:
+        now = time.monotonic()
+        self.uses = self.uses_at(now) + 1.0
+        self.last_used = now
+
+    def uses_at(self, now: float) -> float:
+        return self.uses * 0.5 ** ((now - self.last_used) / USES_HALF_LIFE_S)
+
+    def victim_order(self, now: float) -> tuple[float, float]:
+        """Unloaded first: the least used lately (a decayed count), then the least recently used."""
+        return self.uses_at(now), self.last_used
     loading: asyncio.Future | None = None
     failed: str = ""  # why its last load failed, shown as the index's reason
     failed_at: float = 0.0
@@ -131,6 +154,7 @@ class ModelRepository:
     loads_running: int = 0
     reserved: int = 0  # bytes reckoned for the loads running now
     scan_error: str = ""
+    _waiting: list = field(default_factory=list)  # (entry, future) of loads waiting for a slot (_load_slot)
     _sweeper: asyncio.Task | None = None
 
     def __post_init__(self) -> None:
@@ -224,7 +248,7 @@ class ModelRepository:
         self._start_sweeper()
         entry = self.entries.get(name)
         if entry is not None and entry.engine is not None:
-            entry.last_used = time.monotonic()
+            entry.used()
             return
         if not self.knows(name):
             return
@@ -232,7 +256,7 @@ class ModelRepository:
         while True:  # a model evicted between its load and this request's turn is loaded again
             entry = self.entries[name]
             if entry.engine is not None:
-                entry.last_used = time.monotonic()
+                entry.used()
                 return
             if entry.loading is None:
                 entry.loading = asyncio.ensure_future(self._load(entry))
@@ -278,16 +302,13 @@ class ModelRepository:
                 self._stamp(entry) == entry.failed_stamp:
             raise ModelUnavailable(f"model {name!r} could not be loaded: {entry.failed}", retry_after_s=int(
                 RETRY_FAILED_S))
-        if self.loads_running >= self.max_concurrent_loads:
-            raise ModelsBusy(f"{self.loads_running} model loads are running on this replica, the limit "
-                             f"(max_concurrent_loads): retry shortly", retry_after_s=1)
-        self.loads_running += 1
+        await self._load_slot(entry)
         reckoned = 0
         metrics = service_metrics()
         started = time.perf_counter()
         try:
             reckoned = entry.bytes or await asyncio.to_thread(graph_bytes, entry.path)
-            self._make_room(reckoned, name)
+            self._make_room(reckoned, entry)
             self.reserved += reckoned
             try:
                 before = resident_bytes()
@@ -306,13 +327,14 @@ class ModelRepository:
                 from None
         finally:
             self.loads_running -= 1
+            self._hand_on_slot()
         # never below its graphs' bytes: memory freed by an earlier unload and reused by this load is not in the
         # difference, and with several loads at once each one's difference holds the others'
         entry.bytes = max(measured, reckoned, 1 << 20)
         entry.failed = ""
         entry.loads += 1
         entry.engine = engine
-        entry.last_used = time.monotonic()
+        entry.last_used = time.monotonic()  # its first use is the request that waited for it (above)
         self.engines.add(engine)
         self._trim(keep=entry)  # its first load was reckoned at its files' size: what it measured may need more
         seconds = time.perf_counter() - started
@@ -320,6 +342,46 @@ class ModelRepository:
         metrics.model_load_seconds.observe(seconds, tags={"model": name})
         logger.info("model %s loaded on demand in %.2f s, %.1f MiB (budget %.1f of %.1f MiB in use)", name, seconds,
                     entry.bytes / 2**20, self.used_bytes() / 2**20, self.budget_bytes / 2**20)
+
+    async def _load_slot(self, entry: Entry) -> None:
+        """One of the replica's max_concurrent_loads slots for `entry`'s load: at once when one is free, else after
+        waiting (at most LOAD_WAIT_S, MAX_WAITING_LOADS loads at a time) while the slots go to the waiting models
+        used most lately first: a hot model evicted on this replica is loaded again ahead of a flood of cold ones.
+        Past either bound, 503 with Retry-After."""
+        if self.loads_running < self.max_concurrent_loads and not self._waiting:
+            self.loads_running += 1
+            return
+        if len(self._waiting) >= MAX_WAITING_LOADS:
+            now = time.monotonic()
+            coldest = min(self._waiting, key=lambda w: w[0].uses_at(now), default=None)
+            if coldest is None or coldest[0].uses_at(now) >= entry.uses_at(now):
+                raise ModelsBusy(f"{self.loads_running} model loads are running on this replica and "
+                                 f"{len(self._waiting)} waiting (max_concurrent_loads): retry shortly", retry_after_s=1)
+            self._waiting.remove(coldest)  # a hotter model takes the coldest waiter's place
+            coldest[1].set_exception(ModelsBusy(f"model {coldest[0].name!r}: loads of models used more lately came "
+                                                "first on this replica (max_concurrent_loads): retry shortly",
+                                                retry_after_s=1))
+        turn: asyncio.Future = asyncio.get_running_loop().create_future()
+        waiter = (entry, turn)
+        self._waiting.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), LOAD_WAIT_S)
+        except asyncio.TimeoutError:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+                raise ModelsBusy(f"model {entry.name!r} waited {LOAD_WAIT_S:.0f} s for one of this replica's "
+                                 f"{self.max_concurrent_loads} load slots (max_concurrent_loads): retry shortly",
+                                 retry_after_s=1) from None
+            await turn  # handed a slot as the wait ended: take it
+
+    def _hand_on_slot(self) -> None:
+        """A load ended: its slot to the waiting model used most lately."""
+        if self._waiting and self.loads_running < self.max_concurrent_loads:
+            now = time.monotonic()
+            waiter = max(self._waiting, key=lambda w: w[0].uses_at(now))
+            self._waiting.remove(waiter)
+            self.loads_running += 1
+            waiter[1].set_result(None)
 
     @staticmethod
     def _loaded(entry: Entry, future: asyncio.Future) -> None:
@@ -339,29 +401,43 @@ class ModelRepository:
         except OSError:
             return 0.0
 
-    def _make_room(self, needed: int, for_name: str) -> None:
-        """Unload idle on-demand models, least recently used first, until `needed` bytes fit the budget;
-        503 when the models in use leave no room (never more than the budget loaded)."""
+    def _make_room(self, needed: int, entry: Entry) -> None:
+        """Unload idle on-demand models, least used lately first (victim_order), until `needed` bytes for `entry` fit
+        the budget; 503 when they cannot, and then nothing is unloaded: the models in use hold the room, or those
+        that would have to go are used more lately than `entry` (HOTTER_BY times its decayed count of requests, the
+        one it is loaded for included), so that a flood of cold models never unloads a hot one."""
+        name = entry.name
         if needed > self.budget_bytes:
-            raise ModelsBusy(f"model {for_name!r} needs about {needed / 2**20:.0f} MiB, more than this replica's whole "
+            raise ModelsBusy(f"model {name!r} needs about {needed / 2**20:.0f} MiB, more than this replica's whole "
                              f"model budget ({self.budget_bytes / 2**20:.0f} MiB, model_memory_bytes)",
                              retry_after_s=30)
-        idle = sorted((e for e in self.entries.values() if not e.eager and e.idle()), key=lambda e: e.last_used)
-        while self.used_bytes() + needed > self.budget_bytes:
-            if not idle:
-                raise ModelsBusy(f"model {for_name!r} needs about {needed / 2**20:.0f} MiB and the models in use on "
-                                 f"this replica hold {self.used_bytes() / 2**20:.0f} of its "
-                                 f"{self.budget_bytes / 2**20:.0f} MiB (model_memory_bytes): retry shortly",
-                                 retry_after_s=1)
-            self._unload(idle.pop(0), "memory")
+        now = time.monotonic()
+        wanted = HOTTER_BY * (entry.uses_at(now) + 1.0)
+        victims, freed, over = [], 0, self.used_bytes() + needed - self.budget_bytes
+        for e in sorted((e for e in self.entries.values() if not e.eager and e.idle()),
+                        key=lambda e: e.victim_order(now)):
+            if freed >= over or e.uses_at(now) > wanted:
+                break
+            victims.append(e)
+            freed += e.bytes
+        if freed < over:
+            raise ModelsBusy(f"model {name!r} needs about {needed / 2**20:.0f} MiB; this replica's "
+                             f"{self.budget_bytes / 2**20:.0f} MiB (model_memory_bytes) hold models in use or used more "
+                             "lately: retry shortly", retry_after_s=1)
+        for e in victims:
+            self._unload(e, "memory")
 
     def _trim(self, keep: Entry) -> None:
-        """Unload idle on-demand models but `keep` (just loaded, for a request waiting on it), least recently used
-        first, while more than the budget is loaded."""
-        idle = sorted((e for e in self.entries.values() if not e.eager and e.idle() and e is not keep),
-                      key=lambda e: e.last_used)
-        while self.used_bytes() > self.budget_bytes and idle:
-            self._unload(idle.pop(0), "memory")
+        """Unload idle on-demand models but `keep` (just loaded, for a request waiting on it), least used lately
+        first and none used more lately than it (as _make_room), while more than the budget is loaded: its first
+        load was reckoned at its files' size, and it may measure more."""
+        now = time.monotonic()
+        wanted = HOTTER_BY * (keep.uses_at(now) + 1.0)
+        for e in sorted((e for e in self.entries.values() if not e.eager and e.idle() and e is not keep),
+                        key=lambda e: e.victim_order(now)):
+            if self.used_bytes() <= self.budget_bytes or e.uses_at(now) > wanted:
+                break
+            self._unload(e, "memory")
 
     def _unload(self, entry: Entry, reason: str) -> None:
         engine = entry.engine
