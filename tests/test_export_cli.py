@@ -244,3 +244,50 @@ def test_a_bundle_directory_from_before_versions_is_replaced_by_the_link(tmp_pat
     assert out.is_symlink() and (out / "bundle.json").read_text() == "new"
     kept = [p for p in tmp_path.glob(".bundle.v*") if p.name != os.readlink(out)]
     assert len(kept) == 1 and (kept[0] / "bundle.json").read_text() == "old"  # the previous version stays
+
+
+def hub_cache_entry(cache: Path, repo_id: str, checkpoint: Path, commit: str = "0123456789abcdef0123456789abcdef01234567"):
+    """`checkpoint`'s files as the Hugging Face cache holds a downloaded snapshot: blobs named by their hash,
+    snapshots/<commit>/ of links to them, refs/main naming the commit (what `hf download` leaves)."""
+    import hashlib
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for f in checkpoint.rglob("*"):
+        if f.is_file():
+            blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+            blob.write_bytes(f.read_bytes())
+            link = repo / "snapshots" / commit / f.relative_to(checkpoint)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, link.parent))
+    return commit
+
+
+def test_a_hugging_face_model_id_is_exported_from_the_local_cache_and_never_downloaded(tmp_path):
+    """`--checkpoint org/name` (TEI's and vLLM's `--model-id`) reads the snapshot in HF_HOME's cache, pinned by
+    `--revision`; an id not in the cache is refused in one line naming the cache, with the network off."""
+    from huggingface_hub import scan_cache_dir
+
+    from tests.families import make_checkpoint
+
+    checkpoint = make_checkpoint("bert", tmp_path / "ckpt", pooling="mean", normalize=True)
+    home = tmp_path / "hf"
+    commit = hub_cache_entry(home / "hub", "acme/tiny-bert", checkpoint)
+    cached = scan_cache_dir(home / "hub")  # huggingface_hub reads it as its own
+    assert [r.repo_id for r in cached.repos] == ["acme/tiny-bert"] and not cached.warnings
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    for revision, out in ((None, tmp_path / "by-ref"), (commit, tmp_path / "by-commit")):
+        args = [sys.executable, "-m", "export", "--checkpoint", "acme/tiny-bert", "--out", str(out), "--lossy", ""]
+        done = subprocess.run(args + (["--revision", revision] if revision else []), env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        bundle = load_bundle(out)
+        assert bundle.manifest.model.name == "tiny-bert" and bundle.manifest.parity.passed
+    missing = subprocess.run([sys.executable, "-m", "export", "--checkpoint", "acme/not-cached", "--out",
+                              str(tmp_path / "none")], env=env, capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and not (tmp_path / "none").exists()
+    line = missing.stderr.strip().splitlines()[-1]
+    assert "acme/not-cached" in line and str(home / "hub") in line and "nothing is downloaded" in line, missing.stderr
