@@ -171,6 +171,8 @@ def test_a_corrupt_bundle_is_refused_by_its_hashes_and_the_others_are_unaffected
 
 
 def test_bundles_added_and_removed_while_serving_and_idle_models_unload(repository_sources, tmp_path):
+    from service.engine.errors import NotFound
+
     directory = repository_of(repository_sources, tmp_path / "models", NAMES[:2])
     engines, repo = in_process(directory, idle_unload_s=0.5)
     assert repo.available() == NAMES[:2]
@@ -178,15 +180,21 @@ def test_bundles_added_and_removed_while_serving_and_idle_models_unload(reposito
     time.sleep(MISS_SCAN_PERIOD_S)  # first request once the last listing is this old (a flood of misses lists it 5x a second)
     asyncio.run(repo.ensure(NAMES[2], 60))
     assert NAMES[2] in engines.names
-    # removed from the directory while a request holds it: served until it is done, then unloaded
-    engines.get(NAMES[2]).leases += 1
+    # removed from the directory while a request holds it: no new request reaches it (404), the one in flight
+    # finishes on it, then it is unloaded
+    held = engines.get(NAMES[2])
+    held.leases += 1
     shutil.rmtree(directory / NAMES[2])
     repo.scan(force=True)
     repo.sweep()
-    assert NAMES[2] in engines.names and NAMES[2] not in repo.available()
-    engines.get(NAMES[2]).leases -= 1
+    assert NAMES[2] not in engines.names and NAMES[2] not in repo.available()
+    assert repo.entries[NAMES[2]].engine is held  # still loaded for the request in flight
+    with pytest.raises(NotFound):
+        asyncio.run(repo.ensure(NAMES[2], 60))
+        engines.get(NAMES[2])
+    held.leases -= 1
     repo.sweep()
-    assert NAMES[2] not in engines.names and NAMES[2] not in repo.entries
+    assert NAMES[2] not in repo.entries
     # idle for idle_unload_s: unloaded; the default (loaded by configuration) stays
     asyncio.run(repo.ensure(NAMES[1], 60))
     unloaded = weakref.ref(engines.get(NAMES[1]))

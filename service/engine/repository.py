@@ -185,14 +185,18 @@ class ModelRepository:
             entry = self.entries.get(name)
             if entry is None:
                 self.entries[name] = Entry(name, path)
-            elif entry.removed:
+            elif entry.removed:  # copied back before its unload: served again
                 entry.removed = False
+                if entry.engine is not None and name not in self.engines.by_name:
+                    self.engines.add(entry.engine)
         for name, entry in list(self.entries.items()):
-            if not entry.eager and name not in found:
+            if not entry.eager and name not in found and not entry.removed:
                 if entry.engine is None and entry.loading is None:
                     del self.entries[name]
-                else:
+                else:  # no new request reaches it (404); those in flight finish on it, then the sweeper unloads it
                     entry.removed = True
+                    if self.engines.by_name.get(name) is entry.engine:
+                        self.engines.remove(name)
 
     def available(self) -> list[str]:
         self.scan()
@@ -247,14 +251,16 @@ class ModelRepository:
         `timeout_s`; any other name is left to the model table, which answers 404 naming the served ones."""
         self._start_sweeper()
         entry = self.entries.get(name)
-        if entry is not None and entry.engine is not None:
+        if entry is not None and entry.engine is not None and not entry.removed:
             entry.used()
             return
         if not self.knows(name):
             return
         deadline = time.monotonic() + timeout_s
         while True:  # a model evicted between its load and this request's turn is loaded again
-            entry = self.entries[name]
+            entry = self.entries.get(name)
+            if entry is None or entry.removed:  # removed from the directory meanwhile: the table answers 404
+                return
             if entry.engine is not None:
                 entry.used()
                 return
@@ -335,7 +341,8 @@ class ModelRepository:
         entry.loads += 1
         entry.engine = engine
         entry.last_used = time.monotonic()  # its first use is the request that waited for it (above)
-        self.engines.add(engine)
+        if not entry.removed:  # (removed while it loaded: the sweeper unloads it)
+            self.engines.add(engine)
         self._trim(keep=entry)  # its first load was reckoned at its files' size: what it measured may need more
         seconds = time.perf_counter() - started
         metrics.model_loads.inc(tags={"model": name, "outcome": "loaded"})
@@ -444,7 +451,8 @@ class ModelRepository:
         if engine is None:
             return
         entry.engine = None
-        self.engines.remove(engine.name)
+        if self.engines.by_name.get(engine.name) is engine:  # (a removed model has left the table already)
+            self.engines.remove(engine.name)
         engine.batcher.close()
         self._pending_unload.discard(entry.name)
         service_metrics().model_evictions.inc(tags={"model": entry.name, "reason": reason})
