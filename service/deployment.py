@@ -95,12 +95,21 @@ class Encoder(grpc_methods()):
         repository = self.svc.repository
         reported: set[str] = set()  # on-demand models whose bytes the gauge showed last time
 
+        infos: dict[str, dict] = {}  # the model_info tags set last time, by model: an unloaded one is set to 0
+
         def refresh() -> None:  # Ray drops gauges that are not set again
+            served = {}
             for m in self.engines:  # (a copy: the repository adds and removes models meanwhile)
-                metrics.model_info.set(1, tags={"model": m.name, "task": m.model.task, "bundle_sha256": m.sha256,
-                                                "provider": m.runtime.provider, "runtime": m.runtime.runtime,
-                                                "precision": m.runtime.precision, "gpu_ids": gpu_ids})
+                served[m.name] = {"model": m.name, "task": m.model.task, "bundle_sha256": m.sha256,
+                                  "provider": m.runtime.provider, "runtime": m.runtime.runtime,
+                                  "precision": m.runtime.precision, "gpu_ids": gpu_ids}
                 metrics.batch_queue.set(m.batcher.queued, tags={"model": m.name})
+            for name in infos.keys() - served.keys():
+                metrics.model_info.set(0, tags=infos[name])
+            for tags in served.values():
+                metrics.model_info.set(1, tags=tags)
+            infos.clear()
+            infos.update(served)
             metrics.in_flight.set(Gate.in_flight)
             if repository is not None:
                 loaded = repository.loaded_bytes()
