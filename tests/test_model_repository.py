@@ -431,3 +431,44 @@ def test_a_flood_naming_every_model_is_bounded_and_the_hot_model_keeps_serving(r
            {f"flood {k}": v for k, v in flood_statuses.items()} | {f"hot {k}": v for k, v in hot_statuses.items()},
            note="loads bounded by the budget and one load at a time per replica (503 + Retry-After); the hot "
            "model never evicted")
+
+
+def test_with_min_replicas_0_the_repository_scales_to_no_replica_and_the_first_request_starts_one(
+        ray_serve, repository_sources, tmp_path):
+    """Ray Serve's autoscaling with min_replicas 0: idle, the deployment goes to no replica; the first request
+    after that waits while one starts (the default model loaded, then its own), and is answered."""
+    from ray import serve
+
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:2])
+    url = ray_serve.url + "/to-zero"
+    from service.app import build_app
+    from service.config import ServiceSettings
+
+    # serve.run, not deploy(): with no replica at first, the ingress's first answer waits for one to start
+    serve.run(build_app(ServiceSettings(models_dir=directory, num_cpus=0.5, autoscaling={
+        "min_replicas": 0, "max_replicas": 1, "upscale_delay_s": 0, "downscale_delay_s": 2,
+        "target_ongoing_requests": 1})), name="to-zero", route_prefix="/to-zero",
+        logging_config={"enable_access_log": False})
+    try:
+        assert httpx.get(f"{url}/v2/health/live", timeout=120).status_code == 200
+        def replicas() -> int:
+            app = serve.status().applications["to-zero"]
+            return sum(app.deployments["Encoder"].replica_states.values()) if app.deployments else 0
+
+        deadline = time.monotonic() + 90
+        while replicas() > 0:
+            assert time.monotonic() < deadline, "the deployment did not scale to zero replicas"
+            time.sleep(1)
+        started = time.perf_counter()
+        r = httpx.post(f"{url}/v1/embeddings", json={"model": NAMES[1], "input": TEXTS}, timeout=120)
+        cold = time.perf_counter() - started
+        assert r.status_code == 200, r.text
+        warm_started = time.perf_counter()
+        assert httpx.post(f"{url}/v1/embeddings", json={"model": NAMES[1], "input": TEXTS}, timeout=60).status_code == 200
+        warm = time.perf_counter() - warm_started
+        record("scale to zero and back", "min_replicas 0: idle until no replica runs, then one request naming an "
+               "on-demand model", {"200": 2}, note=f"the first request {cold:.1f} s (a replica started, the default "
+               f"and the named model loaded), the next {warm * 1000:.0f} ms")
+        print(f"cold start {cold:.2f} s, warm {warm * 1000:.0f} ms")
+    finally:
+        serve.delete("to-zero")
