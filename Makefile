@@ -25,7 +25,7 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install reference-envs run test export bundle bench bench-representations bench-families bench-int8 bench-request-path embed bench-jobs profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
+.PHONY: help install reference-envs run test export bundle bench bench-representations bench-families bench-int8 bench-request-path bench-models embed bench-jobs profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
@@ -34,6 +34,7 @@ help:
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes docs/performance.md and the README's headline"
 	@echo "make bench-representations  issue 48's rows alone: BGE-M3's three outputs in one pass vs three and vs FlagEmbedding, SPLADE vs SparseEncoder (REPRESENTATIONS_ARGS=...)"
 	@echo "make bench-families  MPNet, ModernBERT and Qwen3 shapes at real sizes: the service at its default precision and fp32 vs sentence-transformers fp32 and bf16 (PEERS=infinity: and infinity-emb at both), the engine alone, the physical bound (BENCH_ARGS=--tiny: a smoke run)"
+	@echo "make bench-models     a model repository under a Zipf rotation over 8 MiniLM-sized models; docs/models.md"
 	@echo "make bench-request-path  the request path's CPU side with the model replaced by a stand-in (0 ms, H100-like), 1 and 2 replicas, beside Ray Serve's echo, the real model and the engine alone; docs/performance.md (REQUEST_PATH_ARGS=--smoke; PEERS=infinity: the peer's request path beside it)"
 	@echo "make bench-int8  every int8 method (dynamic, static onnxruntime, NNCF) vs the 0.999 floor, and its speed vs fp32 and bf16"
 	@echo "make embed  embed every row of INPUT (Parquet, JSONL, CSV) into Parquet shards in OUTPUT, on Ray Data; run again to resume (EMBED_ARGS=...; docs/jobs.md)"
@@ -105,6 +106,12 @@ embed: bundle
 JOB_TEXTS ?= 100000
 bench-jobs: bundle
 	$(BIN)/python -m benchmarks.jobs --bundle $(BUNDLE) --texts $(JOB_TEXTS) $(BENCH_JOBS_ARGS)
+
+# a model repository under a Zipf rotation (docs/models.md): the hot model's p99 against one model alone, a cold
+# load's added latency, loads per 1,000 requests, the replica's memory against the budget (BENCH_MODELS_ARGS)
+BENCH_MODELS_ARGS ?=
+bench-models: bundle
+	$(BIN)/python -m benchmarks.model_repository --bundle $(BUNDLE) $(BENCH_MODELS_ARGS)
 
 # MPNet, ModernBERT and Qwen3 shapes at their real sizes (random weights): the service against
 # sentence-transformers (and infinity-emb with PEERS=infinity); rows into docs/performance.md
