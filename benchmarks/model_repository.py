@@ -6,8 +6,8 @@ as a user starts it. In one run:
   - one model alone: single-text requests at `--clients` clients for `--seconds`, its p50 and p99;
   - a Zipf rotation (exponent `--zipf`) over all of them, the same clients and time: the hot model's p99
     against the same traffic on one model, loads per 1,000 requests, failures;
-  - a cold load's added latency: a model unloaded through the repository API, then one request (the load and
-    its answer) against the next (an answer alone), `--cold` times, p50;
+  - a cold load's added latency: every model unloaded through the repository API, then one request (the load
+    and its answer) against the next (an answer alone), `--cold` times, p50;
   - the replica's resident memory at its most during the rotation against its memory with only the default
     model loaded (the fixed overhead) plus the budget.
 """
@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         with httpx.Client(timeout=120) as c:
             for k in range(args.cold):
                 name = names[-1 - (k % 2)]  # two cold models in turn
-                c.post(f"{url}/v2/repository/models/{name}/unload")
+                for other in names:  # an empty budget: a cold model is never loaded in place of hotter ones
+                    c.post(f"{url}/v2/repository/models/{other}/unload")
                 time.sleep(0.3)
                 started = time.perf_counter()
                 assert c.post(f"{url}/v1/embeddings", json={"model": name, "input": texts[k]}).status_code == 200

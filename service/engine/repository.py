@@ -122,6 +122,7 @@ class Entry:
     failed_stamp: float = 0.0  # its manifest's mtime when it failed: a new copy is tried at once
     removed: bool = False  # its directory is gone: unloaded once idle
     loads: int = 0  # times it was loaded on this replica
+    waiters: int = 0  # requests waiting on its load: once it ends, it is theirs before any other load's room
     manifest: BundleManifest | None = None  # read (not verified) to describe it before it loads
     manifest_stamp: float = -1.0
 
@@ -134,9 +135,10 @@ class Entry:
         return UNAVAILABLE
 
     def idle(self) -> bool:
+        """Loaded, and nothing needs it: no call holds it, none waits to (its load just ended), nothing queued."""
         e = self.engine
-        return e is not None and e.leases == 0 and e.batcher.queued == 0 and e.batcher.held == 0 \
-            and e.runner.running == 0
+        return e is not None and self.waiters == 0 and e.leases == 0 and e.batcher.queued == 0 \
+            and e.batcher.held == 0 and e.runner.running == 0
 
 
 @dataclass
@@ -271,11 +273,17 @@ class ModelRepository:
             if left <= 0:
                 raise Timeout(f"model {name!r} is still loading on this replica; the request's deadline passed",
                               retry_after_s=1)
+            # counted as waiting until this request resumes and takes its lease (no await between the two): a load
+            # that ended is not unloaded for another before its requests have it (measured: two cold models
+            # unloaded each other's fresh load, one request served for every load)
+            entry.waiters += 1
             try:
                 await asyncio.wait_for(asyncio.shield(entry.loading), left)
             except asyncio.TimeoutError:
                 raise Timeout(f"model {name!r} did not load within the request's deadline ({timeout_s:.1f} s); it "
                               "goes on loading: retry shortly", retry_after_s=1) from None
+            finally:
+                entry.waiters -= 1
 
     async def load(self, name: str, timeout_s: float) -> None:
         """The repository API's load: `name` loaded here (404 when it is not in the repository)."""
