@@ -157,6 +157,7 @@ class ModelRepository:
     reserved: int = 0  # bytes reckoned for the loads running now
     scan_error: str = ""
     _waiting: list = field(default_factory=list)  # (entry, future) of loads waiting for a slot (_load_slot)
+    _pending_unload: set[str] = field(default_factory=set)  # asked to unload while in use: the sweeper's, once idle
     _sweeper: asyncio.Task | None = None
 
     def __post_init__(self) -> None:
@@ -471,8 +472,6 @@ class ModelRepository:
             del self.entries[entry.name]
 
     # ---- the sweeper: idle, removed and asked-to-unload models, once idle ----
-
-    _pending_unload: set[str] = field(default_factory=set)
 
     def _start_sweeper(self) -> None:
         if self._sweeper is None or self._sweeper.done():

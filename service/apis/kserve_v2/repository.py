@@ -25,7 +25,6 @@ def index(svc: EncoderService, ready_only: bool = False) -> list[dict]:
 
 async def load(svc: EncoderService, name: str, call: Call) -> None:
     """The model loaded on this replica within the call's deadline (404 when no such model)."""
-    call.model = name if len(name) <= 128 else ""
     if svc.repository is None:
         svc.engines.get(name)  # a served model is loaded already; any other is a 404 naming them
         return
