@@ -29,8 +29,9 @@ INGRESS_ENV: dict[str, dict[str, str]] = {
         # answered is safe to send again: HAProxy then retries it elsewhere (Ray's default retries
         # only requests that never reached a replica, and the client would see a dropped connection).
         # Not 503: a request past its deadline is answered 503 too, and a retry would run it again
-        # with a fresh deadline. HAProxy balances by requests in flight (leastconn), so the replica
-        # it picks is the least loaded it knows of; a refusal from it means all are full.
+        # with a fresh deadline. HAProxy balances requests naming no model by requests in flight
+        # (leastconn), so the replica it picks is the least loaded it knows of; a refusal from it means
+        # all are full. Those naming a model go to a replica holding it (service/bin/haproxy, point 3).
         "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response junk-response",
         # Sent again at most 5 times (HAProxy's default is 3), each time to another replica where there
         # is one (option redispatch 1). The work itself runs again once per replica lost; the other

@@ -39,6 +39,7 @@ from service.grpc import serve_hooks
 from service.grpc.servicer import grpc_methods
 from service.http.server import app, configure
 from service.hosting.listeners import bind_grpc_ingress_to_node_address, bind_replica_grpc_to_node_address
+from service.hosting.model_routing import tell_serve_models_held
 from service.observability.metrics import node_metrics_url, refresh_periodically, service_metrics
 from service.runtimes import RuntimeLoader
 from service.runtimes.cuda import ray_gpu_assignment
@@ -71,7 +72,7 @@ class Encoder(grpc_methods()):
             self.svc.repository = self.engines.repository = ModelRepository(
                 settings.models_dir, self.engines, lambda ref: load_engine(ref, settings, self.gpu, runtime_loader),
                 settings.model_memory_bytes or default_model_budget(settings.num_cpus), settings.max_concurrent_loads,
-                settings.idle_unload_s)
+                settings.idle_unload_s, on_held=tell_serve_models_held(serve.get_replica_context().replica_id))
         Gate.configure(settings)
         configure(settings)
         if Gate.token is None:

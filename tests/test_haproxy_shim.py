@@ -6,6 +6,8 @@ with a line that says what it looked for; every request is buffered, so that HAP
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
 import subprocess
 import sys
@@ -120,13 +122,17 @@ def test_a_bind_line_it_must_rewrite_is_missing_and_nothing_starts(tmp_path, sec
 
 def test_every_request_is_buffered_once_however_often_ray_starts_it(tmp_path):
     """`option http-buffer-request` in `defaults`, once, also when HAProxy is started again on the
-    same file: HAProxy's L7 retries replay only a request it held whole when it sent it."""
-    config, _ = ray_config(tmp_path, "127.0.0.1")
+    same file: HAProxy's L7 retries replay only a request it held whole when it sent it. The routing by
+    model (a by-model copy of the app's backend, the frontend's rules) is written once too."""
+    config, _ = app_config(tmp_path, [free_port(), free_port()])
     for _ in range(2):
         result = shim("-c", "-f", str(config))
         assert result.returncode == 0, result.stderr
     text = config.read_text()
     assert text.count("option http-buffer-request") == 1, text
+    assert text.count("balance hash var(txn.encoder_model)") == 1 == text.count("hash-balance-factor"), text
+    assert text.count("\nbackend http-test-by-model\n") == 1 == text.count("use_backend http-test-by-model"), text
+    assert text.count("txn.encoder_model) path,field(4,/)") == 1, text
     defaults = text.split("\ndefaults\n", 1)[1].split("\nfrontend ", 1)[0]
     assert "option http-buffer-request" in defaults and "option redispatch 1" in defaults, defaults
 
@@ -152,13 +158,13 @@ class Replica:
     says: "answer" 200, "vanish" (closes the connection without a byte, as a replica killed with the
     request in flight), "half" (sends an answer's headers, then closes: as a replica killed between an
     answer's headers and its body) or "busy" (503, as a replica whose queue is full or whose deadline
-    passed)."""
+    passed). An answer, after `delay` seconds, names the replica."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, name: str = "answer", delay: float = 0.0) -> None:
         import http.server
         import threading
 
-        self.mode, self.posts = mode, 0
+        self.mode, self.posts, self.name, self.delay = mode, 0, name, delay
         replica = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -184,7 +190,9 @@ class Replica:
                     self.wfile.flush()
                     self.close_connection = True
                     return
-                status, body = (200, b'{"by": "answer"}') if replica.mode == "answer" else (503, b'{"error": {}}')
+                time.sleep(replica.delay)
+                status, body = ((200, json.dumps({"by": replica.name}).encode()) if replica.mode == "answer"
+                                else (503, b'{"error": {}}'))
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -212,9 +220,9 @@ def post_in_two_packets(port: int, body: bytes) -> int:
         conn.close()
 
 
-def haproxy_with(tmp_path: Path, replicas: list[Replica]):
-    """HAProxy through the shim on Ray's config for one application served by `replicas`, with the
-    retry policy the service sets (service/config.py); yields (http port, metrics port)."""
+def app_config(tmp_path: Path, replica_ports: list[int]) -> tuple[Path, dict[str, int]]:
+    """The config Ray Serve 2.60's HAProxyApi writes for one application ("test", backend http-test) served
+    by replicas on `replica_ports`, with the retry policy the service sets (service/config.py)."""
     from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
     from ray.serve.config import HTTPOptions
 
@@ -226,9 +234,16 @@ def haproxy_with(tmp_path: Path, replicas: list[Replica]):
                         server_state_base=str(tmp_path), server_state_file=str(tmp_path / "state"),
                         metrics_enabled=False, retry_on=INGRESS_ENV["haproxy"]["RAY_SERVE_HAPROXY_RETRY_ON"])
     backend = BackendConfig(name="http-test", path_prefix="/", app_name="test",
-                            servers=[ServerConfig(f"replica{i}", "127.0.0.1", r.port) for i, r in enumerate(replicas)])
+                            servers=[ServerConfig(f"replica{i}", "127.0.0.1", port) for i, port in enumerate(replica_ports)])
     config = tmp_path / "haproxy.cfg"
     HAProxyApi(cfg, backend_configs={"test": backend}, config_file_path=str(config))._generate_config_file_internal()
+    return config, ports
+
+
+def haproxy_with(tmp_path: Path, replicas: list[Replica]):
+    """HAProxy through the shim on Ray's config for one application served by `replicas`; yields (its
+    process, its ports)."""
+    config, ports = app_config(tmp_path, [r.port for r in replicas])
     proc = subprocess.Popen([str(HAPROXY_SHIM), "-db", "-f", str(config)], env={**os.environ, "ENCODER_HAPROXY_BINARY": HAPROXY},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -304,6 +319,45 @@ def test_an_answer_cut_after_its_headers_is_not_sent_again_and_the_client_sees_i
         assert half.posts >= 1 and outcomes.count("cut") == half.posts, (outcomes, half.posts)
         assert answering.posts == outcomes.count(200)  # never sent again
         assert retried(ports["metrics"]) == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_model_goes_to_one_replica_and_a_hot_one_spreads(tmp_path):
+    """Three replicas: each model's requests reach one replica, whether the body's `model` or v2's path
+    names it (so a cold model is loaded once, not on every replica that happens to take it); the
+    models are spread over the replicas; requests naming no model stay on Ray's backend, by requests in
+    flight; and a model with many requests in flight spreads to other replicas, none holding more than
+    1.5x the average of them."""
+    replicas = [Replica("answer", name=f"r{i}", delay=0.0) for i in range(3)]
+    proc, ports = haproxy_with(tmp_path, replicas)
+    url = f"http://127.0.0.1:{ports['http']}"
+
+    def by(path: str, body: dict) -> str:
+        response = httpx.post(url + path, json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()["by"]
+
+    try:
+        homes = {}
+        for model in (f"model-{i}" for i in range(12)):
+            answered = {by("/v1/embeddings", {"model": model, "input": "x"}) for _ in range(4)}
+            answered |= {by(f"/v2/models/{model}/infer", {"inputs": []}),
+                         by(f"/v2/models/{model}/versions/1/infer", {"inputs": []}),
+                         by(f"/v2/repository/models/{model}/load", {}),
+                         by("/rerank", {"query": "q", "texts": ["t"], "model": model})}
+            assert len(answered) == 1, (model, answered)
+            homes[model] = answered.pop()
+        assert len(set(homes.values())) == 3, homes  # 12 models over 3 replicas: each holds some
+        assert len({by("/v1/embeddings", {"input": "no model"}) for _ in range(6)}) >= 2
+
+        for replica in replicas:
+            replica.delay = 0.5
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            answered = list(pool.map(lambda _: by("/v1/embeddings", {"model": "model-0", "input": "x"}), range(12)))
+        counts = {name: answered.count(name) for name in set(answered)}
+        assert len(counts) >= 2 and max(counts.values()) <= 6, counts  # 1.5 x 12/3 in flight
     finally:
         proc.kill()
         proc.wait(timeout=10)

@@ -250,3 +250,47 @@ def test_serve_never_sees_a_header_it_cannot_decode_and_the_app_refuses_it_with_
         assert seen[-1] == []
     finally:
         access_logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("path, body, chunks, expected", [
+    ("/v1/embeddings", b'{"model": "minilm", "input": "x"}', 1, "minilm"),
+    ("/repository/v1/embeddings", b'{"input": "x", "model": "e5-small"}', 3, "e5-small"),  # in three messages
+    ("/v2/models/bert-0/infer", b'{"inputs": []}', 1, "bert-0"),
+    ("/repo/v2/repository/models/xlm-roberta-2/load", b"", 1, "xlm-roberta-2"),
+    ("/v1/embeddings", b'{"model": "../etc/passwd", "input": "x"}', 1, None),  # not a model name: left to the app
+    ("/v1/embeddings", b'{"model": ["a"], "input": "x"}', 1, None),
+    ("/v1/embeddings", b"[" * 10000 + b"]" * 10000, 1, None),  # nested past Python's stack
+    ("/v1/embeddings", b"not json", 1, None),
+    ("/v1/embeddings", b'{"model": "big", "input": "' + b"x" * 20000 + b'"}', 4, None),  # past the 16 KB read
+])
+def test_serves_proxy_routes_by_the_model_a_request_names_and_the_app_gets_the_body_untouched(path, body, chunks,
+                                                                                             expected):
+    """service/hosting/model_routing.py in Serve's proxy: the model named by v2's path or the JSON body becomes
+    Serve's multiplexed model id (a client's own such header replaced); what is not a model name, not JSON or
+    larger than the router reads sets nothing; the app downstream reads the same body, whole."""
+    from service.hosting.model_routing import MODEL_ID_HEADER, ModelIdFromRequest
+
+    seen: dict = {}
+
+    async def app(scope, receive, send) -> None:
+        got = b""
+        while True:
+            message = await receive()
+            got += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        seen["ids"] = [v.decode() for k, v in scope["headers"] if k == MODEL_ID_HEADER]
+        seen["body"] = got
+
+    size = max(1, -(-len(body) // chunks))
+    parts = [body[i:i + size] for i in range(0, len(body), size)] or [b""]
+    messages = [{"type": "http.request", "body": part, "more_body": i < len(parts) - 1} for i, part in enumerate(parts)]
+
+    async def receive() -> dict:
+        return messages.pop(0)
+
+    scope = {"type": "http", "method": "POST", "path": path,
+             "headers": [(b"content-length", str(len(body)).encode()), (b"serve-multiplexed-model-id", b"client-said")]}
+    asyncio.run(ModelIdFromRequest(app)(scope, receive, _send))
+    assert seen["body"] == body
+    assert seen["ids"] == ([expected] if expected else []), seen["ids"]

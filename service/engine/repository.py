@@ -46,6 +46,7 @@ USES_HALF_LIFE_S = 30.0
 # A model used more than this many times as lately as the one a load is for is not unloaded for it: that load is
 # refused (503, Retry-After) instead. Models used about as often (a rotation) make room for each other.
 HOTTER_BY = 2.0
+ROOM_POLL_S = 0.05  # how often a load held by models in use looks for room again (within LOAD_WAIT_S)
 LOAD_WAIT_S = 5.0  # the longest a load waits for a load slot (within the request's deadline) ...
 MAX_WAITING_LOADS = 8  # ... and how many wait at once on a replica; past either, 503 with Retry-After  # a bundle that failed to load is tried again after this long (or when its files change)
 GRAPH_SUFFIXES = (".onnx", ".onnx.data", ".xml", ".bin")
@@ -58,6 +59,7 @@ class ModelsBusy(ServiceError):
     """A load that cannot start now: the budget is held by models in use, or every load slot is taken (503)."""
 
     type = "overloaded"
+    in_use: bool = False  # the room is held by models with requests now: there a moment later
 
 
 class ModelUnavailable(ServiceError):
@@ -159,11 +161,16 @@ class ModelRepository:
     _waiting: list = field(default_factory=list)  # (entry, future) of loads waiting for a slot (_load_slot)
     _pending_unload: set[str] = field(default_factory=set)  # asked to unload while in use: the sweeper's, once idle
     _sweeper: asyncio.Task | None = None
+    # told the names of the models held or loading here each time they change: Ray Serve's routers then send a
+    # request naming one to a replica that holds it (service/hosting/model_routing.py); None: nobody to tell
+    on_held: Callable[[list[str]], None] | None = None
+    _told: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for engine in self.engines:  # the eager ones, loaded at start
             self.entries[engine.name] = Entry(engine.name, engine.path, eager=True, engine=engine)
         self.scan(force=True)
+        self._tell_held()
 
     # ---- what is available ----
 
@@ -200,6 +207,7 @@ class ModelRepository:
                     entry.removed = True
                     if self.engines.by_name.get(name) is entry.engine:
                         self.engines.remove(name)
+        self._tell_held()
 
     def available(self) -> list[str]:
         self.scan()
@@ -260,16 +268,19 @@ class ModelRepository:
         if not self.knows(name):
             return
         deadline = time.monotonic() + timeout_s
+        self.entries[name].used()  # counted as asked for, loaded or not: a model asked for again and again here
+        # (a hot one that spills over to this replica) outweighs the models used less, and gets its room
         while True:  # a model evicted between its load and this request's turn is loaded again
             entry = self.entries.get(name)
             if entry is None or entry.removed:  # removed from the directory meanwhile: the table answers 404
                 return
             if entry.engine is not None:
-                entry.used()
+                entry.last_used = time.monotonic()
                 return
             if entry.loading is None:
                 entry.loading = asyncio.ensure_future(self._load(entry))
                 entry.loading.add_done_callback(lambda f, e=entry: self._loaded(e, f))
+                self._tell_held()  # told while it loads: its next requests come here, not to a second load elsewhere
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Timeout(f"model {name!r} is still loading on this replica; the request's deadline passed",
@@ -323,7 +334,7 @@ class ModelRepository:
         started = time.perf_counter()
         try:
             reckoned = entry.bytes or await asyncio.to_thread(graph_bytes, entry.path)
-            self._make_room(reckoned, entry)
+            await self._room_for(reckoned, entry)
             self.reserved += reckoned
             try:
                 before = resident_bytes()
@@ -399,11 +410,11 @@ class ModelRepository:
             self.loads_running += 1
             waiter[1].set_result(None)
 
-    @staticmethod
-    def _loaded(entry: Entry, future: asyncio.Future) -> None:
+    def _loaded(self, entry: Entry, future: asyncio.Future) -> None:
         entry.loading = None
         if not future.cancelled():
             future.exception()  # seen here: a load whose waiters all timed out is not an unretrieved error
+        self._tell_held()
 
     def _load_blocking(self, entry: Entry) -> Engine:
         engine = self.loader(BundleRef(path=entry.path, name=entry.name))
@@ -416,6 +427,19 @@ class ModelRepository:
             return (entry.path / BUNDLE_MANIFEST).stat().st_mtime
         except OSError:
             return 0.0
+
+    async def _room_for(self, needed: int, entry: Entry) -> None:
+        """_make_room, waiting (at most LOAD_WAIT_S) while it is held by models in use that would make room once
+        idle: their requests take milliseconds. A model that landed on a replica busy with others (its request
+        spilled over from the one holding it) is loaded there a moment later, not refused."""
+        give_up = time.monotonic() + LOAD_WAIT_S
+        while True:
+            try:
+                return self._make_room(needed, entry)
+            except ModelsBusy as busy:
+                if not busy.in_use or time.monotonic() >= give_up:
+                    raise
+            await asyncio.sleep(ROOM_POLL_S)
 
     def _make_room(self, needed: int, entry: Entry) -> None:
         """Unload idle on-demand models, least used lately first (victim_order), until `needed` bytes for `entry` fit
@@ -437,9 +461,12 @@ class ModelRepository:
             victims.append(e)
             freed += e.bytes
         if freed < over:
-            raise ModelsBusy(f"model {name!r} needs about {needed / 2**20:.0f} MiB; this replica's "
-                             f"{self.budget_bytes / 2**20:.0f} MiB (model_memory_bytes) hold models in use or used more "
-                             "lately: retry shortly", retry_after_s=1)
+            busy = ModelsBusy(f"model {name!r} needs about {needed / 2**20:.0f} MiB; this replica's "
+                              f"{self.budget_bytes / 2**20:.0f} MiB (model_memory_bytes) hold models in use or used more "
+                              "lately: retry shortly", retry_after_s=1)
+            busy.in_use = freed + sum(e.bytes for e in self.entries.values() if e.engine is not None and not e.eager
+                                      and not e.idle() and e.uses_at(now) <= wanted) >= over
+            raise busy
         for e in victims:
             self._unload(e, "memory")
 
@@ -466,6 +493,7 @@ class ModelRepository:
         self._pending_unload.discard(entry.name)
         service_metrics().model_evictions.inc(tags={"model": entry.name, "reason": reason})
         logger.info("model %s unloaded (%s): %.1f MiB freed", entry.name, reason, entry.bytes / 2**20)
+        self._tell_held()
         del engine
         give_back_memory()
         if entry.removed:
@@ -497,6 +525,21 @@ class ModelRepository:
                 self._unload(entry, "unloaded")
             elif self.idle_unload_s > 0 and now - entry.last_used >= self.idle_unload_s:
                 self._unload(entry, "idle")
+
+    def held(self) -> list[str]:
+        """The models a request may find here without waiting for another replica's: loaded, or loading."""
+        return sorted(n for n, e in self.entries.items() if not e.removed and (e.engine is not None or e.loading))
+
+    def _tell_held(self) -> None:
+        if self.on_held is None:
+            return
+        held = tuple(self.held())
+        if held != self._told:
+            self._told = held
+            try:
+                self.on_held(list(held))
+            except Exception:  # routing falls back to any replica, which loads what it is asked for
+                logger.warning("could not tell Ray Serve which models this replica holds", exc_info=True)
 
     def loaded_bytes(self) -> dict[str, int]:
         """Each loaded on-demand model's measured bytes (the loaded-models gauges)."""
