@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--default-model", metavar="NAME", help="the repository's model loaded at start and used when a "
                    "request names none (with --models-dir and no --bundle)")
     p.add_argument("--model-memory-bytes", type=int, help="each replica's memory for on-demand models")
+    p.add_argument("--eager-model", metavar="NAME", action="append", dest="eager_models",
+                   help="a repository model loaded at start on every replica besides the default (repeat for more)")
     p.add_argument("--idle-unload-s", type=float, help="unload an on-demand model idle this long (0: never)")
     p.add_argument("--host", help="HTTP host (default from the config, else 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default from the config, else 8000)")
@@ -113,7 +115,7 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
         if not args.bundle:  # the repository's default model, not the config's
             for key in ("bundle", "model_name", "bundles"):
                 settings.pop(key, None)
-    for key in ("default_model", "model_memory_bytes", "idle_unload_s", "replicas", "num_cpus", "num_gpus", "intra_op_threads", "provider", "runtime", "precision",
+    for key in ("default_model", "eager_models", "model_memory_bytes", "idle_unload_s", "replicas", "num_cpus", "num_gpus", "intra_op_threads", "provider", "runtime", "precision",
                 "max_ongoing_requests", "max_queued_requests", "request_timeout_s"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)

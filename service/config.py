@@ -192,6 +192,9 @@ class ServiceSettings(BaseModel):
     default_model: str | None = Field(
         None, min_length=1, description="the repository's model loaded at start on every replica and used by routes "
         "whose `model` is left out; default: its first by name (only with models_dir and no bundle/bundles)")
+    eager_models: list[str] = Field(
+        default_factory=list, description="models of models_dir loaded at start on every replica (`load: eager`), "
+        "outside the memory budget and never unloaded, besides the default; the others load on demand")
     model_memory_bytes: int | None = Field(
         None, ge=1 << 20, description="each replica's memory for on-demand models (measured per model at its load); "
         "the idle one used least lately is unloaded to make room; null: half the node's memory times the "
@@ -414,6 +417,8 @@ class ServiceSettings(BaseModel):
         if not self.bundles and self.models_dir is not None and "bundle" not in self.model_fields_set:
             name = self.default_model or first_in_repository(self.models_dir)
             self.bundles = [BundleRef(path=self.models_dir / name, name=name)]
+        if self.eager_models and self.models_dir is None:
+            raise ValueError("eager_models names models of models_dir: give it with models_dir")
         if not self.bundles:
             self.bundles = [BundleRef(path=self.bundle, name=self.model_name)]
         else:
@@ -424,6 +429,13 @@ class ServiceSettings(BaseModel):
             ):
                 raise ValueError("give bundle (and model_name) for one model, or bundles for several, not both")
             self.bundle, self.model_name = first.path, first.name
+        for name in self.eager_models:  # after the default: (a dumped settings object lists them in bundles already)
+            if any(b.name == name for b in self.bundles):
+                continue
+            if not valid_model_name(name) or not (self.models_dir / name / "bundle.json").is_file():
+                raise ValueError(f"eager_models: {name!r} is not a model of models_dir {self.models_dir} (a subdirectory "
+                                 "of that name holding bundle.json)")
+            self.bundles.append(BundleRef(path=self.models_dir / name, name=name))
         names = [b.name for b in self.bundles if b.name]
         if len(set(names)) != len(names):
             raise ValueError(f"bundles: two bundles are served under one name ({names})")

@@ -421,6 +421,32 @@ def test_the_repository_is_served_with_no_bundle_named(repository_sources, tmp_p
     assert os.path.isdir(directory)
 
 
+def test_eager_models_load_at_start_and_stay(repository_sources, tmp_path):
+    """`eager_models` (`--eager-model`): loaded at start beside the default, outside the budget, never unloaded
+    for another model's room or on request; a name that is not in the directory is refused at start; the
+    settings validate again as they dump (a replica's copy)."""
+    from service.config import ServiceSettings
+    from service.engine.errors import BadRequest
+    from service.engine.repository import ModelsBusy
+
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:4])
+    engines, repo = in_process(directory, budget=1024, eager_models=[NAMES[2]])
+    assert sorted(engines.names) == sorted([NAMES[0], NAMES[2]]) and repo.used_bytes() == 0
+    with pytest.raises(BadRequest, match="loaded at start"):
+        repo.unload(NAMES[2])
+    with pytest.raises(ModelsBusy):  # a budget of 1 KiB fits no on-demand model, and the eager one stays
+        asyncio.run(repo.ensure(NAMES[1], 60))
+    assert NAMES[2] in engines.names
+    s = ServiceSettings(models_dir=directory, eager_models=[NAMES[3], NAMES[2]])
+    assert [b.name for b in s.bundles] == [NAMES[0], NAMES[3], NAMES[2]]
+    assert ServiceSettings.model_validate(s.model_dump()).bundles == s.bundles
+    for wrong in ("no-such-model", "../models"):
+        with pytest.raises(ValueError, match="is not a model of models_dir"):
+            ServiceSettings(models_dir=directory, eager_models=[wrong])
+    with pytest.raises(ValueError, match="give it with models_dir"):
+        ServiceSettings(bundle=directory / NAMES[0], eager_models=[NAMES[1]])
+
+
 def test_a_flood_naming_every_model_is_bounded_and_the_hot_model_keeps_serving(repository_app, metrics_url):
     """Four clients for 10 s, each request naming another cold model, beside a client of one hot model: the
     flood gets answers or 503s with Retry-After (loads bounded by the budget and max_concurrent_loads), never
@@ -428,7 +454,8 @@ def test_a_flood_naming_every_model_is_bounded_and_the_hot_model_keeps_serving(r
     loaded throughout, and its requests are answered. Those HAProxy spills over to the other replica while
     the flood's requests crowd its own (bounded load) may find that one's room held by the cold models it
     serves: a 503 with Retry-After, counted and bounded here (before requests were routed by model, each
-    replica served the hot model and none was refused; routed, 3-5 of 465-480 were, 2026-11-29)."""
+    replica served the hot model and none was refused; routed, 3-5 of 465-480 were until a request counted as a
+    use of its model where it was refused too, then 0 of 261, 2026-11-29)."""
     url, _, _ = repository_app
     hot, cold = NAMES[1], NAMES[2:]
     body = {"input": TEXTS}
