@@ -146,7 +146,8 @@ RELIABILITY_TESTS := tests/test_service_errors.py tests/test_cancellation.py tes
 	tests/test_service_cli.py tests/test_hostile_input.py tests/test_bad_artifacts.py tests/test_auth.py \
 	tests/test_models.py tests/test_multinode.py tests/test_soak.py tests/test_hostile_grpc.py tests/test_hostile_tei_cohere.py \
 	tests/test_hostile_headers.py tests/test_hostile_long_texts.py \
-	tests/test_batch_uploads.py tests/test_batch_runner.py tests/test_jobs_inputs.py tests/test_jobs_hostile.py
+	tests/test_batch_uploads.py tests/test_batch_runner.py tests/test_jobs_inputs.py tests/test_jobs_hostile.py \
+	tests/test_model_repository.py
 reliability: $(STAMP) prometheus
 	rm -f results/reliability.jsonl
 	RELIABILITY_LOG=results/reliability.jsonl $(BIN)/python -m pytest -q $(RELIABILITY_TESTS)

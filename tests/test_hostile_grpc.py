@@ -380,3 +380,42 @@ def test_a_representation_the_model_lacks_is_an_unknown_output(channel, output):
         infer_stub(channel)(request, metadata=(("application", "encoder"),), timeout=60)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"unknown output '{output}'" in refused.value.details() and "sentence_embedding" in refused.value.details()
+
+
+# ---- the KServe v2 repository extension over gRPC (issue 57) ----
+
+
+def repository_stub(channel, method: str):
+    from service.apis.kserve_v2.messages import METHODS
+
+    m = messages()
+    request_name, response_name = METHODS[method]
+    return (channel.unary_unary(method_path(method), request_serializer=getattr(m, request_name).SerializeToString,
+                                response_deserializer=getattr(m, response_name).FromString), getattr(m, request_name))
+
+
+@pytest.mark.parametrize("method", ["RepositoryModelLoad", "RepositoryModelUnload"])
+@pytest.mark.parametrize("name", ["m" * 9000, "../" * 3000, "", "no-such-model", "bad\x00name"])
+def test_repository_calls_naming_no_model_are_not_found_with_a_bounded_message(service_url, channel, method, name):
+    """Load and unload naming what is not a model (9,000 characters, `..` paths, empty, a NUL): NOT_FOUND with
+    details of bounded length, nothing loaded; the index still answers."""
+    stub, request = repository_stub(channel, method)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub(request(model_name=name), metadata=(("application", "encoder"),), timeout=60)
+    assert refused.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), refused.value
+    assert len(refused.value.details()) < 1000, refused.value.details()[:300]
+    index, request = repository_stub(channel, "RepositoryIndex")
+    assert [model.name for model in index(request(), metadata=(("application", "encoder"),), timeout=60).models]
+
+
+@pytest.mark.parametrize("method", ["RepositoryModelLoad", "RepositoryModelUnload"])
+def test_repository_load_and_unload_over_grpc_need_the_token(secured, channel, method):
+    """With authentication on, load and unload without the token are UNAUTHENTICATED (the index is open, as
+    the other metadata calls); with it, a load of the served model answers OK."""
+    stub, request = repository_stub(channel, method)
+    app = (("application", SECURED),)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub(request(model_name=MODEL), metadata=app, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+    if method == "RepositoryModelLoad":
+        stub(request(model_name=MODEL), metadata=app + (("authorization", f"Bearer {TOKEN}"),), timeout=60)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from service.engine.repository import MISS_SCAN_PERIOD_S
-from tests.conftest import deploy, exported_once, shared_dir
+from tests.conftest import deploy, exported_once, shared_dir, wait_until
 from tests.families import make_checkpoint
 from tests.metrics_scrape import poll, scrape, total
 from tests.reliability import record
@@ -558,3 +558,78 @@ def test_with_min_replicas_0_the_repository_scales_to_no_replica_and_the_first_r
         print(f"cold start {cold:.2f} s, warm {warm * 1000:.0f} ms")
     finally:
         serve.delete("to-zero")
+
+
+def read_chars(pid: int) -> int:
+    """Bytes a process has read so far, page cache included (/proc/PID/io's rchar)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no rchar in /proc/{pid}/io")
+
+
+def test_a_replica_killed_while_it_loads_a_model_costs_no_request(ray_serve, default_bundle, repository_sources,
+                                                                   tmp_path):
+    """Two replicas; a request names an on-demand model (all-MiniLM-L6-v2, a load of about 2 s: its 300 MB
+    hashed, its sessions built) and its replica is killed with SIGKILL while it reads the bundle. The load is
+    lost with the replica; the request is not: HAProxy sends it again to the other replica, which loads the
+    model and answers 200. Serve starts a replacement, and the model is served after it too."""
+    import signal
+
+    from ray import serve
+
+    from tests.conftest import haproxy_servers_up
+
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:1])
+    name = "minilm-on-demand"
+    os.symlink(default_bundle.resolve(), directory / name)
+    app, prefix = "killed-mid-load", "/killed-mid-load"
+    deploy({"models_dir": str(directory), "replicas": 2, "num_cpus": 0.5, "model_memory_bytes": 2 << 30,
+            "request_timeout_s": 120}, app, prefix, default_bundle)
+    url = ray_serve.url + prefix
+    try:
+        handle = serve.get_deployment_handle("Encoder", app)
+        pids: set[int] = set()
+        wait_until(lambda: pids.add(handle.info.remote().result(timeout_s=30)["pid"]) or len(pids) == 2,
+                   "both replicas' pids", timeout=60, interval=0.05)
+        before = {pid: read_chars(pid) for pid in pids}
+        outcome: dict = {}
+
+        def request() -> None:
+            started = time.monotonic()
+            try:
+                r = httpx.post(f"{url}/v1/embeddings", json={"model": name, "input": TEXTS}, timeout=180)
+                outcome.update(status=r.status_code, body=r.json(), seconds=time.monotonic() - started)
+            except httpx.HTTPError as exc:
+                outcome.update(status=repr(exc), seconds=time.monotonic() - started)
+
+        import threading
+
+        sent = threading.Thread(target=request)
+        sent.start()
+        # the replica reading the bundle (its hashes first) is the one loading it
+        loading = wait_until(lambda: next((p for p in pids if read_chars(p) - before[p] > 32 << 20), None),
+                             "a replica to start loading the model", timeout=60, interval=0.01)
+        os.kill(loading, signal.SIGKILL)
+        sent.join(timeout=200)
+        assert outcome.get("status") == 200, outcome
+        assert len(outcome["body"]["data"]) == 2 and len(outcome["body"]["data"][0]["embedding"]) == 384
+        # a replacement replica, then the model served again: both replicas up behind HAProxy
+
+        def replacement() -> int | None:
+            try:
+                pid = handle.info.remote().result(timeout_s=10)["pid"]
+            except Exception:  # noqa: BLE001 - no replica to answer yet
+                return None
+            return pid if pid not in pids else None
+
+        wait_until(replacement, "a replacement replica to answer", timeout=120, interval=0.2)
+        wait_until(lambda: haproxy_servers_up(f"http-{app}") == 2, "HAProxy to see 2 replicas up again", timeout=120)
+        again = httpx.post(f"{url}/v1/embeddings", json={"model": name, "input": TEXTS}, timeout=180)
+        assert again.status_code == 200, again.text
+        record("a replica killed while it loads a model", "SIGKILL to the replica loading all-MiniLM-L6-v2 on demand "
+               "(2 replicas), the request that asked for it waiting", {"200": 2},
+               note=f"the request was sent again by HAProxy and answered in {outcome['seconds']:.1f} s (the other "
+               "replica loaded the model); the replacement replica served it too")
+    finally:
+        serve.delete(app)
