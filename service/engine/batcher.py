@@ -75,6 +75,11 @@ class Batcher(Generic[Job, Result]):
         if self._former is not None and not self._former.done():
             self._former.cancel()
         self._former = None
+        # what it was given holds its engine (run is the engine's compute: a reference cycle), so that the model's
+        # memory is freed as the engine's last reference goes, without a full garbage collection (measured for
+        # all-MiniLM-L6-v2: 343 MiB freed at once; a collection took 92-135 ms on the replica's event loop)
+        self.run = self.knobs = self.cost = None  # type: ignore[assignment]
+        self.neighbours = []
 
     def knobs_changed(self) -> None:
         """New knobs (reconfigure): the former looks at the queue again now. Raising

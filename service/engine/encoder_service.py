@@ -60,9 +60,12 @@ class EncoderService:
     async def load_if_needed(self, name: str | None, timeout_s: float) -> None:
         """A model of the repository that a request names, loaded on this replica first (within `timeout_s`);
         a no-op for a loaded model, a served one, or no repository."""
-        if name is not None and self.repository is not None and name not in self.engines.by_name \
-                and name not in self.engines.by_alias:
-            await self.repository.ensure(name, timeout_s)
+        if name is None or self.repository is None:
+            return
+        if name in self.engines.by_name or name in self.engines.by_alias:
+            self.repository.used(name)  # what decides which idle model makes room: how much each is used lately
+            return
+        await self.repository.ensure(name, timeout_s)
 
     # ---- lifecycle ----
 

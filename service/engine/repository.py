@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import gc
 import logging
 import os
 import time
@@ -87,8 +86,9 @@ def graph_bytes(path: Path) -> int:
 
 
 def give_back_memory() -> None:
-    """Freed sessions' memory back to the system (glibc keeps freed pages otherwise)."""
-    gc.collect()
+    """Freed sessions' memory back to the system (glibc keeps freed pages otherwise). No garbage collection:
+    an unloaded engine's batcher drops its references (Batcher.close), so no cycle holds its sessions, and a
+    full collection costs the event loop 100 ms or more."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -256,6 +256,12 @@ class ModelRepository:
         if time.monotonic() - self.scanned_at >= MISS_SCAN_PERIOD_S:
             self.scan(force=True)
         return name in self.entries and not self.entries[name].removed
+
+    def used(self, name: str) -> None:
+        """A request for a loaded model: counted in its uses (victim_order)."""
+        entry = self.entries.get(name)
+        if entry is not None:
+            entry.used()
 
     async def ensure(self, name: str, timeout_s: float) -> None:
         """`name` loaded on this replica when it is one of the repository's models, waiting for its load within
