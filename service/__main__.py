@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--default-model", metavar="NAME", help="the repository's model loaded at start and used when a "
                    "request names none (with --models-dir and no --bundle)")
     p.add_argument("--model-memory-bytes", type=int, help="each replica's memory for on-demand models")
+    p.add_argument("--keys-file", type=Path, help="API keys file: each key's name, the sha256 of its secret, the "
+                   "models it may call (docs/access.md); re-read when it changes")
     p.add_argument("--eager-model", metavar="NAME", action="append", dest="eager_models",
                    help="a repository model loaded at start on every replica besides the default (repeat for more)")
     p.add_argument("--idle-unload-s", type=float, help="unload an on-demand model idle this long (0: never)")
@@ -115,7 +117,7 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
         if not args.bundle:  # the repository's default model, not the config's
             for key in ("bundle", "model_name", "bundles"):
                 settings.pop(key, None)
-    for key in ("default_model", "eager_models", "model_memory_bytes", "idle_unload_s", "replicas", "num_cpus", "num_gpus", "intra_op_threads", "provider", "runtime", "precision",
+    for key in ("keys_file", "default_model", "eager_models", "model_memory_bytes", "idle_unload_s", "replicas", "num_cpus", "num_gpus", "intra_op_threads", "provider", "runtime", "precision",
                 "max_ongoing_requests", "max_queued_requests", "request_timeout_s"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
@@ -178,8 +180,10 @@ def summary(settings: ServiceSettings, http: dict, grpc: dict, info: dict, args:
     provider = f"{info['provider']}, {info['intra_op_threads']} onnxruntime thread(s) per session"
     if info.get("provider_note"):
         provider += f" (CUDA not used: {info['provider_note']})"
-    access = ("bearer token required on the inference routes" if load_token(settings) is not None
-              else f"open: no API token (set {settings.auth_token_env} or auth_token_file to require one)")
+    access = (f"bearer keys required on the inference routes (keys file {settings.keys_file})"
+              if settings.keys_file is not None else "bearer token required on the inference routes"
+              if load_token(settings) is not None
+              else f"open: no API token (set {settings.auth_token_env}, auth_token_file or --keys-file to require one)")
     metrics = (info.get("metrics") or {}).get("prometheus_url") or "see Ray's metrics export port"
     ingress = f" ({args.ingress} ingress)" if args.address == "local" else ""  # a running cluster has its own
     models = [
@@ -246,6 +250,10 @@ def preflight(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, Any]
     from service.runtimes.onnxruntime import check_bundles
 
     load_token(settings)  # an empty or unreadable token file refuses here
+    if settings.keys_file is not None:
+        from service.front.keys import read_keys
+
+        read_keys(settings.keys_file)  # and a keys file that does not parse, saying where
     if args.address == "local":
         # the gRPC message limit of Serve's proxy actor, which has no settings (each replica
         # takes its own from the settings): the body limit, as HTTP's (service/grpc/serve_hooks.py)

@@ -373,6 +373,8 @@ class ServiceSettings(BaseModel):
     # environment variable (never from this config, which is not a secret)
     auth_token_file: Path | None = Field(None, description="file holding the API token (e.g. a mounted Secret)")
     auth_token_env: str = Field("ENCODER_API_TOKEN", description="environment variable holding the API token")
+    keys_file: Path | None = Field(None, description="API keys file (docs/access.md): each key's name, the sha256 of "
+                                   "its secret and the models it may call; re-read when it changes")
 
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
 

@@ -75,7 +75,7 @@ class Encoder(grpc_methods()):
                 settings.idle_unload_s, on_held=tell_serve_models_held(serve.get_replica_context().replica_id))
         Gate.configure(settings)
         configure(settings)
-        if Gate.token is None:
+        if Gate.keyring is None:
             logger.warning("no API token configured (%s / auth_token_file): inference routes are open", settings.auth_token_env)
         if settings.warmup:
             self.svc.warm_up()

@@ -222,7 +222,7 @@ def post_in_two_packets(port: int, body: bytes) -> int:
 
 def app_config(tmp_path: Path, replica_ports: list[int]) -> tuple[Path, dict[str, int]]:
     """The config Ray Serve 2.60's HAProxyApi writes for one application ("test", backend http-test) served
-    by replicas on `replica_ports`, with the retry policy the service sets (service/config.py)."""
+    by replicas on `replica_ports` (each named by its port, as Ray names a server by its replica), with the retry policy the service sets (service/config.py)."""
     from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
     from ray.serve.config import HTTPOptions
 
@@ -234,7 +234,7 @@ def app_config(tmp_path: Path, replica_ports: list[int]) -> tuple[Path, dict[str
                         server_state_base=str(tmp_path), server_state_file=str(tmp_path / "state"),
                         metrics_enabled=False, retry_on=INGRESS_ENV["haproxy"]["RAY_SERVE_HAPROXY_RETRY_ON"])
     backend = BackendConfig(name="http-test", path_prefix="/", app_name="test",
-                            servers=[ServerConfig(f"replica{i}", "127.0.0.1", port) for i, port in enumerate(replica_ports)])
+                            servers=[ServerConfig(f"replica-{port}", "127.0.0.1", port) for port in replica_ports])
     config = tmp_path / "haproxy.cfg"
     HAProxyApi(cfg, backend_configs={"test": backend}, config_file_path=str(config))._generate_config_file_internal()
     return config, ports
@@ -350,6 +350,16 @@ def test_a_model_goes_to_one_replica_and_a_hot_one_spreads(tmp_path):
             assert len(answered) == 1, (model, answered)
             homes[model] = answered.pop()
         assert len(set(homes.values())) == 3, homes  # 12 models over 3 replicas: each holds some
+        # Ray's config written again with the replicas in another order (a reload): every model stays where it is
+        (tmp_path / "again").mkdir()
+        again, again_ports = haproxy_with(tmp_path / "again", list(reversed(replicas)))
+        try:
+            moved = {m: h for m, h in homes.items() if httpx.post(f"http://127.0.0.1:{again_ports['http']}/v1/embeddings",
+                     json={"model": m, "input": "x"}, timeout=30).json()["by"] != h}
+            assert not moved, moved
+        finally:
+            again.kill()
+            again.wait(timeout=10)
         assert len({by("/v1/embeddings", {"input": "no model"}) for _ in range(6)}) >= 2
 
         for replica in replicas:

@@ -106,7 +106,10 @@ def test_a_route_that_declares_nothing_stops_the_app_from_being_built(monkeypatc
 def test_with_a_token_set_every_inference_route_refuses_a_request_without_it_and_no_open_route_does(monkeypatch):
     """The real app, in process: the gate answers before any route runs (no replica is needed for a 401;
     an open route without a replica fails later, in its own way, but never with a 401)."""
+    from service.front.keys import Keyring
+
     monkeypatch.setattr(Gate, "token", b"secret-for-the-walk")
+    monkeypatch.setattr(Gate, "keyring", Keyring.load(None, b"secret-for-the-walk"))
 
     async def walk() -> dict[str, int]:
         statuses = {}

@@ -45,6 +45,12 @@ class Unauthorized(ServiceError):
     type = "unauthorized"
 
 
+class Forbidden(ServiceError):
+    """A key that may not call this model (the keys file's `models`)."""
+
+    type = "forbidden"
+
+
 class Timeout(ServiceError):
     """Past the request's deadline; its work leaves the queue (never computed for nobody)."""
 

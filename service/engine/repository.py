@@ -257,6 +257,17 @@ class ModelRepository:
             self.scan(force=True)
         return name in self.entries and not self.entries[name].removed
 
+    async def _known(self, name: str) -> bool:
+        """knows(name), and when the directory was listed too recently to list it again (a bundle whose copy
+        ended just after that listing), once more as soon as it may be."""
+        if self.knows(name):
+            return True
+        wait = MISS_SCAN_PERIOD_S - (time.monotonic() - self.scanned_at)
+        if wait <= 0 or self.directory is None or not valid_model_name(name):
+            return False
+        await asyncio.sleep(wait)
+        return self.knows(name)
+
     def used(self, name: str) -> None:
         """A request for a loaded model: counted in its uses (victim_order)."""
         entry = self.entries.get(name)
@@ -271,7 +282,7 @@ class ModelRepository:
         if entry is not None and entry.engine is not None and not entry.removed:
             entry.used()
             return
-        if not self.knows(name):
+        if not await self._known(name):
             return
         deadline = time.monotonic() + timeout_s
         self.entries[name].used()  # counted as asked for, loaded or not: a model asked for again and again here
@@ -308,7 +319,7 @@ class ModelRepository:
         if not valid_model_name(name):
             raise BadRequest(f"model name {shown(name)}: a repository's model names are letters, digits, '.', '_' "
                              "and '-' (no '/', no '..')")
-        if not self.knows(name) and name not in self.engines.by_name:
+        if name not in self.engines.by_name and not await self._known(name):
             raise NotFound(f"model {shown(name)} is not in the model repository (POST /v2/repository/index "
                            "lists it)")
         await self.ensure(name, timeout_s)

@@ -11,10 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from service.engine.errors import InvalidRequest
+from service.engine.errors import Forbidden, InvalidRequest
 
 if TYPE_CHECKING:
     from service.engine.engine import Engine
+    from service.front.keys import ApiKey
     from service.engine.runner import EncodeJob
     from service.front.policy import RoutePolicy
 
@@ -47,10 +48,20 @@ class Call:
     timed_out: bool = False  # cancelled because its deadline passed
     client_gone: bool = False  # cancelled because the client went away
     engine: Engine | None = None  # the model it holds a lease on (a model with leases is never unloaded)
+    key: ApiKey | None = None  # whose call it is (the keys file's, or the single token's); None: auth off
+
+    def may_call(self, model: str | None) -> None:
+        """Forbidden (403) when the call's key may not call `model` (the keys file's `models`)."""
+        if model and self.key is not None and not self.key.may_call(model):
+            from service.engine.engine import shown
+
+            raise Forbidden(f"the key {self.key.name!r} may not call model {shown(model)} (the keys file's `models` "
+                            "for it)")
 
     def serves(self, engine: Engine) -> Engine:
         """Note the model the call is for (the metrics' model and task labels), and hold it loaded until the
         call ends (`release`, at its record: front/finish.py); returns it."""
+        self.may_call(engine.name)
         self.model, self.task = engine.name, engine.model.task
         if self.engine is not engine:
             self.release()

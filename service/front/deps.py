@@ -71,6 +71,7 @@ async def model_for(svc: EncoderService, name: str | None, request: Request, req
     deadline), noted on its call for the metrics and held loaded until the call ends. `dense`: the route returns
     dense embeddings, which a SPLADE or ColBERT model has not (a 400 naming what it gives)."""
     call = call_of(request)
+    call.may_call(name)  # before a load: a key never loads a model it may not call
     await svc.load_if_needed(name, call.deadline(svc.settings.request_timeout_s))
     engine = call.serves(svc.model_for(name, request.url.path, required, task))
     if dense:
@@ -81,6 +82,7 @@ async def model_for(svc: EncoderService, name: str | None, request: Request, req
 async def reranker(svc: EncoderService, name: str | None, request: Request) -> Engine:
     """The cross-encoder a rerank request names (engine/scoring.py reranker), loaded and noted on its call."""
     call = call_of(request)
+    call.may_call(name)
     await svc.load_if_needed(name, call.deadline(svc.settings.request_timeout_s))
     return call.serves(find_reranker(svc, name, request.url.path))
 

@@ -17,6 +17,7 @@ HTTP_STATUS = {
     "too_large": 413,
     "not_found": 404,
     "unauthorized": 401,
+    "forbidden": 403,
     # past the deadline: 503 with Retry-After, as Triton answers a request whose queue timeout
     # expired (UNAVAILABLE); 408 would say the client was too slow to send its request
     "timeout": 503,
@@ -33,6 +34,7 @@ GRPC_CODE = {
     "too_large": "INVALID_ARGUMENT",  # a smaller request fits; the same one never will
     "not_found": "NOT_FOUND",
     "unauthorized": "UNAUTHENTICATED",
+    "forbidden": "PERMISSION_DENIED",
     "overloaded": "RESOURCE_EXHAUSTED",
     "timeout": "DEADLINE_EXCEEDED",
     "cancelled": "CANCELLED",
@@ -47,7 +49,7 @@ CLIENT_GONE = 499
 RETRY_AFTER_KEY = "retry-after"
 
 # The reason a failed call is counted under when nothing more precise was noted
-REASON_BY_STATUS = {400: "bad_request", 401: "unauthorized", 404: "not_found", 413: "too_large", 422: "validation",
+REASON_BY_STATUS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "too_large", 422: "validation",
                     429: "overloaded", 499: "cancelled", 503: "overloaded"}
 
 

@@ -78,6 +78,7 @@ def log_access(call: Call, status: int, now: float, grpc_status: str | None = No
         "method": call.method,
         "route": call.route,
         "model": call.model or None,
+        "key": call.key.name if call.key is not None else None,  # its name only, never its secret or hash
         "status": status,
         "texts": call.texts,
         "tokens": call.tokens,

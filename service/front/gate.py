@@ -1,5 +1,6 @@
-"""The gate every call passes, on every protocol: the bearer token of the routes an API declared
-inference routes, and the counters of calls inside this replica.
+"""The gate every call passes, on every protocol: the bearer key of the routes an API declared inference
+routes (the single token's, or a keys file's: service/front/keys.py), and the counters of calls inside this
+replica.
 
 The token and the counters are class attributes, set by the deployment when a replica starts: Ray
 Serve pickles the ingress's FastAPI app by value, module variables its functions read included, while
@@ -8,33 +9,41 @@ this class is imported by reference, so every reader in the replica sees the sam
 
 from __future__ import annotations
 
-import hmac
 import os
 
 from service.config import ServiceSettings
 from service.engine.errors import Unauthorized
+from service.front.keys import ApiKey, Keyring
 
 
 class Gate:
     """Who may call, and how many calls are inside this replica."""
 
-    token: bytes | None = None  # None: authentication off
+    token: bytes | None = None  # the single token (ENCODER_API_TOKEN, auth_token_file), if any
+    keyring: Keyring | None = None  # every key (the keys file's and the token's); None: authentication off
     in_flight = 0  # calls inside this replica's transports now
     pending = 0  # inference calls admitted and not yet answered (waiting for a batch or in one)
     admitted = 0  # inference calls admitted since the replica started
 
     @classmethod
-    def refusal(cls, authorization: str | bytes | None) -> Unauthorized | None:
-        """The refusal of an inference call whose `authorization` (HTTP header, gRPC metadata) lacks the
-        bearer token, compared in constant time; None when it may go on (or authentication is off)."""
-        token = cls.token
-        if token is None:
-            return None
+    def identify(cls, authorization: str | bytes | None) -> tuple[ApiKey | None, Unauthorized | None]:
+        """The key of a call whose `authorization` (HTTP header, gRPC metadata) carries a bearer secret, or its
+        refusal; (None, None) when authentication is off."""
+        keyring = cls.keyring
+        if keyring is None:
+            return None, None
         raw = authorization.encode("latin-1") if isinstance(authorization, str) else (authorization or b"")
         scheme, _, provided = raw.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(provided.strip(), token):
-            return None
-        return Unauthorized("missing or invalid bearer token")
+        if scheme.lower() == b"bearer" and provided.strip():
+            key = keyring.identify(provided.strip())
+            if key is not None:
+                return key, None
+        return None, Unauthorized("missing or invalid bearer token")
+
+    @classmethod
+    def refusal(cls, authorization: str | bytes | None) -> Unauthorized | None:
+        """The refusal of an inference call whose `authorization` carries no known key; None when it may go on."""
+        return cls.identify(authorization)[1]
 
     @classmethod
     def enter(cls, inference: bool) -> None:
@@ -52,6 +61,8 @@ class Gate:
     @classmethod
     def configure(cls, settings: ServiceSettings) -> None:
         cls.token = load_token(settings)
+        cls.keyring = Keyring.load(settings.keys_file, cls.token) \
+            if cls.token is not None or settings.keys_file is not None else None
 
 
 def load_token(settings: ServiceSettings) -> bytes | None:

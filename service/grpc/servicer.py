@@ -115,8 +115,10 @@ async def answer(svc: EncoderService, full_name: str, method: GrpcMethod, reques
     status, code, reply = 500, grpc.StatusCode.INTERNAL, None
     Gate.enter(inference)
     try:
-        if inference and Gate.refusal(metadata(context, "authorization")) is not None:
-            raise Unauthorized(NO_TOKEN)
+        if inference:
+            call.key, refusal = Gate.identify(metadata(context, "authorization"))
+            if refusal is not None:
+                raise Unauthorized(NO_TOKEN)
         reply = await method.answer(svc, request, call)
         status, code = 200, grpc.StatusCode.OK
         return reply
@@ -190,7 +192,7 @@ def needs_refusal(full_name: str, given: Any) -> bool:
     """Whether a call must be refused for its token from its metadata alone (serve_hooks'
     TokenBeforeMessage asks, before the message is read): an inference method's, without the token."""
     policy = grpc_policies().get(full_name)
-    if policy is None or not policy.inference or Gate.token is None:
+    if policy is None or not policy.inference or Gate.keyring is None:
         return False
     pairs = [(k, v) for k, v in given or ()]
     return Gate.refusal(next((v for k, v in pairs if k == "authorization"), None)) is not None

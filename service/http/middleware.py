@@ -110,8 +110,8 @@ class CallMiddleware:
         unreadable = next((v for k, v in headers if k == _UNREADABLE_NAME), None)
         if unreadable is not None:
             return refusal_of_unreadable(unreadable.decode("latin-1"), call), False
-        if Gate.token is not None and call.policy.needs_token(call.method):
-            refusal = Gate.refusal(next((v for k, v in headers if k == _AUTHORIZATION), None))
+        if Gate.keyring is not None and call.policy.needs_token(call.method):
+            call.key, refusal = Gate.identify(next((v for k, v in headers if k == _AUTHORIZATION), None))
             if refusal is not None:
                 return refusal_of_token(refusal, call), False
         return self.app, call.policy.inference

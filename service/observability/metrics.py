@@ -53,7 +53,7 @@ REQUEST_BUCKETS = [float(2**i) for i in range(0, 11)]  # 1 .. 1024 requests
 TOKEN_BUCKETS = [float(2**i) for i in range(4, 17)]  # 16 .. 65536 tokens
 RATIO_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0]
 
-FAILURE_REASONS = ("bad_request", "validation", "too_large", "not_found", "unauthorized", "overloaded", "not_ready", "timeout",
+FAILURE_REASONS = ("bad_request", "validation", "too_large", "not_found", "unauthorized", "forbidden", "overloaded", "not_ready", "timeout",
                    "cancelled", "backend")
 
 

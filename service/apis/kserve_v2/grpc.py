@@ -42,6 +42,7 @@ def _ready(svc: EncoderService) -> bool:
 async def _engine(svc: EncoderService, name: str, call: Call):
     """The model a call names (a repository's loaded here first; NOT_FOUND naming the served ones); an empty
     name is the default model."""
+    call.may_call(name)
     await svc.load_if_needed(name or None, call.deadline(svc.settings.request_timeout_s))
     return call.serves(svc.engines.get(name or None, False))
 

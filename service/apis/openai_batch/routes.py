@@ -19,8 +19,9 @@ from service.apis.openai_batch.uploads import (UPLOAD_ALLOWANCE, Limits, UploadS
                                                read_upload)
 from service.engine.encoder_service import EncoderService
 from service.engine.errors import BadRequest, ClientGone, NotFound, TooLarge
-from service.front.deps import CALL_KEY, api_router, service
+from service.front.deps import CALL_KEY, api_router, call_of, service
 from service.front.gate import Gate
+from service.front.keys import TOKEN_KEY_NAME
 from service.front.responses import JSONResponse
 from service.front.schemas import ERROR_RESPONSES
 
@@ -29,13 +30,17 @@ router = api_router()
 
 
 async def owner(request: Request) -> str:
-    """Whose files and batches a request sees: the SHA-256 of its bearer token (the gate has checked it before
-    the route runs), or "" when authentication is off. Async: FastAPI runs a plain `def` dependency in a
-    thread pool."""
-    if Gate.token is None:
+    """Whose files and batches a request sees: its key's name (the gate has identified it before the route
+    runs), so that a key's secret can be rotated without orphaning them; the single token's, as before keys
+    files, the SHA-256 of the token; "" when authentication is off. Async: FastAPI runs a plain `def`
+    dependency in a thread pool."""
+    if Gate.keyring is None:
         return ""
-    token = request.headers.get("authorization", "").partition(" ")[2].strip()
-    return hashlib.sha256(token.encode("latin-1", "replace")).hexdigest()
+    key = call_of(request).key
+    if key is None or key.name == TOKEN_KEY_NAME:
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+        return hashlib.sha256(token.encode("latin-1", "replace")).hexdigest()
+    return hashlib.sha256(f"key:{key.name}".encode()).hexdigest()  # (hex: the store names paths by it)
 
 
 @router.post("/v1/files", responses=ERROR_RESPONSES)

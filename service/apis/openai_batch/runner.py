@@ -614,8 +614,8 @@ class BatchRunner:
         assert self.client is not None
         request_id = f"batch_req-{secrets.token_hex(12)}"
         headers = {"content-type": "application/json", "x-request-id": request_id}
-        if Gate.token is not None:
-            headers["authorization"] = f"Bearer {Gate.token.decode()}"
+        if Gate.keyring is not None:  # run in this process as the keyring's own key (service/front/keys.py)
+            headers["authorization"] = f"Bearer {Gate.keyring.internal.decode()}"
         for attempt in range(RETRIES):
             await self.after_online_requests()
             self.in_flight += 1

@@ -95,7 +95,7 @@ async def explorer(request: Request, svc: EncoderService = Depends(service)) -> 
     page = (
         read_explorer_file("index.html")
         .replace("{{root}}", html.escape(root_path(request), quote=True))
-        .replace("{{auth}}", "required" if Gate.token is not None else "off")
+        .replace("{{auth}}", "required" if Gate.keyring is not None else "off")
         .replace("{{model}}", html.escape(svc.engines.default.name))
     )
     return HTMLResponse(page, headers={"Content-Security-Policy": EXPLORER_CSP, **NO_CACHE})
