@@ -10,8 +10,9 @@ What a loaded model costs is measured, not assumed: the replica's resident memor
 (its sessions built and run once), never counted below its fp32 graph files' size (memory an unload freed and
 this load reused is not in the difference). Before its first load a model is reckoned at those files' size.
 
-Nothing here knows HTTP or Ray Serve: the routes call `ensure` (service/front/deps.py model_for) and the
-repository API (service/apis/kserve_v2) `index`, `load` and `unload`.
+Nothing here knows HTTP or Ray Serve: the routes call `ensure` (through EncoderService.load_if_needed, which
+counts a request for a loaded model with `used`) and the repository API (service/apis/kserve_v2) `index`,
+`load` and `unload`; `on_held` tells whoever routes (service/hosting/model_routing.py) what is held here.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ logger = logging.getLogger("ray.serve")
 SCAN_PERIOD_S = 1.0  # the directory is listed again at most this often, unless a name is not found:
 MISS_SCAN_PERIOD_S = 0.2  # then at most this often (a flood of unknown names lists it five times a second)
 SWEEP_PERIOD_S = 1.0  # idle and removed models are looked for this often
-RETRY_FAILED_S = 30.0
+RETRY_FAILED_S = 30.0  # a bundle that failed to load is tried again after this long (or when its files change)
 # What makes room: the idle model used least lately, a count of its requests halved every this many seconds, so
 # that a flood of requests each naming another cold model unloads cold ones, not the hot model used all along
 # (plain recency did: between two of its requests on a replica, each cold load was more recent)
@@ -47,7 +48,7 @@ USES_HALF_LIFE_S = 30.0
 HOTTER_BY = 2.0
 ROOM_POLL_S = 0.05  # how often a load held by models in use looks for room again (within LOAD_WAIT_S)
 LOAD_WAIT_S = 5.0  # the longest a load waits for a load slot (within the request's deadline) ...
-MAX_WAITING_LOADS = 8  # ... and how many wait at once on a replica; past either, 503 with Retry-After  # a bundle that failed to load is tried again after this long (or when its files change)
+MAX_WAITING_LOADS = 8  # ... and how many wait at once on a replica; past either, 503 with Retry-After
 GRAPH_SUFFIXES = (".onnx", ".onnx.data", ".xml", ".bin")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

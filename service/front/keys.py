@@ -14,7 +14,7 @@ A secret is found by its sha256 (a dict lookup: what leaks by timing is at most 
 secret) and compared again in constant time. The single token (ENCODER_API_TOKEN, auth_token_file) is one more
 key, named TOKEN_KEY_NAME, with no limits. The file is looked at again at most every RELOAD_CHECK_S: a key
 removed is refused from then on (requests in flight finish), one added is taken; a file that fails to parse
-leaves the last good keys in place, says why once in the log and counts it (the keys-file errors metric).
+leaves the last good keys in place and says why once in the log (Keyring.errors counts them).
 
 `python -m service.front.keys --keys-file PATH --name NAME [...]` adds a key: it prints the secret once and
 writes only its hash.
