@@ -173,6 +173,23 @@ class BundleRef(BaseModel):
         return value
 
 
+class ModelPlacement(BaseModel):
+    """On how many replicas a model of the repository is kept loaded, and at most loaded (docs/models.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_loaded: int = Field(0, ge=0, description="replicas that keep it loaded from their start, whether it is "
+                            "used or not (never unloaded there for idleness or memory)")
+    max_loaded: int | None = Field(None, ge=1, description="replicas that may hold it at once; another asked for "
+                                   "it answers 503 with Retry-After (null: no bound)")
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> ModelPlacement:
+        if self.max_loaded is not None and self.min_loaded > self.max_loaded:
+            raise ValueError(f"min_loaded ({self.min_loaded}) is more than max_loaded ({self.max_loaded})")
+        return self
+
+
 class ServiceSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -195,6 +212,11 @@ class ServiceSettings(BaseModel):
     eager_models: list[str] = Field(
         default_factory=list, description="models of models_dir loaded at start on every replica (`load: eager`), "
         "outside the memory budget and never unloaded, besides the default; the others load on demand")
+    model_placement: dict[str, ModelPlacement] = Field(
+        default_factory=dict, description="per model of models_dir: min_loaded, the replicas that keep it loaded "
+        "(loaded at their start, never unloaded for idleness or memory), and max_loaded, the most that hold it at "
+        "once (another asked for it answers 503 with Retry-After); a name not in the directory yet is kept for "
+        "when it is copied in")
     model_memory_bytes: int | None = Field(
         None, ge=1 << 20, description="each replica's memory for on-demand models (measured per model at its load); "
         "the idle one used least lately is unloaded to make room; null: half the node's memory times the "
@@ -421,6 +443,11 @@ class ServiceSettings(BaseModel):
             self.bundles = [BundleRef(path=self.models_dir / name, name=name)]
         if self.eager_models and self.models_dir is None:
             raise ValueError("eager_models names models of models_dir: give it with models_dir")
+        if self.model_placement and self.models_dir is None:
+            raise ValueError("model_placement names models of models_dir: give it with models_dir")
+        for name in self.model_placement:
+            if not valid_model_name(name):
+                raise ValueError(f"model_placement: {name!r} is not a model name (letters, digits, '.', '_', '-')")
         if not self.bundles:
             self.bundles = [BundleRef(path=self.bundle, name=self.model_name)]
         else:

@@ -40,6 +40,7 @@ from service.grpc.servicer import grpc_methods
 from service.http.server import app, configure
 from service.hosting.listeners import bind_grpc_ingress_to_node_address, bind_replica_grpc_to_node_address
 from service.hosting.model_routing import tell_serve_models_held
+from service.hosting.placement import Placement
 from service.observability.metrics import node_metrics_url, refresh_periodically, service_metrics
 from service.runtimes import RuntimeLoader
 from service.runtimes.cuda import ray_gpu_assignment
@@ -72,7 +73,10 @@ class Encoder(grpc_methods()):
             self.svc.repository = self.engines.repository = ModelRepository(
                 settings.models_dir, self.engines, lambda ref: load_engine(ref, settings, self.gpu, runtime_loader),
                 settings.model_memory_bytes or default_model_budget(settings.num_cpus), settings.max_concurrent_loads,
-                settings.idle_unload_s, on_held=tell_serve_models_held(serve.get_replica_context().replica_id))
+                settings.idle_unload_s, on_held=tell_serve_models_held(serve.get_replica_context().replica_id),
+                placement=Placement(serve.get_replica_context().app_name,
+                                    serve.get_replica_context().replica_id.unique_id, settings.model_placement)
+                if settings.model_placement else None)
         Gate.configure(settings)
         configure(settings)
         if Gate.keyring is None:

@@ -677,3 +677,155 @@ def test_requests_for_a_loaded_model_count_as_its_uses(repository_sources, tmp_p
 
     asyncio.run(requests())
     assert sorted(engines.names) == sorted([NAMES[0], NAMES[1], NAMES[3], NAMES[4]])  # the second made room
+
+
+# ---- min_loaded and max_loaded (model_placement): what the replicas hold, told through the board ----
+
+def placed(directory: Path, placement: dict, replicas: list[str], app: str, **settings) -> list:
+    """A repository per replica name, as the deployment builds each, all telling one board (a real Ray actor,
+    named for `app`). Called inside the test's event loop: each repository's sweeper runs, reporting each second."""
+    from service.hosting.placement import Placement
+
+    made = []
+    for replica in replicas:
+        engines, repo = in_process(directory, **settings)
+        repo.placement = Placement(app, replica, models_placed(placement))
+        made.append((engines, repo))
+    return made
+
+
+def models_placed(placement: dict) -> dict:
+    from service.config import ModelPlacement
+
+    return {name: ModelPlacement.model_validate(p) for name, p in placement.items()}
+
+
+def forget_board(app: str) -> None:
+    import ray
+
+    from service.hosting.placement import NAMESPACE
+
+    ray.kill(ray.get_actor(f"encoder-placement-{app}", namespace=NAMESPACE))
+
+
+async def eventually(check, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.2)
+
+
+def test_max_loaded_keeps_a_model_on_that_many_replicas_and_the_one_refused_it_takes_it_over(
+        ray_serve, repository_sources, tmp_path):
+    """max_loaded 1 on two replicas: the second asked for the model while the first holds it answers 503 with
+    Retry-After and loads nothing; the first, idle, then gives the model up ("moved"), and the second's next
+    request loads it: a replica to which every request for it is routed (after a reload of the ring) is not
+    refused for ever. Without a bound both replicas load it."""
+    from service.engine.repository import ModelElsewhere
+
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:3])
+    app = f"placement-max-{os.getpid()}"
+
+    async def scenario() -> None:
+        (e1, r1), (e2, r2) = placed(directory, {NAMES[1]: {"max_loaded": 1}}, ["a", "b"], app)
+        await r1.ensure(NAMES[1], 60)
+        with pytest.raises(ModelElsewhere) as refused:
+            await r2.ensure(NAMES[1], 60)
+        assert refused.value.retry_after_s == 1 and "max_loaded (1)" in refused.value.message, refused.value
+        assert NAMES[1] not in e2.names and r2.entries[NAMES[1]].loads == 0
+        moved_at = time.monotonic()
+        while True:  # its client retrying, as Retry-After says
+            try:
+                await r2.ensure(NAMES[1], 60)
+                break
+            except ModelElsewhere:
+                assert time.monotonic() - moved_at < 15, "the replica holding it never gave it up"
+                await asyncio.sleep(0.5)
+        assert NAMES[1] in e2.names and r1.entries[NAMES[1]].engine is None
+        with pytest.raises(ModelElsewhere):
+            await r1.ensure(NAMES[1], 60)
+        await asyncio.gather(r1.ensure(NAMES[2], 60), r2.ensure(NAMES[2], 60))  # no bound: both load it
+        assert NAMES[2] in e1.names and NAMES[2] in e2.names
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        forget_board(app)
+
+
+def test_min_loaded_keeps_a_model_loaded_on_that_many_replicas_and_another_takes_a_gone_ones_place(
+        ray_serve, repository_sources, tmp_path):
+    """min_loaded 2 on three replicas: two load the model with no request and keep it past idle_unload_s; one
+    of them gone (it reports no more), the third loads it within a few seconds."""
+    from service.hosting.placement import STALE_S
+
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:2])
+    app = f"placement-min-{os.getpid()}"
+
+    async def scenario() -> None:
+        made = placed(directory, {NAMES[1]: {"min_loaded": 2}}, ["a", "b", "c"], app, idle_unload_s=0.5)
+
+        def holders(among=made) -> set[str]:
+            return {r.placement.replica for _, r in among if r.entries[NAMES[1]].engine is not None}
+
+        await eventually(lambda: len(holders()) == 2, "two replicas to load the kept model")
+        first = holders()
+        await asyncio.sleep(2.0)  # idle four times idle_unload_s: kept
+        assert holders() == first
+        gone = next(r for _, r in made if r.placement.replica in first)
+        gone._sweeper.cancel()  # as a replica that died: heard no more
+        others = [(e, r) for e, r in made if r is not gone]
+        await eventually(lambda: len(holders(others)) == 2, "the third replica to take the gone one's place",
+                         STALE_S + 15)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        forget_board(app)
+
+
+def replica_addresses(backend: str) -> list[str]:
+    """The host:port of each replica behind an HAProxy backend, from the config Ray writes for this node's
+    HAProxy: to call one directly."""
+    import ray
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_CONFIG_FILE_LOC
+
+    config = Path(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC).parent / ray.get_runtime_context().get_node_id() / "haproxy.cfg"
+    section = config.read_text().split(f"\nbackend {backend}\n", 1)[1].split("\nbackend ", 1)[0]
+    return sorted(line.split()[2] for line in section.splitlines()
+                  if line.strip().startswith("server SERVE_REPLICA"))
+
+
+def test_model_placement_through_ray_serve(ray_serve, default_bundle, repository_sources, metrics_url, tmp_path):
+    """The deployment's replicas share the board: min_loaded 2 is held on both replicas with no request; a model
+    with max_loaded 1, asked of one replica and then of the other directly (as a request spilled over would
+    be), is loaded by the first and refused by the second (503 with Retry-After in OpenAI's error body), until
+    the first, idle, gives it up and the second's retry loads it."""
+    from ray import serve
+
+    directory = repository_of(repository_sources, tmp_path / "models", NAMES[:3])
+    app, prefix = "placed", "/placed"
+    deploy({"models_dir": str(directory), "replicas": 2, "num_cpus": 0.5,
+            "model_placement": {NAMES[1]: {"min_loaded": 2}, NAMES[2]: {"max_loaded": 1}}}, app, prefix, default_bundle)
+    try:
+        def holding(name: str) -> set[str]:
+            family = scrape(metrics_url).get("ray_encoder_model_loaded_bytes")
+            return {s.labels["replica"] for s in (family.samples if family else [])
+                    if s.labels.get("application") == app and s.labels.get("model") == name and s.value > 0}
+
+        wait_until(lambda: len(holding(NAMES[1])) == 2, "both replicas to keep the min_loaded model", timeout=60)
+        first, second = (f"http://{addr}{prefix}/v1/embeddings" for addr in replica_addresses(f"http-{app}"))
+        body = {"model": NAMES[2], "input": TEXTS}
+        assert httpx.post(first, json=body, timeout=60).status_code == 200
+        refused = httpx.post(second, json=body, timeout=60)
+        assert refused.status_code == 503 and refused.headers.get("retry-after") == "1", refused.text
+        assert refused.json()["error"]["type"] == "overloaded" and "max_loaded (1)" in refused.json()["error"]["message"]
+        deadline = time.monotonic() + 20
+        while (r := httpx.post(second, json=body, timeout=60)).status_code == 503:  # retrying as Retry-After says
+            assert time.monotonic() < deadline, "the first replica never gave the model up"
+            time.sleep(0.5)
+        assert r.status_code == 200, r.text
+        time.sleep(1.5)  # the gauges are set each second
+        assert len(holding(NAMES[2])) == 1, holding(NAMES[2])
+    finally:
+        serve.delete(app)

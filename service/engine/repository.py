@@ -12,7 +12,9 @@ this load reused is not in the difference). Before its first load a model is rec
 
 Nothing here knows HTTP or Ray Serve: the routes call `ensure` (through EncoderService.load_if_needed, which
 counts a request for a loaded model with `used`) and the repository API (service/apis/kserve_v2) `index`,
-`load` and `unload`; `on_held` tells whoever routes (service/hosting/model_routing.py) what is held here.
+`load` and `unload`; `on_held` tells whoever routes (service/hosting/model_routing.py) what is held here, and
+`placement` (service/hosting/placement.py) what the other replicas hold: the models this one keeps loaded
+(min_loaded), may load (max_loaded) and gives up for another.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bundle.contract import BUNDLE_MANIFEST
 from bundle.manifest import BundleError, BundleManifest
@@ -32,6 +35,9 @@ from service.config import BundleRef, valid_model_name
 from service.engine.engine import Engine, EngineTable, shown
 from service.engine.errors import BadRequest, NotFound, ServiceError, Timeout
 from service.observability.metrics import service_metrics
+
+if TYPE_CHECKING:
+    from service.hosting.placement import Placement
 
 logger = logging.getLogger("ray.serve")
 
@@ -49,6 +55,8 @@ HOTTER_BY = 2.0
 ROOM_POLL_S = 0.05  # how often a load held by models in use looks for room again (within LOAD_WAIT_S)
 LOAD_WAIT_S = 5.0  # the longest a load waits for a load slot (within the request's deadline) ...
 MAX_WAITING_LOADS = 8  # ... and how many wait at once on a replica; past either, 503 with Retry-After
+KEEP_LOAD_S = 120.0  # a model kept for min_loaded may take this long to load (a request's deadline is shorter)
+GIVE_WAY_IDLE_S = 2.0  # a model another replica was refused at its max_loaded is given up once idle this long
 GRAPH_SUFFIXES = (".onnx", ".onnx.data", ".xml", ".bin")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -60,6 +68,13 @@ class ModelsBusy(ServiceError):
 
     type = "overloaded"
     in_use: bool = False  # the room is held by models with requests now: there a moment later
+
+
+class ModelElsewhere(ServiceError):
+    """A model at its max_loaded on other replicas: this one does not load it (503; the ingress routes its next
+    requests to a replica holding it, and one holding it gives it up for this one once idle there)."""
+
+    type = "overloaded"
 
 
 class ModelUnavailable(ServiceError):
@@ -166,12 +181,20 @@ class ModelRepository:
     # request naming one to a replica that holds it (service/hosting/model_routing.py); None: nobody to tell
     on_held: Callable[[list[str]], None] | None = None
     _told: tuple[str, ...] | None = None
+    placement: Placement | None = None  # the other replicas' holdings (min_loaded, max_loaded); None: alone
+    kept: set[str] = field(default_factory=set)  # held here for min_loaded: loaded at once, never unloaded
+    _keeping: set[str] = field(default_factory=set)  # kept models whose load is running (_keep_loaded)
 
     def __post_init__(self) -> None:
         for engine in self.engines:  # the eager ones, loaded at start
             self.entries[engine.name] = Entry(engine.name, engine.path, eager=True, engine=engine)
         self.scan(force=True)
         self._tell_held()
+        try:  # in a replica (its event loop runs its constructor): kept models load from the start
+            asyncio.get_running_loop()
+            self._start_sweeper()
+        except RuntimeError:  # (no loop: started by the first request)
+            pass
 
     # ---- what is available ----
 
@@ -267,6 +290,8 @@ class ModelRepository:
         if wait <= 0 or self.directory is None or not valid_model_name(name):
             return False
         await asyncio.sleep(wait)
+        if name not in self.entries and time.monotonic() - self.scanned_at >= MISS_SCAN_PERIOD_S - 0.01:
+            self.scan(force=True)  # (the loop may wake this a hair early: knows() would then not list it again)
         return self.knows(name)
 
     def used(self, name: str) -> None:
@@ -296,6 +321,12 @@ class ModelRepository:
                 entry.last_used = time.monotonic()
                 return
             if entry.loading is None:
+                if self.placement is not None and not await self.placement.may_load(name):
+                    raise ModelElsewhere(f"model {name!r} is loaded on its max_loaded ({self.placement.max_loaded(name)})"
+                                         " other replicas (model_placement): retry; its requests go to them",
+                                         retry_after_s=1)
+                if entry.engine is not None or entry.loading is not None:  # another request's, meanwhile
+                    continue
                 entry.loading = asyncio.ensure_future(self._load(entry))
                 entry.loading.add_done_callback(lambda f, e=entry: self._loaded(e, f))
                 self._tell_held()  # told while it loads: its next requests come here, not to a second load elsewhere
@@ -472,7 +503,7 @@ class ModelRepository:
         now = time.monotonic()
         wanted = HOTTER_BY * (entry.uses_at(now) + 1.0)
         victims, freed, over = [], 0, self.used_bytes() + needed - self.budget_bytes
-        for e in sorted((e for e in self.entries.values() if not e.eager and e.idle()),
+        for e in sorted((e for e in self.entries.values() if not e.eager and e.idle() and e.name not in self.kept),
                         key=lambda e: e.victim_order(now)):
             if freed >= over or e.uses_at(now) > wanted:
                 break
@@ -494,7 +525,8 @@ class ModelRepository:
         load was reckoned at its files' size, and it may measure more."""
         now = time.monotonic()
         wanted = HOTTER_BY * (keep.uses_at(now) + 1.0)
-        for e in sorted((e for e in self.entries.values() if not e.eager and e.idle() and e is not keep),
+        for e in sorted((e for e in self.entries.values()
+                         if not e.eager and e.idle() and e is not keep and e.name not in self.kept),
                         key=lambda e: e.victim_order(now)):
             if self.used_bytes() <= self.budget_bytes or e.uses_at(now) > wanted:
                 break
@@ -525,17 +557,27 @@ class ModelRepository:
 
     async def _sweep_forever(self) -> None:
         while True:
-            await asyncio.sleep(SWEEP_PERIOD_S)
             try:
+                if self.placement is not None:
+                    await self.placement.report(self.held())
                 self.sweep()
             except Exception:  # a bug to see in the log, never a reason to stop sweeping
                 logger.exception("model repository sweep failed")
+            await asyncio.sleep(SWEEP_PERIOD_S)
 
     def sweep(self) -> None:
         self.scan()
         now = time.monotonic()
+        give_way: set[str] = set()
+        if self.placement is not None:
+            self.kept = {n for n in self.placement.keep() if n in self.entries and not self.entries[n].removed}
+            give_way = self.placement.give_way() - self.kept
+            for name in self.kept - self._keeping:
+                if self.entries[name].engine is None:
+                    self._keeping.add(name)
+                    asyncio.get_running_loop().create_task(self._keep_loaded(name))
         for entry in list(self.entries.values()):
-            if entry.eager or entry.engine is None or not entry.idle():
+            if entry.eager or entry.engine is None or not entry.idle() or entry.name in self.kept:
                 continue
             if entry.removed:
                 self._unload(entry, "removed")
@@ -543,6 +585,17 @@ class ModelRepository:
                 self._unload(entry, "unloaded")
             elif self.idle_unload_s > 0 and now - entry.last_used >= self.idle_unload_s:
                 self._unload(entry, "idle")
+            elif entry.name in give_way and now - entry.last_used >= GIVE_WAY_IDLE_S:
+                self._unload(entry, "moved")
+
+    async def _keep_loaded(self, name: str) -> None:
+        """A model kept here for min_loaded, loaded with no request waiting (tried again by the next sweeps)."""
+        try:
+            await self.ensure(name, LOAD_WAIT_S + KEEP_LOAD_S)
+        except ServiceError as exc:
+            logger.warning("model %s: not loaded for min_loaded yet: %s", name, exc.message)
+        finally:
+            self._keeping.discard(name)
 
     def held(self) -> list[str]:
         """The models a request may find here without waiting for another replica's: loaded, or loading."""

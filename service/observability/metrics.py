@@ -25,7 +25,7 @@ service/grpc/), on the families a request records:
   ray_encoder_metric_records_dropped_total              records dropped because the recorder fell behind (Recorder)
   ray_encoder_model_loads_total{model,outcome}          on-demand loads of a model repository's models (loaded, failed)
   ray_encoder_model_load_seconds{model}                 how long each load took
-  ray_encoder_model_evictions_total{model,reason}       unloads, by reason: memory, idle, removed, unloaded (asked)
+  ray_encoder_model_evictions_total{model,reason}       unloads, by reason: memory, idle, removed, unloaded (asked), moved (max_loaded)
   ray_encoder_model_loaded_bytes{model}                 each loaded on-demand model's measured bytes, per replica
   ray_encoder_model_budget_bytes                        the replica's budget for on-demand models (model_memory_bytes)
 
