@@ -362,6 +362,38 @@ def test_a_models_requests_go_to_the_replica_that_holds_it_through_either_ingres
         shutil.rmtree(directory / name)
 
 
+def test_a_models_grpc_calls_go_to_the_replica_that_holds_it_as_its_http_requests_do(
+        repository_app, repository_sources, metrics_url, ray_serve):
+    """Behind HAProxy, KServe v2 gRPC calls naming a model never loaded (copied in now): 8 ModelInfer calls one
+    after another, then 4 HTTP requests for it: loaded once, on one replica of two (HAProxy reads the call's
+    model_name from its message and hashes it onto the same ring as HTTP's). Routed by load, both replicas
+    took some of them."""
+    import tritonclient.grpc as triton_grpc
+
+    url, directory, _ = repository_app
+    name = "routed-grpc"
+    shutil.copytree(repository_sources[NAMES[7]][1].resolve(), directory / name)
+    try:
+        client = triton_grpc.InferenceServerClient(ray_serve.grpc_target)
+        for i in range(8):
+            text = triton_grpc.InferInput("text", [1], "BYTES")
+            text.set_data_from_numpy(np.array([f"text {i}".encode()], dtype=object))
+            assert client.infer(name, [text], headers={"application": APP}).as_numpy("sentence_embedding").shape[0] == 1
+        client.close()
+        with httpx.Client(timeout=120) as http:
+            for i in range(4):
+                r = http.post(f"{url}/v1/embeddings", json={"model": name, "input": [f"text {i}"]})
+                assert r.status_code == 200, r.text
+        samples = poll(metrics_url, lambda f: total(f, "ray_encoder_model_loads_total", application=APP,
+                                                    model=name, outcome="loaded") >= 1, f"{name}'s load counted")
+        loads = total(samples, "ray_encoder_model_loads_total", application=APP, model=name)
+        held = replicas_holding(metrics_url, name)
+        assert loads == 1 and len(held) == 1, (f"{name} loaded {loads:g} times, held by {held}; HAProxy's rows:\n" +
+                                               "\n".join(haproxy_backend_rows(f"grpc-{APP}-by-model")))
+    finally:
+        shutil.rmtree(directory / name)
+
+
 def test_tritonclient_lists_loads_and_unloads_over_http_and_grpc(repository_app, ray_serve):
     import tritonclient.grpc as triton_grpc
     import tritonclient.http as triton_http
