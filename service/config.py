@@ -174,10 +174,13 @@ class BundleRef(BaseModel):
 
 
 class ModelPlacement(BaseModel):
-    """On how many replicas a model of the repository is kept loaded, and at most loaded (docs/models.md)."""
+    """One model of the repository: loaded at start or on demand, on how many replicas kept loaded, and at most
+    loaded (docs/models.md)."""
 
     model_config = ConfigDict(extra="forbid")
 
+    load: Literal["eager", "on-demand"] = Field(
+        "on-demand", description="eager: loaded at start on every replica and never unloaded (as eager_models)")
     min_loaded: int = Field(0, ge=0, description="replicas that keep it loaded from their start, whether it is "
                             "used or not (never unloaded there for idleness or memory)")
     max_loaded: int | None = Field(None, ge=1, description="replicas that may hold it at once; another asked for "
@@ -213,7 +216,7 @@ class ServiceSettings(BaseModel):
         default_factory=list, description="models of models_dir loaded at start on every replica (`load: eager`), "
         "outside the memory budget and never unloaded, besides the default; the others load on demand")
     model_placement: dict[str, ModelPlacement] = Field(
-        default_factory=dict, description="per model of models_dir: min_loaded, the replicas that keep it loaded "
+        default_factory=dict, description="per model of models_dir: load (eager or on-demand), min_loaded, the replicas that keep it loaded "
         "(loaded at their start, never unloaded for idleness or memory), and max_loaded, the most that hold it at "
         "once (another asked for it answers 503 with Retry-After); a name not in the directory yet is kept for "
         "when it is copied in")
@@ -445,9 +448,11 @@ class ServiceSettings(BaseModel):
             raise ValueError("eager_models names models of models_dir: give it with models_dir")
         if self.model_placement and self.models_dir is None:
             raise ValueError("model_placement names models of models_dir: give it with models_dir")
-        for name in self.model_placement:
+        for name, entry in self.model_placement.items():
             if not valid_model_name(name):
                 raise ValueError(f"model_placement: {name!r} is not a model name (letters, digits, '.', '_', '-')")
+            if entry.load == "eager" and name not in self.eager_models:
+                self.eager_models.append(name)
         if not self.bundles:
             self.bundles = [BundleRef(path=self.bundle, name=self.model_name)]
         else:
