@@ -201,6 +201,16 @@ wrk:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends wrk >/dev/null; \
 	else echo "the request-path harness needs the Debian package wrk: apt-get install wrk" >&2; exit 1; fi
 
+# redis-server from Debian's package, the rate-limit store of the keys' limits tests (tests/test_quotas.py):
+# installed when missing and apt-get can, else one line naming it.
+.PHONY: redis
+redis:
+	@if command -v redis-server >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing redis-server (Debian package) for the keys' limits tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; \
+	else echo "the keys' limits tests need the Debian package redis-server: apt-get install redis-server" >&2; exit 1; fi
+
 # pytest-xdist workers for make test, each given whole files: much of the suite waits on Ray, services
 # and exports starting, so two share a 2-core machine well; each starts at most one Ray Serve session
 # and they share the exported bundles (tests/conftest.py). TEST_WORKERS=0 runs it in this one process.
@@ -209,7 +219,7 @@ wrk:
 # and make test fails if either did.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) reference-envs browser prometheus wrk
+test: $(STAMP) reference-envs browser prometheus wrk redis
 	@shared=$$(mktemp -d); trap 'rm -rf "$$shared"' EXIT; \
 	TEST_SHARED_DIR=$$shared $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" && parallel=0 || parallel=$$?; \
 	echo "make test: the serial phase (tests whose bounds another test's load would decide)"; \

@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-memory-bytes", type=int, help="each replica's memory for on-demand models")
     p.add_argument("--keys-file", type=Path, help="API keys file: each key's name, the sha256 of its secret, the "
                    "models it may call (docs/access.md); re-read when it changes")
+    p.add_argument("--rate-limit-storage", metavar="URI", help="where keys' limits are counted for the whole "
+                   "service: memory:// (default, one Ray actor) or redis://HOST:PORT")
     p.add_argument("--eager-model", metavar="NAME", action="append", dest="eager_models",
                    help="a repository model loaded at start on every replica besides the default (repeat for more)")
     p.add_argument("--idle-unload-s", type=float, help="unload an on-demand model idle this long (0: never)")
@@ -117,7 +119,7 @@ def load_settings(args: argparse.Namespace) -> tuple[ServiceSettings, dict[str, 
         if not args.bundle:  # the repository's default model, not the config's
             for key in ("bundle", "model_name", "bundles"):
                 settings.pop(key, None)
-    for key in ("keys_file", "default_model", "eager_models", "model_memory_bytes", "idle_unload_s", "replicas", "num_cpus", "num_gpus", "intra_op_threads", "provider", "runtime", "precision",
+    for key in ("keys_file", "rate_limit_storage", "default_model", "eager_models", "model_memory_bytes", "idle_unload_s", "replicas", "num_cpus", "num_gpus", "intra_op_threads", "provider", "runtime", "precision",
                 "max_ongoing_requests", "max_queued_requests", "request_timeout_s"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)

@@ -400,6 +400,14 @@ class ServiceSettings(BaseModel):
     auth_token_env: str = Field("ENCODER_API_TOKEN", description="environment variable holding the API token")
     keys_file: Path | None = Field(None, description="API keys file (docs/access.md): each key's name, the sha256 of "
                                    "its secret and the models it may call; re-read when it changes")
+    # where every replica counts the keys' limits (service/front/quotas.py): one store for the whole service
+    rate_limit_storage: str = Field(
+        "memory://", pattern=r"^(memory://|rediss?://\S+)$", description="where keys' requests, tokens and concurrent "
+        "requests are counted for the whole service: memory:// (one small Ray actor per application; one cluster) "
+        "or redis://HOST:PORT[/DB] (Redis; any number of clusters)")
+    rate_limit_unreachable: Literal["closed", "open"] = Field(
+        "closed", description="the rate-limit store unreachable (for 1 s): closed refuses the requests of keys with "
+        "limits (503, Retry-After), open lets them through uncounted; keys without limits never wait on it")
 
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
 

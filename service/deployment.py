@@ -35,6 +35,7 @@ from jobs.batch import BatchJobs
 from service.apis.openai_batch.runner import BatchRunner
 from service.front.deps import serve_with
 from service.front.gate import Gate
+from service.front.quotas import Quotas
 from service.grpc import serve_hooks
 from service.grpc.servicer import grpc_methods
 from service.http.server import app, configure
@@ -78,6 +79,7 @@ class Encoder(grpc_methods()):
                                     serve.get_replica_context().replica_id.unique_id, settings.model_placement)
                 if settings.model_placement else None)
         Gate.configure(settings)
+        Quotas.configure(settings, serve.get_replica_context().app_name)  # keys' limits, for the whole service
         configure(settings)
         if Gate.keyring is None:
             logger.warning("no API token configured (%s / auth_token_file): inference routes are open", settings.auth_token_env)

@@ -123,7 +123,8 @@ def keyed_app(ray_serve, default_bundle, tmp_path_factory):
     keys_file, token_file = secrets_dir / "keys.yaml", secrets_dir / "token"
     token_file.write_text(TOKEN)
     write_keys(keys_file, {"name": "team-a", "sha256": sha("secret-a")},
-               {"name": "team-b", "sha256": sha("secret-b"), "models": ["another-model"]})
+               {"name": "team-b", "sha256": sha("secret-b"), "models": ["another-model"]},
+               {"name": "team-d", "sha256": sha("secret-d"), "requests_per_minute": 2})
     deploy({"keys_file": str(keys_file), "auth_token_file": str(token_file), "num_cpus": 0.5, "warmup": False}, APP,
            f"/{APP}", default_bundle)
     try:
@@ -166,6 +167,17 @@ def test_each_key_calls_its_models_and_nothing_else(keyed_app, ray_serve):
         assert infer(request, metadata=app + (("authorization", "Bearer secret-a"),), timeout=60).outputs
 
 
+def test_a_keys_limits_are_counted_in_the_default_memory_store(keyed_app):
+    """rate_limit_storage left at memory:// (one Ray actor for the application): a key of 2 requests per
+    minute is answered twice, with OpenAI's headers, then refused 429 `requests`; the others are not limited."""
+    url, _ = keyed_app
+    answers = [embed(url, "secret-d") for _ in range(3)]
+    assert [r.status_code for r in answers] == [200, 200, 429], [r.text for r in answers]
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in answers] == ["1", "0", "0"]
+    assert error_type(answers[2]) == "requests" and answers[2].json()["error"]["code"] == "rate_limit_exceeded"
+    assert "x-ratelimit-limit-requests" not in embed(url, "secret-a").headers
+
+
 def test_a_key_removed_from_the_file_is_refused_within_seconds_and_a_broken_file_changes_nothing(keyed_app):
     url, keys_file = keyed_app
     assert embed(url, "secret-a").status_code == 200
@@ -178,3 +190,4 @@ def test_a_key_removed_from_the_file_is_refused_within_seconds_and_a_broken_file
                interval=0.2)
     revoked_after = time.monotonic() - started
     assert embed(url, "secret-c").status_code == 200 and revoked_after < 5, revoked_after
+

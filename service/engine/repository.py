@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from bundle.contract import BUNDLE_MANIFEST
 from bundle.manifest import BundleError, BundleManifest
@@ -35,9 +35,6 @@ from service.config import BundleRef, valid_model_name
 from service.engine.engine import Engine, EngineTable, shown
 from service.engine.errors import BadRequest, NotFound, ServiceError, Timeout
 from service.observability.metrics import service_metrics
-
-if TYPE_CHECKING:
-    from service.hosting.placement import Placement
 
 logger = logging.getLogger("ray.serve")
 
@@ -61,6 +58,20 @@ GRAPH_SUFFIXES = (".onnx", ".onnx.data", ".xml", ".bin")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
+
+
+class Placement(Protocol):
+    """What the other replicas hold (service/hosting/placement.py, on Ray): the repository only asks."""
+
+    async def report(self, held: list[str]) -> None: ...  # what this replica holds now; the others' view back
+
+    async def may_load(self, model: str) -> bool: ...  # False while its max_loaded other replicas hold it
+
+    def max_loaded(self, model: str) -> int | None: ...
+
+    def keep(self) -> set[str]: ...  # the models this replica keeps loaded for their min_loaded
+
+    def give_way(self) -> set[str]: ...  # held here and refused to another replica at their max_loaded
 
 
 class ModelsBusy(ServiceError):

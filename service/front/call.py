@@ -16,6 +16,7 @@ from service.engine.errors import Forbidden, InvalidRequest
 if TYPE_CHECKING:
     from service.engine.engine import Engine
     from service.front.keys import ApiKey
+    from service.front.quotas import Window
     from service.engine.runner import EncodeJob
     from service.front.policy import RoutePolicy
 
@@ -49,6 +50,8 @@ class Call:
     client_gone: bool = False  # cancelled because the client went away
     engine: Engine | None = None  # the model it holds a lease on (a model with leases is never unloaded)
     key: ApiKey | None = None  # whose call it is (the keys file's, or the single token's); None: auth off
+    limits: dict[str, Window] = field(default_factory=dict)  # a limited key's windows after it (front/quotas.py)
+    lease: str | None = None  # a limited key's concurrent lease, given back when the call ends
 
     def may_call(self, model: str | None) -> None:
         """Forbidden (403) when the call's key may not call `model` (the keys file's `models`)."""
@@ -75,10 +78,13 @@ class Call:
             self.engine.leases -= 1
             self.engine = None
 
-    def count(self, jobs: list[EncodeJob]) -> None:
-        """Texts and tokens the call sends to inference, for its access log line and span."""
+    def count(self, jobs: list[EncodeJob]) -> int:
+        """Texts and tokens the call sends to inference, for its access log line and span; returns the tokens
+        (what a key's tokens per minute counts: front/quotas.py)."""
+        tokens = sum(len(ids) for job in jobs for ids in job.ids)
         self.texts += sum(len(job.ids) for job in jobs)
-        self.tokens += sum(len(ids) for job in jobs for ids in job.ids)
+        self.tokens += tokens
+        return tokens
 
     def failed(self, reason: str) -> None:
         """Why the call failed, unless a reason was already given (the first is the cause)."""

@@ -16,6 +16,7 @@ from service.engine.engine import Engine
 from service.engine.runner import EncodeJob, EncodeResult
 from service.engine.scoring import Run, reranker as find_reranker
 from service.front.call import Call
+from service.front.quotas import Quotas
 from service.front.request_ids import new_request_id
 from service.front.responses import JSONResponse
 
@@ -94,7 +95,7 @@ async def _within_call(svc: EncoderService, request: Request, jobs: list[EncodeJ
     HAProxy closes the connection to the replica only for some of them, so it is watched for here."""
     call = call_of(request)
     timeout = call.deadline(svc.settings.request_timeout_s)
-    call.count(jobs)
+    await Quotas.charge_tokens(call, call.count(jobs))  # a key's tokens per minute, before they are batched
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         return await run(timeout, gone)

@@ -25,7 +25,12 @@ HTTP_STATUS = {
     "not_ready": 503,
     "overloaded": 503,
     "backend": 500,
+    # a key past one of its limits (service/front/quotas.py): the type names the limit, as OpenAI's does
+    "requests": 429,
+    "tokens": 429,
+    "concurrent": 429,
 }
+RATE_LIMIT_TYPES = frozenset({"requests", "tokens", "concurrent"})
 
 # the gRPC status code of each error type (grpc.StatusCode's names; the gRPC transport looks them up)
 GRPC_CODE = {
@@ -40,6 +45,9 @@ GRPC_CODE = {
     "cancelled": "CANCELLED",
     "not_ready": "UNAVAILABLE",
     "backend": "INTERNAL",
+    "requests": "RESOURCE_EXHAUSTED",
+    "tokens": "RESOURCE_EXHAUSTED",
+    "concurrent": "RESOURCE_EXHAUSTED",
 }
 
 # A call whose client left before it was answered: nginx's and Envoy's 499, never a 500 (metrics and
@@ -66,6 +74,8 @@ def our_error_body(status: int, type_: str, message: str, request_id: str | None
     """`{"error": {"type", "message", "request_id"}}`: the id is the call's, so a client's complaint can
     be matched to its log line."""
     error = {"type": type_, "message": message}
+    if type_ in RATE_LIMIT_TYPES:
+        error["code"] = "rate_limit_exceeded"  # OpenAI's: its SDK and clients read type and code
     if request_id is not None:
         error["request_id"] = request_id
     return status, {"error": error}

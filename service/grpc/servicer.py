@@ -38,6 +38,7 @@ from service.front.errors import CLIENT_GONE, GRPC_CODE, RETRY_AFTER_KEY, status
 from service.front.finish import finish
 from service.front.gate import Gate
 from service.front.policy import GrpcMethod, RoutePolicy
+from service.front.quotas import Quotas, headers as limit_headers, limited
 from service.front.request_ids import current_request_id, is_valid_request_id, new_request_id
 from service.observability import tracing
 
@@ -119,13 +120,15 @@ async def answer(svc: EncoderService, full_name: str, method: GrpcMethod, reques
             call.key, refusal = Gate.identify(metadata(context, "authorization"))
             if refusal is not None:
                 raise Unauthorized(NO_TOKEN)
+            if limited(call.key):  # a key's limits, counted for the whole service
+                await Quotas.admit(call)
         reply = await method.answer(svc, request, call)
         status, code = 200, grpc.StatusCode.OK
         return reply
     except ServiceError as exc:
         status, code = status_of(exc), code_of(exc.type)
         call.failure_reason = exc.type
-        _refuse(context, code, exc)
+        _refuse(context, code, exc, call)
         return method.response()  # Serve sends the code, not this empty message
     except asyncio.CancelledError:
         # gRPC cancels the call of a client that cancelled it or whose deadline passed
@@ -136,6 +139,10 @@ async def answer(svc: EncoderService, full_name: str, method: GrpcMethod, reques
     finally:
         current_request_id.reset(id_token)
         Gate.leave(inference)
+        if call.lease is not None:  # the key's concurrent lease, given back without waiting here
+            asyncio.get_running_loop().create_task(Quotas.release(call))
+        if call.limits and context is not None and code == grpc.StatusCode.OK:
+            _set_trailing(context, call.id, limit_headers(call))
         _finish(call, status, code, reply, span)
 
 
@@ -179,13 +186,13 @@ def _set_trailing(context: Any, request_id: str | None, pairs: list[tuple[str, s
         context.set_trailing_metadata(full)
 
 
-def _refuse(context: Any, code: grpc.StatusCode, exc: ServiceError) -> None:
+def _refuse(context: Any, code: grpc.StatusCode, exc: ServiceError, call: Call) -> None:
     if context is None:
         raise exc
     context.set_code(code)
     context.set_details(f"{exc.message[:MAX_DETAILS_CHARS]} (request id {current_request_id.get()})")
     _set_trailing(context, current_request_id.get(),
-                  [] if exc.retry_after_s is None else [(RETRY_AFTER_KEY, str(exc.retry_after_s))])
+                  ([] if exc.retry_after_s is None else [(RETRY_AFTER_KEY, str(exc.retry_after_s))]) + limit_headers(call))
 
 
 def needs_refusal(full_name: str, given: Any) -> bool:
@@ -207,7 +214,7 @@ def refusal_before_reading(full_name: str):
         try:
             exc = Unauthorized(NO_TOKEN)
             call.failure_reason = exc.type
-            _refuse(context, code_of(exc.type), exc)
+            _refuse(context, code_of(exc.type), exc, call)
             _finish(call, status_of(exc), code_of(exc.type), None)
         finally:
             current_request_id.reset(id_token)

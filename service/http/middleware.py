@@ -19,11 +19,13 @@ import asyncio
 from typing import Any
 
 from service.apis import path_policies
+from service.engine.errors import ServiceError
 from service.front.call import Call
 from service.front.deps import CALL_KEY
 from service.front.errors import CLIENT_GONE
 from service.front.finish import finish
 from service.front.gate import Gate
+from service.front.quotas import Quotas, headers as limit_headers, limited
 from service.front.request_ids import current_request_id
 from service.http.errors import error_response, service_error_response
 from service.http.headers import (REQUEST_ID_HEADER, TIMEOUT_HEADER, UNREADABLE_HEADER, app_path, asked_deadline_s,
@@ -57,6 +59,11 @@ class CallMiddleware:
             return await self.app(scope, receive, send)
         call = scope[CALL_KEY] = call_of_scope(scope)
         app, inference = self.gated(scope, call)
+        if inference and limited(call.key):  # a key's limits, counted for the whole service, before the body
+            try:
+                await Quotas.admit(call)
+            except ServiceError as exc:
+                app, inference = refusal_of_limit(exc, call), False
         id_token = current_request_id.set(call.id)
         echo = not CallMiddleware.behind_serve
         method = scope.get("method", "")
@@ -75,6 +82,9 @@ class CallMiddleware:
                 if echo:
                     headers = [h for h in message.get("headers", []) if h[0].lower() != _REQUEST_ID_NAME]
                     message = {**message, "headers": [*headers, (_REQUEST_ID_NAME, call.id.encode())]}
+                if call.limits:  # OpenAI's x-ratelimit-* on every answer of a limited key
+                    message = {**message, "headers": [*message.get("headers", []), *(
+                        (k.encode(), v.encode()) for k, v in limit_headers(call))]}
             elif message["type"] == "http.response.body":
                 sent += len(message.get("body", b""))
             await send(message)
@@ -99,6 +109,8 @@ class CallMiddleware:
                 status = CLIENT_GONE  # left mid-upload or mid-wait: the client's doing, not an error of ours
                 call.failed("cancelled")
             Gate.leave(inference)
+            if call.lease is not None:  # the key's concurrent lease, given back without waiting here
+                asyncio.get_running_loop().create_task(Quotas.release(call))
             finish(call, status, sent, span, f"{method} {call.route}", {
                 "http.route": call.route, "http.response.status_code": status, "encoder.task": call.task or None})
 
@@ -124,6 +136,16 @@ def refusal_of_unreadable(names: str, call: Call) -> Any:
         call.failure_reason = "bad_request"
         response = error_response(400, "bad_request", f"header {names}: the value is not UTF-8 text", call=call)
         await response(scope, receive, send)
+
+    return refuse
+
+
+def refusal_of_limit(refusal: ServiceError, call: Call) -> Any:
+    """The ASGI app that answers a request of a key past one of its limits (429 in the route's error style,
+    Retry-After, the limits' headers), or whose limits' store is unreachable (503): before its body is read."""
+    async def refuse(scope: dict, receive: Any, send: Any) -> None:
+        call.failure_reason = refusal.type
+        await service_error_response(refusal, call)(scope, receive, send)
 
     return refuse
 

@@ -25,6 +25,7 @@ from service.engine.engine import shown
 from service.engine.errors import InvalidRequest, ServiceError
 from service.engine.runner import EncodeJob, EncodeResult
 from service.front.call import Call
+from service.front.quotas import Quotas
 from service.front.errors import describe
 from service.front.identity import SERVER_NAME, SERVER_VERSION
 from service.front.policy import GrpcMethod, GrpcService
@@ -81,7 +82,7 @@ async def model_infer(svc: EncoderService, request: Any, call: Call) -> Any:
     outputs = select_outputs(req, engine.model)
 
     async def run(job: EncodeJob) -> EncodeResult:
-        call.count([job])
+        await Quotas.charge_tokens(call, call.count([job]))  # a key's tokens per minute, before they are batched
         return await svc.infer(engine, job, call.deadline(svc.settings.request_timeout_s))
 
     ran = await v2_run(svc, engine, req, binary, outputs, V2Call(call.route, call.protocol, run))

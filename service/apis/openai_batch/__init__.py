@@ -7,6 +7,7 @@ its body is read (an upload included). Errors are OpenAI's (below), as the SDK a
 OpenAI read them.
 """
 
+from service.front.errors import RATE_LIMIT_TYPES
 from service.front.policy import Api
 
 
@@ -22,6 +23,8 @@ def openai_error_body(status: int, type_: str, message: str, request_id: str | N
         category = "server_error"
     else:
         category = "invalid_request_error"
+    if type_ in RATE_LIMIT_TYPES:  # OpenAI's own rate-limit body: type the limit, code rate_limit_exceeded
+        return status, {"error": {"message": message, "type": type_, "param": None, "code": "rate_limit_exceeded"}}
     return status, {"error": {"message": message, "type": category, "param": None, "code": type_}}
 
 

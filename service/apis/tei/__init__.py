@@ -15,6 +15,9 @@ TEI_ERRORS = {
     "timeout": ("Overloaded", 429),  # past its deadline in the queue: overloaded, worth a retry later
     "not_ready": ("Unhealthy", 503),
     "backend": ("Backend", 424),
+    "requests": ("Overloaded", 429),  # a key past its limits (TEI's own 429 is its queue's)
+    "tokens": ("Overloaded", 429),
+    "concurrent": ("Overloaded", 429),
 }
 
 

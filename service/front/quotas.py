@@ -1,0 +1,286 @@
+"""Each key's limits (issue 58; docs/access.md), counted for the whole service, not per replica.
+
+- Requests and tokens per minute: `limits`' sliding-window counter, on one store every replica shares:
+  Redis (`rate_limit_storage: redis://HOST:PORT`, for a cluster or several) or, by default, the memory of
+  one small Ray actor per application (`memory://`: every replica of every node reaches it through Ray).
+- Concurrent requests: a lease per request with a deadline (a replica that dies with a request in flight
+  frees its lease when the deadline passes), in the same store.
+
+A request of a limited key is admitted here before its body is read (its lease, its request counted, its
+tokens' window looked at) and its tokens are counted once tokenized, before they are batched
+(`charge_tokens`). Past a limit: RateLimited, a 429 whose type is the limit (`requests`, `tokens`,
+`concurrent`), with Retry-After; each answer of a limited key carries OpenAI's x-ratelimit-* headers
+(`headers`). A store that cannot be reached within STORE_CALL_S refuses limited keys' requests with 503
+(`rate_limit_unreachable: closed`, the default) or lets them through uncounted (`open`), saying so in the
+log once a minute. Keys without limits never touch the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from service.engine.errors import NotReady, ServiceError
+
+if TYPE_CHECKING:
+    from service.config import ServiceSettings
+    from service.front.call import Call
+    from service.front.keys import ApiKey
+
+logger = logging.getLogger("ray.serve")
+
+STORE_CALL_S = 1.0  # the longest a request waits for the store before it is unreachable
+ACTOR_START_S = 30.0  # ... but the memory store's actor, until it first answered: it starts in seconds
+LEASE_MARGIN_S = 30.0  # a concurrency lease outlives its request's deadline by this much (then it is freed)
+UNREACHABLE_LOG_S = 60.0  # the store unreachable: said in the log at most this often
+NAMESPACE = "serve"
+UNCOUNTED = object()  # the store unreachable and limited keys let through (rate_limit_unreachable: open)
+
+# Lua on Redis: one lease of `limit` for a key, atomically (expired ones dropped first)
+_LEASE_SCRIPT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[4])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[1])) + 1)
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Window:
+    """One limit of a key, after this request: OpenAI's x-ratelimit-limit/remaining/reset."""
+
+    limit: int
+    remaining: int
+    reset_s: float
+
+
+class RateLimited(ServiceError):
+    """A key past one of its limits: 429, its type the limit (`requests`, `tokens`, `concurrent`)."""
+
+    def __init__(self, kind: str, message: str, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.type = kind
+
+
+def limited(key: ApiKey | None) -> bool:
+    return key is not None and (key.requests_per_minute is not None or key.tokens_per_minute is not None
+                                or key.concurrent is not None)
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's reset durations: `20ms`, `1s`, `1.5s`, `6m0s`."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    minutes, rest = divmod(round(seconds, 3), 60)
+    return f"{int(minutes)}m{rest:g}s" if minutes else f"{rest:g}s"
+
+
+class LimitStore:
+    """Counts and leases on one storage: `limits`' memory or Redis storage (and Redis itself for leases)."""
+
+    def __init__(self, uri: str) -> None:
+        from limits.aio.storage import MemoryStorage, RedisStorage
+        from limits.aio.strategies import SlidingWindowCounterRateLimiter
+
+        self.uri = uri
+        if uri.startswith(("redis://", "rediss://")):
+            import redis.asyncio
+
+            self.storage = RedisStorage(uri, implementation="redispy", wrap_exceptions=True,
+                                        socket_timeout=STORE_CALL_S, socket_connect_timeout=STORE_CALL_S)
+            self.redis = redis.asyncio.from_url(uri, socket_timeout=STORE_CALL_S, socket_connect_timeout=STORE_CALL_S)
+            self.lease_script = self.redis.register_script(_LEASE_SCRIPT)
+            self.leases: dict[str, dict[str, float]] | None = None
+        else:
+            self.storage, self.redis, self.leases = MemoryStorage(), None, {}
+        self.limiter = SlidingWindowCounterRateLimiter(self.storage)
+
+    async def charge(self, name: str, kind: str, per_minute: int, cost: int) -> tuple[bool, Window]:
+        """`cost` more of `kind` for key `name` within `per_minute`: whether it fits (it is counted only if it
+        does), and the window after it."""
+        from limits import RateLimitItemPerMinute
+
+        item = RateLimitItemPerMinute(per_minute)
+        allowed = await self.limiter.hit(item, "encoder", name, kind, cost=cost) if cost > 0 else True
+        stats = await self.limiter.get_window_stats(item, "encoder", name, kind)
+        return allowed, Window(per_minute, max(0, int(stats.remaining)), max(0.0, stats.reset_time - time.time()))
+
+    async def lease(self, name: str, limit: int, ttl_s: float) -> str | None:
+        """One of key `name`'s `limit` concurrent requests, held until `release` or `ttl_s`; None: all taken."""
+        lease, now = uuid.uuid4().hex, time.time()
+        if self.redis is not None:
+            taken = await self.lease_script(keys=[f"encoder:concurrent:{name}"], args=[now, now + ttl_s, limit, lease])
+            return lease if taken else None
+        held = self.leases.setdefault(name, {})
+        for stale in [k for k, expiry in held.items() if expiry <= now]:
+            del held[stale]
+        if len(held) >= limit:
+            return None
+        held[lease] = now + ttl_s
+        return lease
+
+    async def release(self, name: str, lease: str) -> None:
+        if self.redis is not None:
+            await self.redis.zrem(f"encoder:concurrent:{name}", lease)
+        else:
+            self.leases.get(name, {}).pop(lease, None)
+
+
+class RemoteStore:
+    """The memory store in one Ray actor per application: shared by every replica of every node."""
+
+    def __init__(self, app: str) -> None:
+        self.uri, self.app, self._actor, self.answered = "memory://", app, None, False
+
+    @property
+    def actor(self) -> Any:
+        """The actor, started (or found) when a replica with a keys file starts, or by the first limited request."""
+        if self._actor is None:
+            import ray
+
+            self._actor = ray.remote(LimitStore).options(
+                name=f"encoder-quotas-{self.app}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                num_cpus=0, max_restarts=-1).remote("memory://")
+        return self._actor
+
+    @property
+    def call_timeout_s(self) -> float:
+        return STORE_CALL_S if self.answered else ACTOR_START_S
+
+    async def _answer(self, ref: Any) -> Any:
+        result = await ref
+        self.answered = True
+        return result
+
+    async def charge(self, name: str, kind: str, per_minute: int, cost: int) -> tuple[bool, Window]:
+        return await self._answer(self.actor.charge.remote(name, kind, per_minute, cost))
+
+    async def lease(self, name: str, limit: int, ttl_s: float) -> str | None:
+        return await self._answer(self.actor.lease.remote(name, limit, ttl_s))
+
+    async def release(self, name: str, lease: str) -> None:
+        await self._answer(self.actor.release.remote(name, lease))
+
+
+class Quotas:
+    """The replica's side: admit a limited key's request, count its tokens, free its lease. Class attributes,
+    set when a replica starts (as Gate's)."""
+
+    store: Any = None  # LimitStore (Redis) or RemoteStore (the memory actor); None: no key has limits yet
+    fail_open = False  # rate_limit_unreachable: open
+    lease_ttl_s = 60.0
+    _said_at = float("-inf")
+
+    @classmethod
+    def configure(cls, settings: ServiceSettings, app: str | None) -> None:
+        uri = settings.rate_limit_storage
+        cls.store = LimitStore(uri) if uri != "memory://" or app is None else RemoteStore(app)
+        if isinstance(cls.store, RemoteStore) and settings.keys_file is not None:
+            _ = cls.store.actor  # started now, not by the first limited request (keys may get limits later)
+        cls.fail_open = settings.rate_limit_unreachable == "open"
+        cls.lease_ttl_s = settings.request_timeout_s + LEASE_MARGIN_S
+
+    @classmethod
+    async def _ask(cls, what: Any) -> Any:
+        """One call to the store within STORE_CALL_S; NotReady (503) when it cannot be reached and limited keys
+        fail closed, UNCOUNTED when they fail open."""
+        try:
+            return await asyncio.wait_for(what, getattr(cls.store, "call_timeout_s", STORE_CALL_S))
+        except (ServiceError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # Redis down, the actor gone, a timeout: the store is unreachable
+            now = time.monotonic()
+            if now - cls._said_at >= UNREACHABLE_LOG_S:
+                cls._said_at = now
+                logger.warning("rate-limit store %s unreachable (%s: %s): requests of keys with limits are %s",
+                               cls.store.uri, type(exc).__name__, exc, "let through uncounted" if cls.fail_open
+                               else "refused with 503 (rate_limit_unreachable: closed)")
+            if cls.fail_open:
+                return UNCOUNTED
+            raise NotReady(f"the rate-limit store is unreachable, and this key has limits "
+                           f"(rate_limit_unreachable: closed): retry shortly", retry_after_s=1) from None
+
+    @classmethod
+    async def admit(cls, call: Call) -> None:
+        """A limited key's request: its concurrent lease, its request counted, its tokens' window looked at
+        (a key out of tokens is refused before its body is read). RateLimited past a limit."""
+        key = call.key
+        if not limited(key) or cls.store is None:
+            return
+        if key.concurrent is not None:
+            lease = await cls._ask(cls.store.lease(key.name, key.concurrent, cls.lease_ttl_s))
+            if lease is None:
+                raise RateLimited("concurrent", f"the key {key.name!r} has {key.concurrent} requests in flight, its "
+                                  "`concurrent` limit: retry once one is answered", retry_after_s=1)
+            call.lease = None if lease is UNCOUNTED else lease
+        try:
+            if key.requests_per_minute is not None:
+                answer = await cls._ask(cls.store.charge(key.name, "requests", key.requests_per_minute, 1))
+                if answer is not UNCOUNTED:
+                    allowed, window = answer
+                    call.limits["requests"] = window
+                    if not allowed:
+                        raise RateLimited("requests", f"the key {key.name!r} is past its {key.requests_per_minute} "
+                                          f"requests per minute: retry in {duration(window.reset_s)}",
+                                          retry_after_s=max(1, math.ceil(window.reset_s)))
+            if key.tokens_per_minute is not None:
+                answer = await cls._ask(cls.store.charge(key.name, "tokens", key.tokens_per_minute, 0))
+                if answer is not UNCOUNTED:
+                    call.limits["tokens"] = answer[1]
+                    if answer[1].remaining <= 0:
+                        raise cls._out_of_tokens(key, answer[1], 0)
+        except BaseException:
+            await cls.release(call)
+            raise
+
+    @classmethod
+    async def charge_tokens(cls, call: Call, tokens: int) -> None:
+        """The tokens a limited key's request sends to inference, counted before they are batched; RateLimited
+        (and nothing counted) when they do not fit its tokens per minute."""
+        key = call.key
+        if key is None or key.tokens_per_minute is None or cls.store is None or tokens <= 0:
+            return
+        answer = await cls._ask(cls.store.charge(key.name, "tokens", key.tokens_per_minute, tokens))
+        if answer is UNCOUNTED:
+            return
+        allowed, window = answer
+        call.limits["tokens"] = window
+        if not allowed:
+            raise cls._out_of_tokens(key, window, tokens)
+
+    @staticmethod
+    def _out_of_tokens(key: ApiKey, window: Window, tokens: int) -> RateLimited:
+        if tokens > key.tokens_per_minute:
+            return RateLimited("tokens", f"this request's {tokens} tokens are more than the key {key.name!r}'s "
+                               f"{key.tokens_per_minute} tokens per minute: send fewer texts at once", retry_after_s=60)
+        asked = f"this request's {tokens} tokens; " if tokens else ""
+        return RateLimited("tokens", f"the key {key.name!r} is past its {key.tokens_per_minute} tokens per minute "
+                           f"({asked}{window.remaining} left): retry in {duration(window.reset_s)}",
+                           retry_after_s=max(1, math.ceil(window.reset_s)))
+
+    @classmethod
+    async def release(cls, call: Call) -> None:
+        """The call's concurrent lease given back (a lost one expires with its deadline)."""
+        lease, call.lease = call.lease, None
+        if lease is None or call.key is None or cls.store is None:
+            return
+        try:
+            await asyncio.wait_for(cls.store.release(call.key.name, lease), STORE_CALL_S)
+        except Exception:  # it expires by itself
+            pass
+
+
+def headers(call: Call) -> list[tuple[str, str]]:
+    """OpenAI's x-ratelimit-* headers (and gRPC trailing metadata) for a limited key's answer."""
+    out = []
+    for kind, window in call.limits.items():
+        out += [(f"x-ratelimit-limit-{kind}", str(window.limit)),
+                (f"x-ratelimit-remaining-{kind}", str(window.remaining)),
+                (f"x-ratelimit-reset-{kind}", duration(window.reset_s))]
+    return out

@@ -1,0 +1,229 @@
+"""Each key's limits (issue 58), counted for the whole service: the store in-process (limits' memory storage and
+a real redis-server on loopback), then two keys with different limits against two replicas through Ray Serve,
+counted in Redis: requests per minute hold to within one request across the replicas, tokens per minute refuse
+before the batch, concurrent requests, the answers each API's clients read (OpenAI's body and x-ratelimit-*
+headers, TEI's, Cohere's, KServe v2's, gRPC RESOURCE_EXHAUSTED with the same facts in trailing metadata), the
+openai SDK's own retry ending in success once the window refills, and Redis stopped mid-test (limited keys
+refused with 503, the others served, and counted again once it is back)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+
+import grpc
+import httpx
+import pytest
+import yaml
+
+from service.front.quotas import LimitStore, duration
+from tests.conftest import deploy, free_port, wait_until
+from tests.errors import error_message, error_type
+
+APP = "quotas"
+MODEL = "all-MiniLM-L6-v2"
+
+
+def sha(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class Redis:
+    """A real redis-server on 127.0.0.1 (Debian's package: make test installs it), stopped and started again
+    on the same port at will."""
+
+    def __init__(self, directory) -> None:
+        self.port, self.directory, self.proc = free_port(), directory, None
+        self.uri = f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        assert shutil.which("redis-server"), "redis-server is missing: make test installs Debian's redis-server"
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.directory)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True,
+                                          text=True).stdout.strip() == "PONG", "redis-server to answer", timeout=20)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = Redis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# ---- the store in-process: limits' memory storage and a real Redis ----
+
+@pytest.mark.parametrize("where", ["memory", "redis"])
+def test_a_store_counts_requests_tokens_and_leases_and_says_when_they_refill(where, redis_server):
+    store = LimitStore("memory://" if where == "memory" else redis_server.uri)
+    name = f"key-{where}-{time.monotonic_ns()}"
+
+    async def scenario() -> None:
+        answers = [await store.charge(name, "requests", 3, 1) for _ in range(4)]
+        assert [a for a, _ in answers] == [True, True, True, False]  # the fourth is not counted
+        assert [w.remaining for _, w in answers] == [2, 1, 0, 0] and 0 < answers[-1][1].reset_s <= 60
+        assert (await store.charge(name, "tokens", 100, 60))[0]
+        refused, window = await store.charge(name, "tokens", 100, 60)  # 120 > 100: refused, nothing counted
+        assert not refused and window.remaining == 40
+        assert (await store.charge(name, "tokens", 100, 40))[0]
+        leases = [await store.lease(name, 2, 30) for _ in range(3)]
+        assert leases[0] and leases[1] and leases[2] is None
+        await store.release(name, leases[0])
+        assert await store.lease(name, 2, 30)
+        assert await store.lease(name + "-expiring", 1, 0.2) and await store.lease(name + "-expiring", 1, 0.2) is None
+        await asyncio.sleep(0.3)  # a lease whose request's replica died expires with its deadline
+        assert await store.lease(name + "-expiring", 1, 30)
+
+    asyncio.run(scenario())
+
+
+def test_reset_durations_are_written_as_openai_writes_them():
+    assert [duration(s) for s in (0.02, 1, 1.5, 59.9999, 360, 61.25)] == ["20ms", "1s", "1.5s", "1m0s", "6m0s", "1m1.25s"]
+
+
+# ---- two keys against two replicas, counted in Redis ----
+
+@pytest.fixture(scope="module")
+def quota_app(ray_serve, default_bundle, redis_server, tmp_path_factory):
+    from ray import serve
+
+    keys_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys_file.write_text(yaml.safe_dump({"keys": [
+        {"name": "rpm", "sha256": sha("secret-rpm"), "requests_per_minute": 6},
+        {"name": "tpm", "sha256": sha("secret-tpm"), "tokens_per_minute": 40},
+        {"name": "conc", "sha256": sha("secret-conc"), "concurrent": 1},
+        {"name": "free", "sha256": sha("secret-free")},
+        {"name": "retry", "sha256": sha("secret-retry"), "requests_per_minute": 1},
+    ]}))
+    deploy({"keys_file": str(keys_file), "replicas": 2, "num_cpus": 0.5, "warmup": False,
+            "rate_limit_storage": redis_server.uri}, APP, f"/{APP}", default_bundle)
+    try:
+        yield f"{ray_serve.url}/{APP}"
+    finally:
+        serve.delete(APP)
+
+
+def embed(url: str, secret: str, texts=("a text",), path="/v1/embeddings") -> httpx.Response:
+    return httpx.post(f"{url}{path}", json={"input": list(texts), "model": MODEL},
+                      headers={"authorization": f"Bearer {secret}"}, timeout=60)
+
+
+def test_requests_per_minute_hold_across_the_replicas_with_openais_answers(quota_app):
+    """6 requests per minute, 12 asked over many connections (both replicas take some): 6 answered, each
+    with OpenAI's headers counting down, then 429s with OpenAI's body and Retry-After."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: embed(quota_app, "secret-rpm"), range(12)))
+    ok = [r for r in answers if r.status_code == 200]
+    refused = [r for r in answers if r.status_code != 200]
+    assert len(ok) == 6, [r.status_code for r in answers]  # counted for the whole service, not per replica
+    # (each answer's remaining is read just after its own count: requests counted at the same moment may read
+    # the same figure)
+    remaining = [int(r.headers["x-ratelimit-remaining-requests"]) for r in ok]
+    assert min(remaining) == 0 and max(remaining) <= 5, remaining
+    for r in ok:
+        assert r.headers["x-ratelimit-limit-requests"] == "6" and r.headers["x-ratelimit-reset-requests"].endswith("s")
+    for r in refused:
+        assert r.status_code == 429, r.text
+        body = r.json()["error"]
+        assert body["type"] == "requests" and body["code"] == "rate_limit_exceeded", body
+        assert "6 requests per minute" in body["message"] and "secret" not in r.text
+        assert 1 <= int(r.headers["retry-after"]) <= 60 and r.headers["x-ratelimit-remaining-requests"] == "0"
+    # other APIs' styles, same limit: TEI's, Cohere's, KServe v2's
+    tei = httpx.post(f"{quota_app}/embed", json={"inputs": "a"}, headers={"authorization": "Bearer secret-rpm"},
+                     timeout=60)
+    assert tei.status_code == 429 and tei.json()["error_type"] == "Overloaded", tei.text
+    cohere = httpx.post(f"{quota_app}/v2/embed", json={"model": MODEL, "texts": ["a"], "input_type": "search_document",
+                                                       "embedding_types": ["float"]},
+                        headers={"authorization": "Bearer secret-rpm"}, timeout=60)
+    assert cohere.status_code == 429 and "requests per minute" in cohere.json()["message"], cohere.text
+    v2 = httpx.post(f"{quota_app}/v2/models/{MODEL}/infer", json={"inputs": [
+        {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["a"]}]},
+        headers={"authorization": "Bearer secret-rpm"}, timeout=60)
+    assert v2.status_code == 429 and error_type(v2) == "requests", v2.text
+    # another key is not slowed by it
+    assert embed(quota_app, "secret-free").status_code == 200 and "x-ratelimit-limit-requests" not in \
+        embed(quota_app, "secret-free").headers
+
+
+def test_tokens_per_minute_refuse_before_the_batch_and_grpc_says_the_same(quota_app, ray_serve):
+    """40 tokens per minute: a request of more than 40 is refused outright (type tokens), one that fits is
+    answered with the tokens' headers, and once the window is spent gRPC answers RESOURCE_EXHAUSTED with
+    retry-after and the x-ratelimit-* facts in its trailing metadata."""
+    too_many = embed(quota_app, "secret-tpm", texts=["word " * 60])
+    assert too_many.status_code == 429 and error_type(too_many) == "tokens", too_many.text
+    assert "more than the key 'tpm'" in error_message(too_many)
+    fits = embed(quota_app, "secret-tpm", texts=["a short text"])
+    assert fits.status_code == 200, fits.text
+    assert fits.headers["x-ratelimit-limit-tokens"] == "40"
+    assert int(fits.headers["x-ratelimit-remaining-tokens"]) == 40 - fits.json()["usage"]["prompt_tokens"]
+    while (r := embed(quota_app, "secret-tpm", texts=["another short text here"])).status_code == 200:
+        pass
+    assert r.status_code == 429 and error_type(r) == "tokens", r.text
+    from service.apis.kserve_v2.messages import messages, method_path
+
+    m = messages()
+    request = m.ModelInferRequest(model_name=MODEL)
+    tensor = request.inputs.add(name="text", datatype="BYTES", shape=[1])
+    tensor.contents.bytes_contents.append(b"another short text here")
+    with grpc.insecure_channel(ray_serve.grpc_target) as channel:
+        infer = channel.unary_unary(method_path("ModelInfer"), request_serializer=m.ModelInferRequest.SerializeToString,
+                                    response_deserializer=m.ModelInferResponse.FromString)
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(request, metadata=(("application", APP), ("authorization", "Bearer secret-tpm")), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+    trailing = dict(refused.value.trailing_metadata())
+    assert trailing["x-ratelimit-limit-tokens"] == "40" and int(trailing["retry-after"]) >= 1, trailing
+
+
+def test_concurrent_requests_of_a_key_are_bounded_across_the_replicas(quota_app):
+    """One request at a time for the key: of 6 sent at once (each 64 texts, so they overlap), those that found
+    the key's one lease taken are 429 `concurrent`; each answered one gave its lease back."""
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: embed(quota_app, "secret-conc", texts=[f"text {i}" for i in range(64)]),
+                                range(6)))
+    codes = [r.status_code for r in answers]
+    assert codes.count(200) >= 1 and set(codes) <= {200, 429}, codes
+    assert all(error_type(r) == "concurrent" for r in answers if r.status_code == 429)
+    wait_until(lambda: embed(quota_app, "secret-conc").status_code == 200, "the key's lease back", timeout=10)
+
+
+def test_the_openai_sdks_own_retry_ends_in_success_when_the_window_refills(quota_app):
+    """One request per minute: the SDK's second call is refused (429 with Retry-After), waits as it says and
+    retries, and is answered."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{quota_app}/v1", api_key="secret-retry", max_retries=3, timeout=120)
+    assert client.embeddings.create(model=MODEL, input="first").data
+    started = time.monotonic()
+    assert client.embeddings.create(model=MODEL, input="second").data  # raises if its retries ran out
+    assert time.monotonic() - started >= 1  # it was refused, and waited
+
+
+def test_with_redis_stopped_limited_keys_are_refused_and_the_others_served(quota_app, redis_server):
+    """rate_limit_unreachable: closed (the default): a key with limits gets 503 with Retry-After while Redis is
+    down, a key without limits is served as before; once Redis is back, limited keys are counted again."""
+    redis_server.stop()
+    try:
+        down = embed(quota_app, "secret-tpm")
+        assert down.status_code == 503 and "rate-limit store is unreachable" in error_message(down), down.text
+        assert down.headers["retry-after"] == "1"
+        assert embed(quota_app, "secret-free").status_code == 200
+    finally:
+        redis_server.start()
+    wait_until(lambda: embed(quota_app, "secret-tpm", texts=["a"]).status_code in (200, 429),
+               "limited keys counted again", timeout=20)
