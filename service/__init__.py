@@ -26,7 +26,7 @@ Every module an HTTP request passes through, in order:
                              body limit
   http/server.py             the app routes it to its API; any failure becomes a JSON error in
                              that API's style (http/errors.py, front/errors.py)
-  apis/<api>/<module>.py     native, openai, kserve_v2, tei, cohere, vllm, openai_batch or ops; the body is validated
+  apis/<api>/<module>.py     native, openai, kserve_v2, tei, cohere, vllm, openai_batch, ops or usage; the body is validated
                              against apis/<api>/schemas.py
   front/deps.py              the route gets the replica's EncoderService and the named model;
                              the call's deadline (front/call.py); a client that left is noticed

@@ -160,6 +160,31 @@ def test_requests_per_minute_hold_across_the_replicas_with_openais_answers(quota
         embed(quota_app, "secret-free").headers
 
 
+def test_a_key_sees_its_usage_and_its_requests_are_counted_by_its_name(quota_app, metrics_url):
+    """GET /v1/usage with the key (keyed: it counts against none of the key's limits, so a key at its limit
+    sees when it refills); Prometheus counts each key's requests, tokens and 429s by its name, and no label
+    holds anything but the keys file's names."""
+    from tests.metrics_scrape import poll, total
+
+    spent = httpx.get(f"{quota_app}/v1/usage", headers={"authorization": "Bearer secret-rpm"}, timeout=30)
+    assert spent.status_code == 200, spent.text
+    body = spent.json()
+    assert body["key"] == "rpm" and body["limits"]["requests_per_minute"] == 6 and body["models"] is None
+    assert body["now"]["requests"]["limit"] == 6 and body["now"]["requests"]["remaining"] == 0  # spent above
+    assert body["now"]["requests"]["reset"].endswith("s") and "x-ratelimit-limit-requests" not in spent.headers
+    free = httpx.get(f"{quota_app}/v1/usage", headers={"authorization": "Bearer secret-free"}, timeout=30).json()
+    assert free["now"] == {} and free["limits"] == {"requests_per_minute": None, "tokens_per_minute": None,
+                                                    "concurrent": None}
+    assert httpx.get(f"{quota_app}/v1/usage", timeout=30).status_code == 401
+    samples = poll(metrics_url, lambda f: total(f, "ray_encoder_key_rate_limited_total", application=APP, key="rpm",
+                                                limit="requests") >= 9, "the rpm key's 429s counted")
+    assert total(samples, "ray_encoder_key_requests_total", application=APP, key="rpm", status_class="2xx") >= 6
+    assert total(samples, "ray_encoder_key_requests_total", application=APP, key="rpm", status_class="4xx") >= 9
+    names = {s.labels["key"] for family in ("ray_encoder_key_requests", "ray_encoder_key_rate_limited")
+             for s in samples[family].samples if s.labels.get("application") == APP}
+    assert names <= {"rpm", "tpm", "conc", "free", "retry"}, names
+
+
 def test_tokens_per_minute_refuse_before_the_batch_and_grpc_says_the_same(quota_app, ray_serve):
     """40 tokens per minute: a request of more than 40 is refused outright (type tokens), one that fits is
     answered with the tokens' headers, and once the window is spent gRPC answers RESOURCE_EXHAUSTED with

@@ -11,6 +11,7 @@ and a line below.
   vllm/       vLLM's POST /v1/score (and /score): text_1 against text_2 on every model that scores
   openai_batch/  OpenAI's Batch API: /v1/files, /v1/batches (the `openai` client's files and batches)
   ops/        /health, /info, the landing page and the explorers
+  usage/      /v1/usage: the calling key's limits and where it stands now
 
 APIs import only the front (service/front) and the engine (service/engine), never a transport or
 another API (tests/test_layout.py keeps it so).
@@ -18,10 +19,10 @@ another API (tests/test_layout.py keeps it so).
 
 from functools import cache
 
-from service.apis import cohere, kserve_v2, native, openai, openai_batch, ops, tei, vllm
+from service.apis import cohere, kserve_v2, native, openai, openai_batch, ops, tei, usage, vllm
 from service.front.policy import Api, PathPolicies
 
-APIS: tuple[Api, ...] = (native.API, openai.API, kserve_v2.API, tei.API, cohere.API, vllm.API, openai_batch.API, ops.API)
+APIS: tuple[Api, ...] = (native.API, openai.API, kserve_v2.API, tei.API, cohere.API, vllm.API, openai_batch.API, ops.API, usage.API)
 
 
 @cache

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from service.front.call import Call
-from service.front.errors import REASON_BY_STATUS
+from service.front.errors import RATE_LIMIT_TYPES, REASON_BY_STATUS
 from service.observability.metrics import service_metrics, status_class
 
 access_logger = logging.getLogger("service.access")
@@ -40,6 +40,13 @@ def finish(call: Call, status: int, sent_bytes: int, span: Any = None, span_name
     other = sent_bytes - sum(kinds.values())
     if other > 0:
         metrics.response_bytes.inc(other, tags={"route": route, "kind": "other", "model": model, "protocol": protocol})
+    if call.key is not None:  # per tenant: its name (from the keys file: few label values), never its secret
+        key = call.key.name
+        metrics.key_requests.inc(tags={"key": key, "model": model, "status_class": status_class(status)})
+        if call.tokens:
+            metrics.key_tokens.inc(call.tokens, tags={"key": key, "model": model})
+        if call.failure_reason in RATE_LIMIT_TYPES:
+            metrics.key_rate_limited.inc(tags={"key": key, "limit": call.failure_reason, "model": model})
     log_access(call, status, now, grpc_status)
     if span is not None:
         span.finish(span_name, status, {**(span_attributes or {}), "encoder.model": model or None,

@@ -28,11 +28,12 @@ class RoutePolicy:
     api: str
     inference: bool
     error_style: ErrorStyle = our_error_body
+    keyed: bool = False  # needs the key, runs no inference (no in-flight count, none of the key's limits)
 
     def needs_token(self, method: str) -> bool:
-        """Whether a request of this route must carry the token: an inference route's, or a write to a
-        path no route serves."""
-        return self.inference or (self is UNROUTED and method not in ("GET", "HEAD", "OPTIONS"))
+        """Whether a request of this route must carry the token: an inference route's, a keyed one's, or a
+        write to a path no route serves."""
+        return self.inference or self.keyed or (self is UNROUTED and method not in ("GET", "HEAD", "OPTIONS"))
 
 
 # A path no route serves: refused by the app (404, 405) in our error body; a write to it needs the token
@@ -73,10 +74,15 @@ class Api:
     routes: tuple[str, ...]  # the modules whose `router` (front/deps.py api_router) holds the API's HTTP routes
     inference: frozenset[str] = frozenset()  # "METHOD /path" of the routes that run inference or tokenize
     open: frozenset[str] = frozenset()  # "METHOD /path" of the routes anyone may call
+    keyed: frozenset[str] = frozenset()  # "METHOD /path" of routes that need the key and run no inference
     error_style: ErrorStyle = our_error_body
     grpc: str | None = None  # the module whose `SERVICE` (a GrpcService) holds its gRPC methods
     grpc_inference: frozenset[str] = frozenset()  # full method names (/package.Service/Method)
     grpc_open: frozenset[str] = frozenset()
+
+    @property
+    def declared(self) -> frozenset[str]:
+        return self.inference | self.open | self.keyed
 
     def routers(self) -> list[Any]:
         return [importlib.import_module(module).router for module in self.routes]
@@ -87,9 +93,9 @@ class Api:
     def policy_of(self, method: str, path: str) -> RoutePolicy:
         """The declared policy of one route; a route declared neither way (or both) is an error."""
         key = f"{method} {path}"
-        if (key in self.inference) == (key in self.open):
-            raise UndeclaredRoute(f"API {self.name!r}: route {key} must be declared inference or open (once)")
-        return RoutePolicy(self.name, key in self.inference, self.error_style)
+        if (key in self.inference) + (key in self.open) + (key in self.keyed) != 1:
+            raise UndeclaredRoute(f"API {self.name!r}: route {key} must be declared inference, open or keyed (once)")
+        return RoutePolicy(self.name, key in self.inference, self.error_style, keyed=key in self.keyed)
 
     def grpc_policy_of(self, full_name: str) -> RoutePolicy:
         if (full_name in self.grpc_inference) == (full_name in self.grpc_open):
@@ -142,7 +148,7 @@ class PathPolicies:
         exactly the declared ones)."""
         table = cls()
         for api in apis:
-            for key in sorted(api.inference | api.open):
+            for key in sorted(api.declared):
                 method, _, path = key.partition(" ")
                 table.add(path, compile_path(path)[0], [method], api.policy_of(method, path))
         return table

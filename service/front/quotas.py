@@ -125,6 +125,13 @@ class LimitStore:
         held[lease] = now + ttl_s
         return lease
 
+    async def in_flight(self, name: str) -> int:
+        """Key `name`'s concurrent leases held now."""
+        now = time.time()
+        if self.redis is not None:
+            return int(await self.redis.zcount(f"encoder:concurrent:{name}", f"({now}", "+inf"))
+        return sum(1 for expiry in self.leases.get(name, {}).values() if expiry > now)
+
     async def release(self, name: str, lease: str) -> None:
         if self.redis is not None:
             await self.redis.zrem(f"encoder:concurrent:{name}", lease)
@@ -163,6 +170,9 @@ class RemoteStore:
 
     async def lease(self, name: str, limit: int, ttl_s: float) -> str | None:
         return await self._answer(self.actor.lease.remote(name, limit, ttl_s))
+
+    async def in_flight(self, name: str) -> int:
+        return await self._answer(self.actor.in_flight.remote(name))
 
     async def release(self, name: str, lease: str) -> None:
         await self._answer(self.actor.release.remote(name, lease))
@@ -253,6 +263,23 @@ class Quotas:
         call.limits["tokens"] = window
         if not allowed:
             raise cls._out_of_tokens(key, window, tokens)
+
+    @classmethod
+    async def usage(cls, key: ApiKey) -> dict[str, Window]:
+        """Where `key` stands now in each of its limits (nothing counted); {} without limits or store."""
+        if not limited(key) or cls.store is None:
+            return {}
+        now: dict[str, Window] = {}
+        for kind, per_minute in (("requests", key.requests_per_minute), ("tokens", key.tokens_per_minute)):
+            if per_minute is not None:
+                answer = await cls._ask(cls.store.charge(key.name, kind, per_minute, 0))
+                if answer is not UNCOUNTED:
+                    now[kind] = answer[1]
+        if key.concurrent is not None:
+            held = await cls._ask(cls.store.in_flight(key.name))
+            if held is not UNCOUNTED:
+                now["concurrent"] = Window(key.concurrent, max(0, key.concurrent - held), 0.0)
+        return now
 
     @staticmethod
     def _out_of_tokens(key: ApiKey, window: Window, tokens: int) -> RateLimited:

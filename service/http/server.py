@@ -63,7 +63,7 @@ def build_app(apis: tuple[Api, ...] = APIS) -> FastAPI:
 def check_declared(app: FastAPI, apis: tuple[Api, ...]) -> None:
     """Every mounted route has exactly one declaration (inference or open), and every declaration is a
     mounted route; else the app does not start (UndeclaredRoute names the route)."""
-    declared = {key: api for api in apis for key in api.inference | api.open}
+    declared = {key: api for api in apis for key in api.declared}
     mounted = {f"{method} {route.path}" for route in app.routes if isinstance(route, Route)
                for method in (route.methods or ()) if method != "HEAD"}
     for key in sorted(mounted - declared.keys()):

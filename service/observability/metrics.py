@@ -28,6 +28,9 @@ service/grpc/), on the families a request records:
   ray_encoder_model_evictions_total{model,reason}       unloads, by reason: memory, idle, removed, unloaded (asked), moved (max_loaded)
   ray_encoder_model_loaded_bytes{model}                 each loaded on-demand model's measured bytes, per replica
   ray_encoder_model_budget_bytes                        the replica's budget for on-demand models (model_memory_bytes)
+  ray_encoder_key_requests_total{key,model,status_class} each API key's requests (key: its name in the keys file)
+  ray_encoder_key_tokens_total{key,model}               tokens each key's requests sent to inference
+  ray_encoder_key_rate_limited_total{key,limit,model}   each key's requests refused at a limit (requests, tokens, concurrent)
 
 Counters and histograms are recorded in Ray by a thread of the process (Recorder, each second), never by
 the request path: Ray's record call releases the GIL, which an event loop then waits to take back.
@@ -54,7 +57,7 @@ TOKEN_BUCKETS = [float(2**i) for i in range(4, 17)]  # 16 .. 65536 tokens
 RATIO_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0]
 
 FAILURE_REASONS = ("bad_request", "validation", "too_large", "not_found", "unauthorized", "forbidden", "overloaded", "not_ready", "timeout",
-                   "cancelled", "backend")
+                   "cancelled", "backend", "requests", "tokens", "concurrent")
 
 
 # Every family of a request or a batch carries the served model's name (empty on routes that run
@@ -210,12 +213,23 @@ class ServiceMetrics:
         self.model_evictions = self._deferred(Counter(
             PREFIX + "model_evictions_total",
             "On-demand models unloaded, by reason: memory (room for another), idle (idle_unload_s), removed (its "
-            "directory), unloaded (asked through the repository API).", tag_keys=("model", "reason")))
+            "directory), unloaded (asked through the repository API), moved (given up for a replica refused it at its "
+            "max_loaded).", tag_keys=("model", "reason")))
         self.model_loaded_bytes = Gauge(
             PREFIX + "model_loaded_bytes", "Each loaded on-demand model's measured memory on this replica.",
             tag_keys=MODEL)
         self.model_budget_bytes = Gauge(
             PREFIX + "model_budget_bytes", "This replica's memory budget for on-demand models (model_memory_bytes).")
+        # per API key (service/front/keys.py): its name is the label, from the keys file only (bounded)
+        self.key_requests = self._deferred(Counter(
+            PREFIX + "key_requests_total", "Requests of each API key, by model and status class.",
+            tag_keys=("key", "model", "status_class")))
+        self.key_tokens = self._deferred(Counter(
+            PREFIX + "key_tokens_total", "Tokens each API key's requests sent to inference, by model.",
+            tag_keys=("key", "model")))
+        self.key_rate_limited = self._deferred(Counter(
+            PREFIX + "key_rate_limited_total", "Requests of each API key refused at one of its limits (requests, "
+            "tokens, concurrent), by model (empty when refused before it was known).", tag_keys=("key", "limit", "model")))
 
 
     def _deferred(self, family: Counter | Histogram) -> Deferred:
