@@ -57,13 +57,23 @@ JOBS_MOUNT = "/data"
 BATCH_ARGS = {"jobs_dir": f"{JOBS_MOUNT}/openai-batches", "models_dir": f"{JOBS_MOUNT}/models"}
 
 
+# API keys (docs/access.md): the Secret KEYS_SECRET's keys.yaml at KEYS_MOUNT on every pod, optional (nothing
+# fails while it does not exist). With it, add `keys_file: /etc/encoder/keys/keys.yaml` to the Serve config's
+# args: the kubelet swaps the file whole when the Secret changes, and each replica re-reads it within a second.
+KEYS_SECRET = "mha-encoder-keys"
+KEYS_MOUNT = "/etc/encoder/keys"
+
+
 def jobs_volume() -> dict:
-    """A pod spec's volumes: the jobs claim (a new dict each time: shared ones would be YAML anchors)."""
-    return {"volumes": [{"name": "jobs", "persistentVolumeClaim": {"claimName": JOBS_CLAIM}}]}
+    """A pod spec's volumes: the jobs claim and the keys Secret (a new dict each time: shared ones would be YAML
+    anchors)."""
+    return {"volumes": [{"name": "jobs", "persistentVolumeClaim": {"claimName": JOBS_CLAIM}},
+                        {"name": "keys", "secret": {"secretName": KEYS_SECRET, "optional": True,
+                                                    "defaultMode": 0o440}}]}
 
 
 def jobs_volume_mounts() -> list[dict]:
-    return [{"name": "jobs", "mountPath": JOBS_MOUNT}]
+    return [{"name": "jobs", "mountPath": JOBS_MOUNT}, {"name": "keys", "mountPath": KEYS_MOUNT, "readOnly": True}]
 
 
 CPU_WORKER_PODS = 2  # the CPU worker group's replicas and minReplicas: one replica each, on two nodes
