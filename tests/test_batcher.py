@@ -192,3 +192,46 @@ def test_the_first_request_waits_for_company_only_when_asked():
 
     assert asyncio.run(scenario(0.0)) == [[1], [2]]
     assert asyncio.run(scenario(0.5)) == [[1, 2]]
+
+
+def test_interactive_jobs_go_first_and_batch_jobs_keep_their_share_and_are_never_starved():
+    """Jobs are numbers: negative ones are a batch-class key's. While the runner is busy, 40 batch jobs and 8
+    interactive ones queue (each of cost 10, a budget of 80): the next batch holds the 7 interactive jobs that
+    fit its budget less the batch share (1/8: 10 tokens) and one batch job; the batch jobs then fill the
+    batches once no interactive job waits. A batch job larger than the share goes alone with what fits, once
+    it has waited BATCH_WAIT_S."""
+    from service.engine import batcher as batcher_module
+
+    async def scenario():
+        runner = Runner()
+        live = {"settings": BatchingSettings(max_concurrent_batches=1, max_batch_tokens=80)}
+        costs = {-99: 75}
+        b = Batcher(runner.run, lambda: live["settings"], cost=lambda job: costs.get(job, 10),
+                    priority=lambda job: "batch" if job < 0 else "interactive")
+        first = asyncio.ensure_future(b.submit(0))
+        await runner.started.wait()
+        flood = [asyncio.ensure_future(b.submit(-i)) for i in range(1, 41)]
+        interactive = [asyncio.ensure_future(b.submit(i)) for i in range(1, 9)]
+        await until(lambda: b.queued == 48, "48 jobs queued behind the busy runner")
+        runner.finish.set()
+        await asyncio.gather(first, *flood, *interactive)
+        batches = list(runner.batches)
+        # a big batch job behind a stream of interactive ones: it waits at most about BATCH_WAIT_S
+        runner.batches.clear()
+        runner.finish.clear()
+        hold = asyncio.ensure_future(b.submit(100))
+        await until(lambda: len(runner.batches) == 1, "a batch running")
+        big = asyncio.ensure_future(b.submit(-99))
+        small = [asyncio.ensure_future(b.submit(200 + i)) for i in range(7)]
+        await asyncio.sleep(batcher_module.BATCH_WAIT_S + 0.05)
+        runner.finish.set()
+        await asyncio.gather(hold, big, *small)
+        return batches, list(runner.batches)
+
+    batches, later = asyncio.run(scenario())
+    assert batches[0] == [0]
+    assert batches[1] == [1, 2, 3, 4, 5, 6, 7, -1], batches[1]  # 7 interactive (70 of 80 less 10 kept) + 1 batch
+    assert batches[2][0] == 8 and all(j < 0 for j in batches[2][1:]) and len(batches[2]) == 8, batches[2]
+    served = [j for x in batches for j in x if j < 0]
+    assert served == [-i for i in range(1, 41)]  # every batch job served, in order
+    assert later[1][0] == -99 and all(j >= 200 for j in later[1][1:]), later  # the big one went first, past its wait

@@ -109,9 +109,11 @@ def quota_app(ray_serve, default_bundle, redis_server, tmp_path_factory):
         {"name": "conc", "sha256": sha("secret-conc"), "concurrent": 1},
         {"name": "free", "sha256": sha("secret-free")},
         {"name": "retry", "sha256": sha("secret-retry"), "requests_per_minute": 1},
+        {"name": "bulk", "sha256": sha("secret-bulk"), "priority": "batch", "batch_files": 1, "unfinished_batches": 0},
     ]}))
     deploy({"keys_file": str(keys_file), "replicas": 2, "num_cpus": 0.5, "warmup": False,
-            "rate_limit_storage": redis_server.uri}, APP, f"/{APP}", default_bundle)
+            "rate_limit_storage": redis_server.uri, "jobs_dir": str(keys_file.parent / "jobs")}, APP, f"/{APP}",
+           default_bundle)
     try:
         yield f"{ray_serve.url}/{APP}"
     finally:
@@ -252,3 +254,24 @@ def test_with_redis_stopped_limited_keys_are_refused_and_the_others_served(quota
         redis_server.start()
     wait_until(lambda: embed(quota_app, "secret-tpm", texts=["a"]).status_code in (200, 429),
                "limited keys counted again", timeout=20)
+
+
+def test_a_keys_batch_api_quotas_are_its_own(quota_app):
+    """batch_files 1 and unfinished_batches 0 in the keys file: the key's second upload and any batch are
+    refused naming the key's quota, while another key keeps the service's; a batch-class key is answered as
+    any other (its requests go behind interactive ones in the batch queue: tests/test_batcher.py)."""
+    import io
+
+    import openai
+
+    bulk = openai.OpenAI(base_url=f"{quota_app}/v1", api_key="secret-bulk", max_retries=0, timeout=60)
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": "a"}}\n'
+    first = bulk.files.create(file=("a.jsonl", io.BytesIO(line)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="the key's batch_files"):
+        bulk.files.create(file=("b.jsonl", io.BytesIO(line)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="the key's unfinished_batches"):
+        bulk.batches.create(input_file_id=first.id, endpoint="/v1/embeddings", completion_window="24h")
+    free = openai.OpenAI(base_url=f"{quota_app}/v1", api_key="secret-free", max_retries=0, timeout=60)
+    assert free.files.create(file=("a.jsonl", io.BytesIO(line)), purpose="batch").id
+    assert free.files.create(file=("b.jsonl", io.BytesIO(line)), purpose="batch").id
+    assert bulk.embeddings.create(model=MODEL, input="batch-class, still answered").data

@@ -11,6 +11,12 @@ before a batch forms, so nothing is computed for nobody. The knobs are read on e
 a new budget, wait or concurrency (Serve's user_config) applies to the next batch; `knobs_changed()`
 wakes the former, since a raised concurrency frees a slot that no arrival or finished batch announces.
 
+Two classes of callers share the queue (issue 58): `interactive` jobs go first, and `batch` ones (a batch-class
+API key's, the Batch API's lines) fill what is left of each batch, with BATCH_SHARE of its budget kept for them
+whenever both wait, so a flood of batch work adds at most that share to an interactive batch and is never
+starved: it gets at least that share of every batch (and the whole of it when no interactive job waits); a
+batch job larger than the share goes once it has waited BATCH_WAIT_S, alone with whatever interactive jobs fit.
+
 A slot no batch holds is lent to the running batch: when nothing is queued and no other model of the
 replica has a batch in flight, the runner runs a batch's independent pieces (sub-batches, packed rows)
 on the free slots at once (`lend`), so one large request uses every core of an idle replica. A lent
@@ -36,27 +42,33 @@ Result = TypeVar("Result")
 
 # the batch queue whose runner slot the current batch's task holds (set in that task only), its lender
 HOLDER: ContextVar[Batcher | None] = ContextVar("batch_slot_holder", default=None)
+BATCH_SHARE = 0.125  # of a batch's token budget, kept for batch-class jobs while interactive ones wait too
+BATCH_WAIT_S = 0.5  # a batch-class job larger than that share waits at most about this long for a batch
+INTERACTIVE, BATCH = "interactive", "batch"
 
 
 class Batcher(Generic[Job, Result]):
     """submit(job) -> its result, computed in a batch by `run(jobs) -> results` (list in, list out)."""
 
     def __init__(self, run: Callable[[list[Job]], Awaitable[list[Result]]], knobs: Callable[[], BatchingSettings],
-                 cost: Callable[[Job], int]) -> None:
+                 cost: Callable[[Job], int], priority: Callable[[Job], str] = lambda job: INTERACTIVE) -> None:
         self.run = run
         self.knobs = knobs  # the live batching settings
         self.cost = cost  # a job's share of max_batch_tokens
+        self.priority = priority  # a job's class: INTERACTIVE first, BATCH in what is left (and its share)
         self.running = 0  # batches being computed now
         self.lent = 0  # slots lent to a running batch's pieces (borrowed and given back in its worker threads)
         self.neighbours: list[Batcher] = []  # the batch queues of the replica's other models
         self._slots = threading.Lock()  # running + lent, read and changed from the loop and the runner's threads
-        self._queue: deque[tuple[Job, asyncio.Future]] = deque()
+        self._queue: deque[tuple[Job, asyncio.Future]] = deque()  # interactive jobs, oldest first
+        self._batch_queue: deque[tuple[Job, asyncio.Future, float]] = deque()  # batch-class jobs, with their arrival
         self._changed = asyncio.Event()  # a job arrived or a batch finished
         self._former: asyncio.Task | None = None
 
     @property
     def queued(self) -> int:
-        return sum(1 for _, future in self._queue if not future.done())
+        return sum(1 for _, future in self._queue if not future.done()) + \
+            sum(1 for _, future, _ in self._batch_queue if not future.done())
 
     async def submit(self, job: Job) -> Result:
         """Queue the job and wait for its result. Cancelling the caller cancels its place in the queue."""
@@ -65,7 +77,10 @@ class Batcher(Generic[Job, Result]):
             self._changed = asyncio.Event()  # of this loop (a replica has one; tests run several)
             self._former = loop.create_task(self._form_batches())
         future = loop.create_future()
-        self._queue.append((job, future))
+        if self.priority(job) == BATCH:
+            self._batch_queue.append((job, future, loop.time()))
+        else:
+            self._queue.append((job, future))
         self._changed.set()
         return await future
 
@@ -78,7 +93,7 @@ class Batcher(Generic[Job, Result]):
         # what it was given holds its engine (run is the engine's compute: a reference cycle), so that the model's
         # memory is freed as the engine's last reference goes, without a full garbage collection (measured for
         # all-MiniLM-L6-v2: 343 MiB freed at once; a collection took 92-135 ms on the replica's event loop)
-        self.run = self.knobs = self.cost = None  # type: ignore[assignment]
+        self.run = self.knobs = self.cost = self.priority = None  # type: ignore[assignment]
         self.neighbours = []
 
     def knobs_changed(self) -> None:
@@ -108,7 +123,7 @@ class Batcher(Generic[Job, Result]):
     def slot_wanted(self) -> bool:
         """Whether a lent slot must go back: work is queued here, or another model of the replica is computing.
         Read from the runner's threads: len() of the deque and the neighbours' counts are single reads."""
-        return bool(len(self._queue)) or any(n.held for n in self.neighbours)
+        return bool(len(self._queue)) or bool(len(self._batch_queue)) or any(n.held for n in self.neighbours)
 
     def lend(self) -> bool:
         """One free slot for a running batch's pieces, if the replica is otherwise idle: nothing queued, no
@@ -131,14 +146,14 @@ class Batcher(Generic[Job, Result]):
         while True:
             knobs = self.knobs()
             self._drop_abandoned()
-            if not self._queue or self.held >= knobs.max_concurrent_batches:
+            if not (self._queue or self._batch_queue) or self.held >= knobs.max_concurrent_batches:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
             if knobs.batch_wait_timeout_s > 0 and self._cost_queued() < knobs.max_batch_tokens:
                 await asyncio.sleep(knobs.batch_wait_timeout_s)  # company for the first request
                 self._drop_abandoned()
-                if not self._queue:
+                if not (self._queue or self._batch_queue):
                     continue
             batch = self._take(knobs.max_batch_tokens)
             with self._slots:
@@ -148,21 +163,41 @@ class Batcher(Generic[Job, Result]):
     def _drop_abandoned(self) -> None:
         if any(future.done() for _, future in self._queue):
             self._queue = deque(item for item in self._queue if not item[1].done())
+        if any(future.done() for _, future, _ in self._batch_queue):
+            self._batch_queue = deque(item for item in self._batch_queue if not item[1].done())
 
     def _cost_queued(self) -> int:
-        return sum(self.cost(job) for job, _ in self._queue)
+        return sum(self.cost(job) for job, _ in self._queue) + sum(self.cost(job) for job, _, _ in self._batch_queue)
 
     def _take(self, budget: int) -> list[tuple[Job, asyncio.Future]]:
-        """The oldest jobs that fit the budget together (at least one: a job is checked against the
-        budget before it is queued). Jobs that do not fit wait, in order, for the next batch."""
+        """The oldest interactive jobs that fit the budget, less BATCH_SHARE of it while batch-class jobs wait,
+        then the oldest batch-class jobs in what is left (at least one job in all: a job is checked against
+        the budget before it is queued). Jobs that do not fit wait, in order, for the next batch."""
         batch: list[tuple[Job, asyncio.Future]] = []
         used = 0
+        reserved = int(budget * BATCH_SHARE) if self._batch_queue and self._queue else 0
+        if self._batch_queue and self._queue:  # a batch-class job past its wait goes now, whatever its size
+            job, future, since = self._batch_queue[0]
+            if asyncio.get_running_loop().time() - since >= BATCH_WAIT_S:
+                self._batch_queue.popleft()
+                batch.append((job, future))
+                used = self.cost(job)
+                reserved = 0
         while self._queue:
             job, future = self._queue[0]
             cost = self.cost(job)
-            if batch and used + cost > budget:
+            if batch and used + cost > budget - reserved:
                 break
             self._queue.popleft()
+            if not future.done():
+                batch.append((job, future))
+                used += cost
+        while self._batch_queue:
+            job, future, _ = self._batch_queue[0]
+            cost = self.cost(job)
+            if batch and used + cost > budget:
+                break
+            self._batch_queue.popleft()
             if not future.done():
                 batch.append((job, future))
                 used += cost

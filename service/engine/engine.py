@@ -106,7 +106,8 @@ def load_engine(ref: BundleRef, settings: ServiceSettings, gpu: GpuAssignment | 
         tokenizer=TextTokenizer(bundle.tokenizer_path, bundle.manifest.model.max_tokens),
         runtime=runtime,
         runner=runner,
-        batcher=Batcher(compute, lambda: runner.batching, lambda job: job.cost(runner.batching)),
+        batcher=Batcher(compute, lambda: runner.batching, lambda job: job.cost(runner.batching),
+                        lambda job: job.priority),
         aliases=tuple(ref.aliases),
     )
     return engine

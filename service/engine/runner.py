@@ -82,6 +82,9 @@ class EncodeJob:
     # per text, how many leading tokens are attended to; the rest (a ColBERT query's expansion tokens) are
     # computed and returned but masked as keys. None: every token is attended to
     attended: list[int] | None = None
+    # the caller's class (its API key's `priority`, or the Batch API's runner): batch jobs yield to interactive
+    # ones in the batch queue, with a share of each batch kept for them (batcher.py)
+    priority: str = "interactive"
 
     @property
     def n_tokens(self) -> int:

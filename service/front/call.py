@@ -52,6 +52,14 @@ class Call:
     key: ApiKey | None = None  # whose call it is (the keys file's, or the single token's); None: auth off
     limits: dict[str, Window] = field(default_factory=dict)  # a limited key's windows after it (front/quotas.py)
     lease: str | None = None  # a limited key's concurrent lease, given back when the call ends
+    asked_batch: bool = False  # the caller asked to go behind interactive work (x-encoder-priority: batch)
+
+    @property
+    def priority(self) -> str:
+        """Its class in the batch queue: `batch` for a batch-class key's call or one that asked for it, else
+        `interactive` (engine/batcher.py)."""
+        return "batch" if self.asked_batch or (self.key is not None and self.key.priority == "batch") \
+            else "interactive"
 
     def may_call(self, model: str | None) -> None:
         """Forbidden (403) when the call's key may not call `model` (the keys file's `models`)."""
@@ -82,6 +90,8 @@ class Call:
         """Texts and tokens the call sends to inference, for its access log line and span; returns the tokens
         (what a key's tokens per minute counts: front/quotas.py)."""
         tokens = sum(len(ids) for job in jobs for ids in job.ids)
+        for job in jobs:
+            job.priority = self.priority
         self.texts += sum(len(job.ids) for job in jobs)
         self.tokens += tokens
         return tokens

@@ -9,6 +9,9 @@
         tokens_per_minute: 200000
         concurrent: 16
         priority: interactive             # or batch
+        batch_files: 100                  # the Batch API's quotas (default: the service's batch_max_*)
+        batch_bytes: 1000000000
+        unfinished_batches: 10
 
 A secret is found by its sha256 (a dict lookup: what leaks by timing is at most a hash of a secret, never the
 secret) and compared again in constant time. The single token (ENCODER_API_TOKEN, auth_token_file) is one more
@@ -58,6 +61,11 @@ class ApiKey(BaseModel):
     tokens_per_minute: int | None = Field(None, ge=1)
     concurrent: int | None = Field(None, ge=1)
     priority: Literal["interactive", "batch"] = "interactive"
+    # the Batch API's quotas of this key (null: the service's batch_max_files_per_token, batch_max_bytes_per_token,
+    # batch_max_per_token)
+    batch_files: int | None = Field(None, ge=0)
+    batch_bytes: int | None = Field(None, ge=0)
+    unfinished_batches: int | None = Field(None, ge=0)
 
     def may_call(self, model: str) -> bool:
         return self.models is None or model in self.models

@@ -23,6 +23,9 @@ _TIMEOUT_NAME = TIMEOUT_HEADER.encode()
 # Headers Serve could not have decoded (not UTF-8), named by service/http/ingress.py, which took them out
 # before Serve's code ran: the request is refused by the middleware, with an id, a log line and metrics.
 UNREADABLE_HEADER = "x-encoder-unreadable-headers"
+# A caller that asks for less: `batch` puts its work behind interactive work in the batch queue (the Batch API's
+# runner sends it). It never raises a call above its key's priority.
+PRIORITY_HEADER = "x-encoder-priority"
 
 
 def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:

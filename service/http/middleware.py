@@ -28,13 +28,14 @@ from service.front.gate import Gate
 from service.front.quotas import Quotas, headers as limit_headers, limited
 from service.front.request_ids import current_request_id
 from service.http.errors import error_response, service_error_response
-from service.http.headers import (REQUEST_ID_HEADER, TIMEOUT_HEADER, UNREADABLE_HEADER, app_path, asked_deadline_s,
+from service.http.headers import (PRIORITY_HEADER, REQUEST_ID_HEADER, TIMEOUT_HEADER, UNREADABLE_HEADER, app_path, asked_deadline_s,
                                   request_id_of, timeout_header)
 from service.observability import tracing
 
 _UNREADABLE_NAME = UNREADABLE_HEADER.encode()
 _REQUEST_ID_NAME = REQUEST_ID_HEADER.encode()
 _AUTHORIZATION = b"authorization"
+_PRIORITY_NAME = PRIORITY_HEADER.encode()
 
 
 def call_of_scope(scope: dict) -> Call:
@@ -43,7 +44,8 @@ def call_of_scope(scope: dict) -> Call:
     method, path = scope.get("method", ""), app_path(scope)
     deadline = timeout_header(headers)
     return Call(request_id_of(headers), "http", method, path=path, policy=path_policies().of(method, path),
-                asked_deadline_s=asked_deadline_s(deadline), deadline_name=TIMEOUT_HEADER, deadline_text=deadline)
+                asked_deadline_s=asked_deadline_s(deadline), deadline_name=TIMEOUT_HEADER, deadline_text=deadline,
+                asked_batch=any(k == _PRIORITY_NAME and v.strip().lower() == b"batch" for k, v in headers))
 
 
 class CallMiddleware:

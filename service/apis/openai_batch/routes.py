@@ -43,6 +43,19 @@ async def owner(request: Request) -> str:
     return hashlib.sha256(f"key:{key.name}".encode()).hexdigest()  # (hex: the store names paths by it)
 
 
+def quotas(request: Request, settings) -> tuple[tuple[int, str], tuple[int, str], tuple[int, str]]:
+    """The caller's Batch API quotas, each with the name a refusal gives it: files, bytes, unfinished batches;
+    its key's (batch_files, batch_bytes, unfinished_batches in the keys file), else the service's."""
+    key = call_of(request).key
+
+    def one(of_key: str, setting: str) -> tuple[int, str]:
+        given = getattr(key, of_key, None) if key is not None else None
+        return (given, f"the key's {of_key}") if given is not None else (getattr(settings, setting), setting)
+
+    return (one("batch_files", "batch_max_files_per_token"), one("batch_bytes", "batch_max_bytes_per_token"),
+            one("unfinished_batches", "batch_max_per_token"))
+
+
 @router.post("/v1/files", responses=ERROR_RESPONSES)
 async def file_create(request: Request, who: str = Depends(owner),
                       svc: EncoderService = Depends(service)) -> JSONResponse:
@@ -53,16 +66,16 @@ async def file_create(request: Request, who: str = Depends(owner),
     settings = svc.settings
     boundary = boundary_of(request.headers.get("content-type", ""))
     store = store_at(settings.jobs_dir)
+    (max_files, files_name), (max_bytes, bytes_name), _ = quotas(request, settings)
     count, used = await asyncio.to_thread(store.usage, who)  # refused before a byte is read; rechecked to store
-    if count >= settings.batch_max_files_per_token:
-        raise BadRequest(f"this token has {count} files; the limit is {settings.batch_max_files_per_token} "
-                         "(batch_max_files_per_token): delete one first")
-    left = settings.batch_max_bytes_per_token - used
+    if count >= max_files:
+        raise BadRequest(f"this token has {count} files; the limit is {max_files} ({files_name}): delete one first")
+    left = max_bytes - used
     if left <= 0:
-        raise TooLarge(f"this token's files hold {used} bytes, the limit of {settings.batch_max_bytes_per_token} "
-                       "(batch_max_bytes_per_token): delete some first")
+        raise TooLarge(f"this token's files hold {used} bytes, the limit of {max_bytes} ({bytes_name}): delete some "
+                       "first")
     limits = Limits(min(settings.batch_max_file_bytes, left), settings.batch_max_lines, settings.batch_max_line_bytes,
-                    "batch_max_file_bytes" if settings.batch_max_file_bytes <= left else "batch_max_bytes_per_token")
+                    "batch_max_file_bytes" if settings.batch_max_file_bytes <= left else bytes_name)
     body_limit = settings.batch_max_file_bytes + UPLOAD_ALLOWANCE
     with UploadSlots(settings.batch_max_concurrent_uploads):
         sink = UploadSink(boundary, limits, store.files)
@@ -72,7 +85,7 @@ async def file_create(request: Request, who: str = Depends(owner),
             expiry = expires_at(upload.fields, created_at, settings.batch_file_expires_after_s)
             record = await asyncio.to_thread(
                 store.add_upload, who, upload.filename, upload.size, upload.path, expiry, created_at,
-                settings.batch_max_files_per_token, settings.batch_max_bytes_per_token)
+                max_files, max_bytes, files_name, bytes_name)
         except ClientDisconnect:
             if CALL_KEY in request.scope:
                 request.scope[CALL_KEY].client_gone = True
@@ -105,7 +118,7 @@ async def file_delete(file_id: str, who: str = Depends(owner), svc: EncoderServi
 
 
 @router.post("/v1/batches", responses=ERROR_RESPONSES)
-async def batch_create(body: BatchCreateRequest, who: str = Depends(owner),
+async def batch_create(body: BatchCreateRequest, request: Request, who: str = Depends(owner),
                        svc: EncoderService = Depends(service)) -> JSONResponse:
     """`client.batches.create(...)`: the batch is stored as `validating`; a runner takes it from there."""
     settings = svc.settings
@@ -126,10 +139,11 @@ async def batch_create(body: BatchCreateRequest, who: str = Depends(owner),
                                                        else settings.batch_output_expires_s),
     }
     # counted and stored as one step under the owner's lock (other replicas share the directory), off the loop
-    unfinished = await asyncio.to_thread(store.create_batch, record, settings.batch_max_per_token)
+    max_unfinished, unfinished_name = quotas(request, settings)[2]
+    unfinished = await asyncio.to_thread(store.create_batch, record, max_unfinished)
     if unfinished is not None:
         raise BadRequest(f"{unfinished} batches of this token are unfinished; the limit is "
-                         f"{settings.batch_max_per_token} (batch_max_per_token): wait for one to end, or cancel one")
+                         f"{max_unfinished} ({unfinished_name}): wait for one to end, or cancel one")
     return JSONResponse(public(record))
 
 

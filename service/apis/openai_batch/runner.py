@@ -613,7 +613,8 @@ class BatchRunner:
             return False, request_line(line.custom_id, None, {"code": "invalid_request", "message": line.problem})
         assert self.client is not None
         request_id = f"batch_req-{secrets.token_hex(12)}"
-        headers = {"content-type": "application/json", "x-request-id": request_id}
+        headers = {"content-type": "application/json", "x-request-id": request_id,
+                   "x-encoder-priority": "batch"}  # behind interactive work in the batch queue (engine/batcher.py)
         if Gate.keyring is not None:  # run in this process as the keyring's own key (service/front/keys.py)
             headers["authorization"] = f"Bearer {Gate.keyring.internal.decode()}"
         for attempt in range(RETRIES):

@@ -121,18 +121,19 @@ class Store:
         return record
 
     def add_upload(self, owner: str, filename: str, size: int, tmp: Path, expires_at: int | None, created_at: int,
-                   max_files: int, max_bytes: int) -> dict:
+                   max_files: int, max_bytes: int, files_name: str = "batch_max_files_per_token",
+                   bytes_name: str = "batch_max_bytes_per_token") -> dict:
         """An upload received whole in `tmp` (beside the files), stored under a new id if the owner's uploads
         leave room for it (max_files, max_bytes: 400 / 413 naming the setting); checked and stored under the
         owner's lock, so that two replicas cannot both take the last place."""
         with self.owner_lock(owner):
             count, used = self.usage(owner)
             if count + 1 > max_files:
-                raise BadRequest(f"this token has {count} files; the limit is {max_files} (batch_max_files_per_token): "
+                raise BadRequest(f"this token has {count} files; the limit is {max_files} ({files_name}): "
                                  "delete one first")
             if used + size > max_bytes:
                 raise TooLarge(f"this token's files hold {used} bytes; with this one's {size} that passes the limit "
-                               f"of {max_bytes} (batch_max_bytes_per_token): delete some first")
+                               f"of {max_bytes} ({bytes_name}): delete some first")
             file_id = new_id("file-")
             os.replace(tmp, self.files / f"{file_id}.jsonl")
             record = self._record_file(file_id, owner, filename, "batch", size, created_at, expires_at)
