@@ -188,8 +188,13 @@ class ModelPlacement(BaseModel):
 
     @model_validator(mode="after")
     def _min_within_max(self) -> ModelPlacement:
-        if self.max_loaded is not None and self.min_loaded > self.max_loaded:
-            raise ValueError(f"min_loaded ({self.min_loaded}) is more than max_loaded ({self.max_loaded})")
+        # below it: the replicas that keep a model never give it up, and the one its requests are routed to (the
+        # ingress's ring, not the keepers' ranking) must be able to load it too
+        if self.max_loaded is not None and self.min_loaded >= self.max_loaded:
+            raise ValueError(f"min_loaded ({self.min_loaded}) must be less than max_loaded ({self.max_loaded}): "
+                             "the replica a model's requests are routed to may not be one that keeps it")
+        if self.max_loaded is not None and self.load == "eager":
+            raise ValueError("load: eager loads a model on every replica: it takes no max_loaded")
         return self
 
 

@@ -235,3 +235,30 @@ def test_interactive_jobs_go_first_and_batch_jobs_keep_their_share_and_are_never
     served = [j for x in batches for j in x if j < 0]
     assert served == [-i for i in range(1, 41)]  # every batch job served, in order
     assert later[1][0] == -99 and all(j >= 200 for j in later[1][1:]), later  # the big one went first, past its wait
+
+
+def test_a_backlog_of_large_batch_jobs_takes_one_batch_in_each_wait_not_every_batch():
+    """Five large batch-class jobs (each alone fills a batch) waiting long already, and 20 interactive ones, all
+    queued behind a busy runner: one large job goes, then the interactive ones fill the next batches before the
+    second large one (its wait counts from the last batch job taken, not from its arrival: else every batch
+    would start with one, and the interactive jobs would wait behind the whole backlog)."""
+    async def scenario():
+        runner = Runner()
+        live = {"settings": BatchingSettings(max_concurrent_batches=1, max_batch_tokens=80)}
+        b = Batcher(runner.run, lambda: live["settings"], cost=lambda job: 75 if job < 0 else 10,
+                    priority=lambda job: "batch" if job < 0 else "interactive")
+        first = asyncio.ensure_future(b.submit(0))
+        await runner.started.wait()
+        backlog = [asyncio.ensure_future(b.submit(-i)) for i in range(1, 6)]
+        interactive = [asyncio.ensure_future(b.submit(i)) for i in range(1, 21)]
+        await until(lambda: b.queued == 25, "25 jobs queued behind the busy runner")
+        await asyncio.sleep(0.6)  # the backlog has waited past BATCH_WAIT_S
+        runner.finish.set()
+        await asyncio.gather(first, *interactive, *backlog)
+        return list(runner.batches)
+
+    batches = asyncio.run(scenario())
+    where = {job: n for n, x in enumerate(batches) for job in x}
+    assert where[-1] == 1 and batches[1] == [-1], batches  # the one past its wait
+    assert max(where[i] for i in range(1, 21)) < where[-2], batches  # every interactive job before the next one
+    assert [where[-i] for i in range(1, 6)] == sorted(where[-i] for i in range(1, 6))  # and the backlog in order

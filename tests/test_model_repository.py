@@ -492,8 +492,11 @@ def test_eager_models_load_at_start_and_stay(repository_sources, tmp_path):
     s = ServiceSettings(models_dir=directory, model_placement={NAMES[1]: {"load": "eager"}, NAMES[3]: {"min_loaded": 1}})
     assert [b.name for b in s.bundles] == [NAMES[0], NAMES[1]]  # an entry's `load: eager`; min_loaded loads on demand
     assert ServiceSettings.model_validate(s.model_dump()).bundles == s.bundles
-    with pytest.raises(ValueError, match="more than max_loaded"):
-        ServiceSettings(models_dir=directory, model_placement={NAMES[1]: {"min_loaded": 2, "max_loaded": 1}})
+    for wrong in ({"min_loaded": 2, "max_loaded": 1}, {"min_loaded": 1, "max_loaded": 1}):
+        with pytest.raises(ValueError, match="less than max_loaded"):  # the routed replica must be able to load it
+            ServiceSettings(models_dir=directory, model_placement={NAMES[1]: wrong})
+    with pytest.raises(ValueError, match="takes no max_loaded"):
+        ServiceSettings(models_dir=directory, model_placement={NAMES[1]: {"load": "eager", "max_loaded": 1}})
     for wrong in ("no-such-model", "../models"):
         with pytest.raises(ValueError, match="is not a model of models_dir"):
             ServiceSettings(models_dir=directory, eager_models=[wrong])

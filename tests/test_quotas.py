@@ -81,19 +81,71 @@ def test_a_store_counts_requests_tokens_and_leases_and_says_when_they_refill(whe
         refused, window = await store.charge(name, "tokens", 100, 60)  # 120 > 100: refused, nothing counted
         assert not refused and window.remaining == 40
         assert (await store.charge(name, "tokens", 100, 40))[0]
-        leases = [await store.lease(name, 2, 30) for _ in range(3)]
-        assert leases[0] and leases[1] and leases[2] is None
+        leases = [await store.lease(name, 2, 30, f"lease-{i}") for i in range(3)]
+        assert leases[:2] == ["lease-0", "lease-1"] and leases[2] is None
+        assert await store.in_flight(name) == 2
         await store.release(name, leases[0])
-        assert await store.lease(name, 2, 30)
-        assert await store.lease(name + "-expiring", 1, 0.2) and await store.lease(name + "-expiring", 1, 0.2) is None
+        assert await store.lease(name, 2, 30, "lease-3")
+        assert await store.lease(name + "-expiring", 1, 0.2, "a") and await store.lease(name + "-expiring", 1, 0.2, "b") is None
         await asyncio.sleep(0.3)  # a lease whose request's replica died expires with its deadline
-        assert await store.lease(name + "-expiring", 1, 30)
+        assert await store.lease(name + "-expiring", 1, 30, "c")
 
     asyncio.run(scenario())
 
 
 def test_reset_durations_are_written_as_openai_writes_them():
     assert [duration(s) for s in (0.02, 1, 1.5, 59.9999, 360, 61.25)] == ["20ms", "1s", "1.5s", "1m0s", "6m0s", "1m1.25s"]
+
+
+def test_a_large_request_refused_for_tokens_is_told_to_wait_for_as_many_to_free():
+    """10,000 tokens a minute, none left: 5,000 more free in about 30 s, not in the next second's trickle."""
+    from service.front.keys import ApiKey
+    from service.front.quotas import Quotas, Window
+
+    key = ApiKey(name="k", sha256="0" * 64, tokens_per_minute=10_000)
+    assert Quotas.tokens_wait_s(key, Window(10_000, 0, 0.5), 5_000) == 30
+    assert Quotas.tokens_wait_s(key, Window(10_000, 4_000, 0.5), 5_000) == 6
+    assert Quotas.tokens_wait_s(key, Window(10_000, 0, 45.0), 10) == 45  # the store's own reset when longer
+    assert Quotas.tokens_wait_s(key, Window(10_000, 0, 0.0), 50_000) == 60  # at most a minute
+
+
+def test_with_the_store_unreachable_limited_keys_are_answered_at_once_not_after_a_wait_each(monkeypatch):
+    """A store that does not answer: the first request waits STORE_CALL_S, the next ones (for DOWN_S) are
+    refused at once with 503, or let through uncounted when limited keys fail open."""
+    from service.engine.errors import NotReady
+    from service.front import quotas
+    from service.front.call import Call
+    from service.front.keys import ApiKey
+    from service.front.quotas import Quotas
+
+    class Silent:
+        uri = "redis://nowhere"
+
+        async def charge(self, *args):
+            await asyncio.sleep(3600)
+
+    monkeypatch.setattr(quotas, "STORE_CALL_S", 0.2)
+    monkeypatch.setattr(Quotas, "store", Silent())
+    monkeypatch.setattr(Quotas, "_down_until", float("-inf"))
+    key = ApiKey(name="k", sha256="0" * 64, requests_per_minute=5)
+
+    async def scenario() -> list[float]:
+        waited = []
+        for fail_open in (False, False, True):
+            monkeypatch.setattr(Quotas, "fail_open", fail_open)
+            call = Call("id", "http", "POST", key=key)
+            started = time.monotonic()
+            if fail_open:
+                await Quotas.admit(call)  # uncounted
+                assert call.limits == {}
+            else:
+                with pytest.raises(NotReady):
+                    await Quotas.admit(call)
+            waited.append(time.monotonic() - started)
+        return waited
+
+    waited = asyncio.run(scenario())
+    assert waited[0] >= 0.2 and waited[1] < 0.05 and waited[2] < 0.05, waited
 
 
 # ---- two keys against two replicas, counted in Redis ----

@@ -15,7 +15,8 @@ Two classes of callers share the queue (issue 58): `interactive` jobs go first, 
 API key's, the Batch API's lines) fill what is left of each batch, with BATCH_SHARE of its budget kept for them
 whenever both wait, so a flood of batch work adds at most that share to an interactive batch and is never
 starved: it gets at least that share of every batch (and the whole of it when no interactive job waits); a
-batch job larger than the share goes once it has waited BATCH_WAIT_S, alone with whatever interactive jobs fit.
+batch job larger than the share goes once no batch job went for BATCH_WAIT_S, with whatever interactive jobs fit
+(so a standing backlog of large batch jobs takes one batch in each BATCH_WAIT_S, not every batch).
 
 A slot no batch holds is lent to the running batch: when nothing is queued and no other model of the
 replica has a batch in flight, the runner runs a batch's independent pieces (sub-batches, packed rows)
@@ -43,7 +44,7 @@ Result = TypeVar("Result")
 # the batch queue whose runner slot the current batch's task holds (set in that task only), its lender
 HOLDER: ContextVar[Batcher | None] = ContextVar("batch_slot_holder", default=None)
 BATCH_SHARE = 0.125  # of a batch's token budget, kept for batch-class jobs while interactive ones wait too
-BATCH_WAIT_S = 0.5  # a batch-class job larger than that share waits at most about this long for a batch
+BATCH_WAIT_S = 0.5  # a batch-class job larger than that share goes once no batch job went for this long
 INTERACTIVE, BATCH = "interactive", "batch"
 
 
@@ -62,6 +63,7 @@ class Batcher(Generic[Job, Result]):
         self._slots = threading.Lock()  # running + lent, read and changed from the loop and the runner's threads
         self._queue: deque[tuple[Job, asyncio.Future]] = deque()  # interactive jobs, oldest first
         self._batch_queue: deque[tuple[Job, asyncio.Future, float]] = deque()  # batch-class jobs, with their arrival
+        self._batch_taken_at = float("-inf")  # when a batch-class job last went into a batch (loop time)
         self._changed = asyncio.Event()  # a job arrived or a batch finished
         self._former: asyncio.Task | None = None
 
@@ -176,13 +178,15 @@ class Batcher(Generic[Job, Result]):
         batch: list[tuple[Job, asyncio.Future]] = []
         used = 0
         reserved = int(budget * BATCH_SHARE) if self._batch_queue and self._queue else 0
-        if self._batch_queue and self._queue:  # a batch-class job past its wait goes now, whatever its size
-            job, future, since = self._batch_queue[0]
-            if asyncio.get_running_loop().time() - since >= BATCH_WAIT_S:
+        now = asyncio.get_running_loop().time()
+        if self._batch_queue and self._queue:  # a batch-class job past its wait goes now, whatever its size: its
+            job, future, since = self._batch_queue[0]  # wait counted from its arrival or the last batch job taken
+            if now - max(since, self._batch_taken_at) >= BATCH_WAIT_S:
                 self._batch_queue.popleft()
                 batch.append((job, future))
                 used = self.cost(job)
                 reserved = 0
+                self._batch_taken_at = now
         while self._queue:
             job, future = self._queue[0]
             cost = self.cost(job)
@@ -201,6 +205,7 @@ class Batcher(Generic[Job, Result]):
             if not future.done():
                 batch.append((job, future))
                 used += cost
+                self._batch_taken_at = now
         return batch
 
     async def _compute(self, batch: list[tuple[Job, asyncio.Future]]) -> None:

@@ -376,6 +376,9 @@ class ModelRepository:
         if entry.eager:
             raise BadRequest(f"model {name!r} is loaded at start by the service's configuration (`bundles`, or the "
                              "repository's default): it is not unloaded on request")
+        if name in self.kept:
+            raise BadRequest(f"model {name!r} is kept loaded on this replica for its min_loaded (model_placement): "
+                             "it is not unloaded on request")
         if entry.engine is not None:
             if entry.idle():
                 self._unload(entry, "unloaded")

@@ -86,15 +86,18 @@ class Call:
             self.engine.leases -= 1
             self.engine = None
 
-    def count(self, jobs: list[EncodeJob]) -> int:
-        """Texts and tokens the call sends to inference, for its access log line and span; returns the tokens
-        (what a key's tokens per minute counts: front/quotas.py)."""
-        tokens = sum(len(ids) for job in jobs for ids in job.ids)
+    @staticmethod
+    def tokens_of(jobs: list[EncodeJob]) -> int:
+        """The tokens `jobs` send to inference: what a key's tokens per minute counts (front/quotas.py)."""
+        return sum(len(ids) for job in jobs for ids in job.ids)
+
+    def count(self, jobs: list[EncodeJob]) -> None:
+        """Texts and tokens the call sends to inference, for its access log line and span; and its priority
+        on each job (the batch queue's order: engine/batcher.py)."""
         for job in jobs:
             job.priority = self.priority
         self.texts += sum(len(job.ids) for job in jobs)
-        self.tokens += tokens
-        return tokens
+        self.tokens += self.tokens_of(jobs)
 
     def failed(self, reason: str) -> None:
         """Why the call failed, unless a reason was already given (the first is the cause)."""

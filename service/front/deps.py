@@ -90,12 +90,14 @@ async def reranker(svc: EncoderService, name: str | None, request: Request) -> E
 
 async def _within_call(svc: EncoderService, request: Request, jobs: list[EncodeJob],
                        run: Callable[[float, asyncio.Future], Awaitable[Any]]) -> Any:
-    """`run(timeout, gone)` for the call's jobs: counted on the call, within its deadline, with one
+    """`run(timeout, gone)` for the call's jobs: charged to its key's tokens per minute (a 429 before they are
+    batched), counted on the call, within its deadline, with one
     watcher of the client's disconnect. Ray's proxy actor cancels the handler of a client that left;
     HAProxy closes the connection to the replica only for some of them, so it is watched for here."""
     call = call_of(request)
-    timeout = call.deadline(svc.settings.request_timeout_s)
-    await Quotas.charge_tokens(call, call.count(jobs))  # a key's tokens per minute, before they are batched
+    await Quotas.charge_tokens(call, call.tokens_of(jobs))  # a key's tokens per minute, before they are batched
+    call.count(jobs)
+    timeout = call.deadline(svc.settings.request_timeout_s)  # (after the charge: its wait is the call's too)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         return await run(timeout, gone)

@@ -38,6 +38,7 @@ STORE_CALL_S = 1.0  # the longest a request waits for the store before it is unr
 ACTOR_START_S = 30.0  # ... but the memory store's actor, until it first answered: it starts in seconds
 LEASE_MARGIN_S = 30.0  # a concurrency lease outlives its request's deadline by this much (then it is freed)
 UNREACHABLE_LOG_S = 60.0  # the store unreachable: said in the log at most this often
+DOWN_S = 2.0  # ... and not asked again for this long: its requests are answered at once, not after STORE_CALL_S each
 NAMESPACE = "serve"
 UNCOUNTED = object()  # the store unreachable and limited keys let through (rate_limit_unreachable: open)
 
@@ -111,9 +112,10 @@ class LimitStore:
         stats = await self.limiter.get_window_stats(item, "encoder", name, kind)
         return allowed, Window(per_minute, max(0, int(stats.remaining)), max(0.0, stats.reset_time - time.time()))
 
-    async def lease(self, name: str, limit: int, ttl_s: float) -> str | None:
-        """One of key `name`'s `limit` concurrent requests, held until `release` or `ttl_s`; None: all taken."""
-        lease, now = uuid.uuid4().hex, time.time()
+    async def lease(self, name: str, limit: int, ttl_s: float, lease: str) -> str | None:
+        """Lease `lease`, one of key `name`'s `limit` concurrent requests, held until `release` or `ttl_s`; None:
+        all taken. (Its id is the caller's: a lease whose answer was lost on the way is released by it.)"""
+        now = time.time()
         if self.redis is not None:
             taken = await self.lease_script(keys=[f"encoder:concurrent:{name}"], args=[now, now + ttl_s, limit, lease])
             return lease if taken else None
@@ -168,8 +170,8 @@ class RemoteStore:
     async def charge(self, name: str, kind: str, per_minute: int, cost: int) -> tuple[bool, Window]:
         return await self._answer(self.actor.charge.remote(name, kind, per_minute, cost))
 
-    async def lease(self, name: str, limit: int, ttl_s: float) -> str | None:
-        return await self._answer(self.actor.lease.remote(name, limit, ttl_s))
+    async def lease(self, name: str, limit: int, ttl_s: float, lease: str) -> str | None:
+        return await self._answer(self.actor.lease.remote(name, limit, ttl_s, lease))
 
     async def in_flight(self, name: str) -> int:
         return await self._answer(self.actor.in_flight.remote(name))
@@ -186,6 +188,7 @@ class Quotas:
     fail_open = False  # rate_limit_unreachable: open
     lease_ttl_s = 60.0
     _said_at = float("-inf")
+    _down_until = float("-inf")  # the store was unreachable: not asked again before then
 
     @classmethod
     def configure(cls, settings: ServiceSettings, app: str | None) -> None:
@@ -198,23 +201,31 @@ class Quotas:
 
     @classmethod
     async def _ask(cls, what: Any) -> Any:
-        """One call to the store within STORE_CALL_S; NotReady (503) when it cannot be reached and limited keys
-        fail closed, UNCOUNTED when they fail open."""
+        """One call to the store within STORE_CALL_S (none for DOWN_S after one failed); NotReady (503) when it
+        cannot be reached and limited keys fail closed, UNCOUNTED when they fail open."""
+        if time.monotonic() < cls._down_until:
+            what.close()  # (the coroutine, never started)
+            return cls._unreachable(None)
         try:
             return await asyncio.wait_for(what, getattr(cls.store, "call_timeout_s", STORE_CALL_S))
         except (ServiceError, asyncio.CancelledError):
             raise
         except Exception as exc:  # Redis down, the actor gone, a timeout: the store is unreachable
-            now = time.monotonic()
-            if now - cls._said_at >= UNREACHABLE_LOG_S:
-                cls._said_at = now
-                logger.warning("rate-limit store %s unreachable (%s: %s): requests of keys with limits are %s",
-                               cls.store.uri, type(exc).__name__, exc, "let through uncounted" if cls.fail_open
-                               else "refused with 503 (rate_limit_unreachable: closed)")
-            if cls.fail_open:
-                return UNCOUNTED
-            raise NotReady(f"the rate-limit store is unreachable, and this key has limits "
-                           f"(rate_limit_unreachable: closed): retry shortly", retry_after_s=1) from None
+            cls._down_until = time.monotonic() + DOWN_S
+            return cls._unreachable(exc)
+
+    @classmethod
+    def _unreachable(cls, exc: Exception | None) -> Any:
+        now = time.monotonic()
+        if exc is not None and now - cls._said_at >= UNREACHABLE_LOG_S:
+            cls._said_at = now
+            logger.warning("rate-limit store %s unreachable (%s: %s): requests of keys with limits are %s",
+                           cls.store.uri, type(exc).__name__, exc, "let through uncounted" if cls.fail_open
+                           else "refused with 503 (rate_limit_unreachable: closed)")
+        if cls.fail_open:
+            return UNCOUNTED
+        raise NotReady("the rate-limit store is unreachable, and this key has limits (rate_limit_unreachable: "
+                       "closed): retry shortly", retry_after_s=1)
 
     @classmethod
     async def admit(cls, call: Call) -> None:
@@ -223,13 +234,15 @@ class Quotas:
         key = call.key
         if not limited(key) or cls.store is None:
             return
-        if key.concurrent is not None:
-            lease = await cls._ask(cls.store.lease(key.name, key.concurrent, cls.lease_ttl_s))
-            if lease is None:
-                raise RateLimited("concurrent", f"the key {key.name!r} has {key.concurrent} requests in flight, its "
-                                  "`concurrent` limit: retry once one is answered", retry_after_s=1)
-            call.lease = None if lease is UNCOUNTED else lease
         try:
+            if key.concurrent is not None:
+                call.lease = uuid.uuid4().hex  # released at the call's end, or below, even if the answer is lost
+                lease = await cls._ask(cls.store.lease(key.name, key.concurrent, cls.lease_ttl_s, call.lease))
+                if lease is None or lease is UNCOUNTED:
+                    call.lease = None
+                if lease is None:
+                    raise RateLimited("concurrent", f"the key {key.name!r} has {key.concurrent} requests in flight, "
+                                      "its `concurrent` limit: retry once one is answered", retry_after_s=1)
             if key.requests_per_minute is not None:
                 answer = await cls._ask(cls.store.charge(key.name, "requests", key.requests_per_minute, 1))
                 if answer is not UNCOUNTED:
@@ -264,6 +277,12 @@ class Quotas:
         if not allowed:
             raise cls._out_of_tokens(key, window, tokens)
 
+    @staticmethod
+    def tokens_wait_s(key: ApiKey, window: Window, tokens: int) -> int:
+        """Seconds before `tokens` more fit the key's tokens per minute: at least the time the window takes to
+        free that many at its rate (a large request waits longer than the next token), at most a minute."""
+        return max(1, min(60, math.ceil(max(window.reset_s, 60 * (tokens - window.remaining) / key.tokens_per_minute))))
+
     @classmethod
     async def usage(cls, key: ApiKey) -> dict[str, Window]:
         """Where `key` stands now in each of its limits (nothing counted); {} without limits or store."""
@@ -287,16 +306,26 @@ class Quotas:
             return RateLimited("tokens", f"this request's {tokens} tokens are more than the key {key.name!r}'s "
                                f"{key.tokens_per_minute} tokens per minute: send fewer texts at once", retry_after_s=60)
         asked = f"this request's {tokens} tokens; " if tokens else ""
+        wait = Quotas.tokens_wait_s(key, window, tokens)
         return RateLimited("tokens", f"the key {key.name!r} is past its {key.tokens_per_minute} tokens per minute "
-                           f"({asked}{window.remaining} left): retry in {duration(window.reset_s)}",
-                           retry_after_s=max(1, math.ceil(window.reset_s)))
+                           f"({asked}{window.remaining} left): retry in {duration(wait)}", retry_after_s=wait)
+
+    _releasing: set[asyncio.Task] = set()  # lease releases under way (held here: a task nobody holds may vanish)
+
+    @classmethod
+    def release_soon(cls, call: Call) -> None:
+        """The call's lease given back without waiting for the store (the call's record goes on meanwhile)."""
+        if call.lease is not None:
+            task = asyncio.get_running_loop().create_task(cls.release(call))
+            cls._releasing.add(task)
+            task.add_done_callback(cls._releasing.discard)
 
     @classmethod
     async def release(cls, call: Call) -> None:
         """The call's concurrent lease given back (a lost one expires with its deadline)."""
         lease, call.lease = call.lease, None
-        if lease is None or call.key is None or cls.store is None:
-            return
+        if lease is None or call.key is None or cls.store is None or time.monotonic() < cls._down_until:
+            return  # (a lease the store could not be told of expires with its deadline)
         try:
             await asyncio.wait_for(cls.store.release(call.key.name, lease), STORE_CALL_S)
         except Exception:  # it expires by itself

@@ -139,8 +139,7 @@ async def answer(svc: EncoderService, full_name: str, method: GrpcMethod, reques
     finally:
         current_request_id.reset(id_token)
         Gate.leave(inference)
-        if call.lease is not None:  # the key's concurrent lease, given back without waiting here
-            asyncio.get_running_loop().create_task(Quotas.release(call))
+        Quotas.release_soon(call)  # the key's concurrent lease, if it holds one
         if call.limits and context is not None and code == grpc.StatusCode.OK:
             _set_trailing(context, call.id, limit_headers(call))
         _finish(call, status, code, reply, span)

@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from typing import Any
 
 from service.config import ModelPlacement
 
@@ -31,7 +32,8 @@ STALE_S = 5.0  # a replica silent this long is gone (each reports every second)
 # A load the board let through counts as held this long, or until the replica's report lists it: a report whose
 # list was made while the claim was on its way would otherwise drop it, and let a second replica through
 CLAIM_S = 10.0
-BOARD_CALL_S = 10.0  # the longest a replica waits for the board before going on without it (its start takes seconds)
+BOARD_CALL_S = 2.0  # the longest a replica waits for the board before going on without it (well within STALE_S)
+BOARD_START_S = 10.0  # ... until the board first answered: it starts in seconds
 NAMESPACE = "serve"
 
 
@@ -108,6 +110,13 @@ class Placement:
             name=f"encoder-placement-{app}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             num_cpus=0, max_restarts=-1).remote()
         self._unreachable = False
+        self._answered = False
+
+    async def _call(self, ref: Any) -> Any:
+        result = await asyncio.wait_for(asyncio.wrap_future(ref.future()),
+                                        BOARD_CALL_S if self._answered else BOARD_START_S)
+        self._answered = True
+        return result
 
     def _reached(self, ok: bool, what: str, exc: BaseException | None = None) -> None:
         if not ok and not self._unreachable:
@@ -119,8 +128,7 @@ class Placement:
 
     async def report(self, held: list[str]) -> None:
         try:
-            self.view = await asyncio.wait_for(asyncio.wrap_future(
-                self.board.report.remote(self.replica, held).future()), BOARD_CALL_S)
+            self.view = await self._call(self.board.report.remote(self.replica, held))
             self._reached(True, "report")
         except Exception as exc:  # the view stays as it was; loads go ahead
             self._reached(False, "report", exc)
@@ -131,8 +139,7 @@ class Placement:
         if bound is None or bound.max_loaded is None:
             return True
         try:
-            allowed = await asyncio.wait_for(asyncio.wrap_future(
-                self.board.claim.remote(self.replica, model, bound.max_loaded).future()), BOARD_CALL_S)
+            allowed = await self._call(self.board.claim.remote(self.replica, model, bound.max_loaded))
             self._reached(True, "claim")
             return allowed
         except Exception as exc:

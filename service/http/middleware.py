@@ -66,6 +66,11 @@ class CallMiddleware:
                 await Quotas.admit(call)
             except ServiceError as exc:
                 app, inference = refusal_of_limit(exc, call), False
+            except asyncio.CancelledError:  # the client left while its key was admitted: recorded, as below
+                call.client_gone = True
+                call.failed("cancelled")
+                finish(call, CLIENT_GONE, 0)
+                raise
         id_token = current_request_id.set(call.id)
         echo = not CallMiddleware.behind_serve
         method = scope.get("method", "")
@@ -111,8 +116,7 @@ class CallMiddleware:
                 status = CLIENT_GONE  # left mid-upload or mid-wait: the client's doing, not an error of ours
                 call.failed("cancelled")
             Gate.leave(inference)
-            if call.lease is not None:  # the key's concurrent lease, given back without waiting here
-                asyncio.get_running_loop().create_task(Quotas.release(call))
+            Quotas.release_soon(call)  # the key's concurrent lease, if it holds one
             finish(call, status, sent, span, f"{method} {call.route}", {
                 "http.route": call.route, "http.response.status_code": status, "encoder.task": call.task or None})
 

@@ -82,7 +82,8 @@ async def model_infer(svc: EncoderService, request: Any, call: Call) -> Any:
     outputs = select_outputs(req, engine.model)
 
     async def run(job: EncodeJob) -> EncodeResult:
-        await Quotas.charge_tokens(call, call.count([job]))  # a key's tokens per minute, before they are batched
+        await Quotas.charge_tokens(call, call.tokens_of([job]))  # a key's tokens per minute, before they are batched
+        call.count([job])
         return await svc.infer(engine, job, call.deadline(svc.settings.request_timeout_s))
 
     ran = await v2_run(svc, engine, req, binary, outputs, V2Call(call.route, call.protocol, run))
