@@ -178,12 +178,17 @@ def test_a_keys_limits_are_counted_in_the_default_memory_store(keyed_app):
     assert "x-ratelimit-limit-requests" not in embed(url, "secret-a").headers
 
 
-def test_a_key_removed_from_the_file_is_refused_within_seconds_and_a_broken_file_changes_nothing(keyed_app):
+def test_a_key_removed_from_the_file_is_refused_within_seconds_and_a_broken_file_changes_nothing(keyed_app,
+                                                                                                   metrics_url):
+    from tests.metrics_scrape import poll, total
+
     url, keys_file = keyed_app
     assert embed(url, "secret-a").status_code == 200
     keys_file.write_text("keys: {{{ not yaml")  # a broken file: the last good keys stay on every replica
     time.sleep(2.5)
     assert embed(url, "secret-a").status_code == 200
+    poll(metrics_url, lambda f: total(f, "ray_encoder_keys_file_errors_total", application=APP) >= 1,
+         "the broken keys file counted")
     write_keys(keys_file, {"name": "team-c", "sha256": sha("secret-c")})  # team-a revoked, team-c added
     started = time.monotonic()
     wait_until(lambda: embed(url, "secret-a").status_code == 401, "the revoked key to be refused", timeout=30,

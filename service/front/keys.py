@@ -176,6 +176,9 @@ class Keyring:
         if why != self.error:
             self.errors += 1
             logger.error("keys file not read, the last good keys stay in use: %s", why)
+            from service.observability.metrics import service_metrics  # (here: the CLI below needs no Ray)
+
+            service_metrics().keys_file_errors.inc()
         self.error = why
 
     def identify(self, secret: bytes) -> ApiKey | None:

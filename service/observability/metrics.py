@@ -31,6 +31,7 @@ service/grpc/), on the families a request records:
   ray_encoder_key_requests_total{key,model,status_class} each API key's requests (key: its name in the keys file)
   ray_encoder_key_tokens_total{key,model}               tokens each key's requests sent to inference
   ray_encoder_key_rate_limited_total{key,limit,model}   each key's requests refused at a limit (requests, tokens, concurrent)
+  ray_encoder_keys_file_errors_total                    versions of the keys file that did not parse (last good keys kept)
 
 Counters and histograms are recorded in Ray by a thread of the process (Recorder, each second), never by
 the request path: Ray's record call releases the GIL, which an event loop then waits to take back.
@@ -227,6 +228,9 @@ class ServiceMetrics:
         self.key_tokens = self._deferred(Counter(
             PREFIX + "key_tokens_total", "Tokens each API key's requests sent to inference, by model.",
             tag_keys=("key", "model")))
+        self.keys_file_errors = self._deferred(Counter(
+            PREFIX + "keys_file_errors_total", "Versions of the keys file that did not parse (the last good keys "
+            "stay in use), per replica."))
         self.key_rate_limited = self._deferred(Counter(
             PREFIX + "key_rate_limited_total", "Requests of each API key refused at one of its limits (requests, "
             "tokens, concurrent), by model (empty when refused before it was known).", tag_keys=("key", "limit", "model")))
