@@ -64,16 +64,18 @@ KEYS_SECRET = "mha-encoder-keys"
 KEYS_MOUNT = "/etc/encoder/keys"
 
 
-def jobs_volume() -> dict:
-    """A pod spec's volumes: the jobs claim and the keys Secret (a new dict each time: shared ones would be YAML
-    anchors)."""
-    return {"volumes": [{"name": "jobs", "persistentVolumeClaim": {"claimName": JOBS_CLAIM}},
-                        {"name": "keys", "secret": {"secretName": KEYS_SECRET, "optional": True,
-                                                    "defaultMode": 0o440}}]}
+def jobs_volume(keys: bool = True) -> dict:
+    """A pod spec's volumes: the jobs claim, and the keys Secret on the RayServices' pods (`keys`; the RayJob
+    serves nobody) (a new dict each time: shared ones would be YAML anchors)."""
+    volumes = [{"name": "jobs", "persistentVolumeClaim": {"claimName": JOBS_CLAIM}}]
+    if keys:
+        volumes.append({"name": "keys", "secret": {"secretName": KEYS_SECRET, "optional": True, "defaultMode": 0o440}})
+    return {"volumes": volumes}
 
 
-def jobs_volume_mounts() -> list[dict]:
-    return [{"name": "jobs", "mountPath": JOBS_MOUNT}, {"name": "keys", "mountPath": KEYS_MOUNT, "readOnly": True}]
+def jobs_volume_mounts(keys: bool = True) -> list[dict]:
+    mounts = [{"name": "jobs", "mountPath": JOBS_MOUNT}]
+    return mounts + ([{"name": "keys", "mountPath": KEYS_MOUNT, "readOnly": True}] if keys else [])
 
 
 CPU_WORKER_PODS = 2  # the CPU worker group's replicas and minReplicas: one replica each, on two nodes
@@ -236,7 +238,7 @@ def job_container(name: str, image: str, resources: dict, ports: list[dict]) -> 
         "name": name, "image": image, "imagePullPolicy": "IfNotPresent", "workingDir": "/home/ray/app",
         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}], "ports": ports, "resources": resources,
         "securityContext": SECURITY, "livenessProbe": LIVENESS,
-        "volumeMounts": jobs_volume_mounts(),
+        "volumeMounts": jobs_volume_mounts(keys=False),
     }
 
 
@@ -263,12 +265,12 @@ def rayjob() -> dict:
                     "template": pod([job_container("ray-head", image, {"requests": {"cpu": "1", "memory": "3Gi"},
                                                                        "limits": {"cpu": "2", "memory": "3Gi"}},
                                                    [{"containerPort": 6379, "name": "gcs"},
-                                                    {"containerPort": 8265, "name": "dashboard"}])], jobs_volume()),
+                                                    {"containerPort": 8265, "name": "dashboard"}])], jobs_volume(keys=False)),
                 },
                 "workerGroupSpecs": [{
                     "groupName": "embed-workers", "replicas": 2, "minReplicas": 2, "maxReplicas": 2,
                     "rayStartParams": {},
-                    "template": pod([job_container("ray-worker", image, worker, [])], jobs_volume()),
+                    "template": pod([job_container("ray-worker", image, worker, [])], jobs_volume(keys=False)),
                 }],
             },
         },
