@@ -326,6 +326,16 @@ def replicas_holding(metrics_url: str, model: str) -> set[str]:
             if s.labels.get("application") == APP and s.labels.get("model") == model and s.value > 0}
 
 
+def assert_loaded_once_on_one_replica(metrics_url: str, name: str, backend: str) -> None:
+    """`name` loaded once, and held by one replica; else HAProxy's rows of `backend`, to tell why."""
+    samples = poll(metrics_url, lambda f: total(f, "ray_encoder_model_loads_total", application=APP,
+                                                model=name, outcome="loaded") >= 1, f"{name}'s load counted")
+    loads = total(samples, "ray_encoder_model_loads_total", application=APP, model=name)
+    held = replicas_holding(metrics_url, name)
+    assert loads == 1 and len(held) == 1, (f"{name} loaded {loads:g} times, held by {held}; HAProxy's rows:\n" +
+                                           "\n".join(haproxy_backend_rows(backend)))
+
+
 @pytest.mark.parametrize("ingress", ["haproxy", "proxy"])
 def test_a_models_requests_go_to_the_replica_that_holds_it_through_either_ingress(
         repository_app, repository_sources, metrics_url, ingress):
@@ -352,12 +362,7 @@ def test_a_models_requests_go_to_the_replica_that_holds_it_through_either_ingres
                     time.sleep(2)
             r = client.post(f"{url}/v2/repository/models/{name}/load")
             assert r.status_code == 200, r.text
-        samples = poll(metrics_url, lambda f: total(f, "ray_encoder_model_loads_total", application=APP,
-                                                    model=name, outcome="loaded") >= 1, f"{name}'s load counted")
-        loads = total(samples, "ray_encoder_model_loads_total", application=APP, model=name)
-        held = replicas_holding(metrics_url, name)
-        assert loads == 1 and len(held) == 1, (f"{name} loaded {loads:g} times, held by {held}; HAProxy's rows:\n" +
-                                               "\n".join(haproxy_backend_rows(f"http-{APP}-by-model")))
+        assert_loaded_once_on_one_replica(metrics_url, name, f"http-{APP}-by-model")
     finally:
         shutil.rmtree(directory / name)
 
@@ -384,12 +389,7 @@ def test_a_models_grpc_calls_go_to_the_replica_that_holds_it_as_its_http_request
             for i in range(4):
                 r = http.post(f"{url}/v1/embeddings", json={"model": name, "input": [f"text {i}"]})
                 assert r.status_code == 200, r.text
-        samples = poll(metrics_url, lambda f: total(f, "ray_encoder_model_loads_total", application=APP,
-                                                    model=name, outcome="loaded") >= 1, f"{name}'s load counted")
-        loads = total(samples, "ray_encoder_model_loads_total", application=APP, model=name)
-        held = replicas_holding(metrics_url, name)
-        assert loads == 1 and len(held) == 1, (f"{name} loaded {loads:g} times, held by {held}; HAProxy's rows:\n" +
-                                               "\n".join(haproxy_backend_rows(f"grpc-{APP}-by-model")))
+        assert_loaded_once_on_one_replica(metrics_url, name, f"grpc-{APP}-by-model")
     finally:
         shutil.rmtree(directory / name)
 
