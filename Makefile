@@ -25,13 +25,14 @@ LOADTEST_ARGS ?=
 # This machine's pip config lists local indexes that may be absent; their warnings are noise.
 PIP_QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: help install reference-envs run test export bundle bench bench-representations bench-families bench-int8 bench-request-path bench-models embed bench-jobs profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
+.PHONY: help install reference-envs run test export bundle bench bench-tenants bench-representations bench-families bench-int8 bench-request-path bench-models embed bench-jobs profile report reliability loadtest loadtest-overload soak prometheus gpu-check loop-stall clean
 
 help:
 	@echo "make run     install into $(VENV), export the default model if $(BUNDLE) is missing, serve it"
 	@echo "make test    install into $(VENV) (and the reference environment $(REF_ENV)) and run the whole test suite"
 	@echo "make export  export CHECKPOINT=$(CHECKPOINT) to OUT=$(OUT) (EXPORT_ARGS='--force ...')"
 	@echo "make bench   the performance targets: in-process references vs the service over HTTP; writes docs/performance.md and the README's headline"
+	@echo "make bench-tenants  issue 58's rows alone: a key check's cost per request, keys on vs off, and an interactive key's p99 beside a batch-class flood at 4x capacity (TENANTS_ARGS=...); docs/access.md"
 	@echo "make bench-representations  issue 48's rows alone: BGE-M3's three outputs in one pass vs three and vs FlagEmbedding, SPLADE vs SparseEncoder (REPRESENTATIONS_ARGS=...)"
 	@echo "make bench-families  MPNet, ModernBERT and Qwen3 shapes at real sizes: the service at its default precision and fp32 vs sentence-transformers fp32 and bf16 (PEERS=infinity: and infinity-emb at both), the engine alone, the physical bound (BENCH_ARGS=--tiny: a smoke run)"
 	@echo "make bench-models     a model repository under a Zipf rotation over 8 MiniLM-sized models; docs/models.md"
@@ -87,6 +88,13 @@ run: bundle
 bench: bundle reference-envs
 	$(BIN)/python -m benchmarks.bench --bundle $(BUNDLE) $(if $(PEERS),--peers $(PEERS)) $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.representations $(REPRESENTATIONS_ARGS)
+	$(BIN)/python -m benchmarks.tenants --bundle $(BUNDLE) $(TENANTS_ARGS)
+
+# API keys (issue 58; docs/access.md): a key check's cost per request (keys off, a key without limits, one with
+# limits) and an interactive key's p99 beside a batch-class key flooding at 4x capacity (TENANTS_ARGS='--seconds 5')
+TENANTS_ARGS ?=
+bench-tenants: bundle
+	$(BIN)/python -m benchmarks.tenants --bundle $(BUNDLE) $(TENANTS_ARGS)
 
 # Dense, sparse and multi-vector outputs (issue 48) at base size, random weights: the service's one pass against
 # three, against FlagEmbedding in the reference environment and SparseEncoder in-process; rows into

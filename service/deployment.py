@@ -35,13 +35,13 @@ from jobs.batch import BatchJobs
 from service.apis.openai_batch.runner import BatchRunner
 from service.front.deps import serve_with
 from service.front.gate import Gate
-from service.front.quotas import Quotas
+from service.front.quotas import Quotas, store_name
 from service.grpc import serve_hooks
 from service.grpc.servicer import grpc_methods
 from service.http.server import app, configure
 from service.hosting.listeners import bind_grpc_ingress_to_node_address, bind_replica_grpc_to_node_address
 from service.hosting.model_routing import tell_serve_models_held
-from service.hosting.placement import Placement
+from service.hosting.placement import NAMESPACE, Placement, board_name
 from service.observability.metrics import node_metrics_url, refresh_periodically, service_metrics
 from service.runtimes import RuntimeLoader
 from service.runtimes.cuda import ray_gpu_assignment
@@ -50,6 +50,7 @@ logger = logging.getLogger("ray.serve")
 # How long a replica's graceful stop waits for its last spans to be exported (within Serve's
 # graceful_shutdown_timeout_s, whose drain comes first; the exporter process is killed past it)
 TRACING_CLOSE_S = 10.0
+APP_STATUS_S = 5.0  # the longest a stopping replica waits to learn whether its application is being deleted
 
 
 @serve.deployment(name="Encoder")
@@ -160,6 +161,12 @@ class Encoder(grpc_methods()):
         runner stops first: a batch it ran is resumed from its records by the next runner. The metric records
         of its last requests are recorded in Ray now, not left queued (service/observability/metrics.py Recorder)."""
         await self.batches.stop()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(end_app_actors_if_deleted, serve.get_replica_context().app_name),
+                                   APP_STATUS_S)
+        except asyncio.TimeoutError:
+            logger.warning("the application's status not known within %s s: its actors are left as they are",
+                           APP_STATUS_S)
         await asyncio.to_thread(service_metrics().recorder.flush)
         await asyncio.to_thread(tracing.shutdown, TRACING_CLOSE_S)
 
@@ -170,6 +177,27 @@ class Encoder(grpc_methods()):
     def info(self) -> dict:
         """What this replica runs and has done (as /info's `replica`), callable by handle."""
         return replica_info(self.svc)
+
+
+def end_app_actors_if_deleted(app: str) -> None:
+    """The application's detached actors (the placement board, the limits' memory store) killed when Serve is
+    deleting the application, not when it only stops this replica (a scale-down, a redeploy: the next replicas
+    find them by name, with their counts): detached, they would otherwise outlive it, a process each. Every
+    replica of a deleted app tries; the first kills them. Bounded: the controller asked within APP_STATUS_S."""
+    import ray
+
+    try:
+        status = serve.status().applications.get(app)
+    except Exception:  # noqa: BLE001 - the controller gone (serve.shutdown): nothing to decide by
+        return
+    if status is not None and status.status != "DELETING":  # (ApplicationStatus, a str enum)
+        return
+    for name in (board_name(app), store_name(app)):
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+            logger.info("application %s deleted: its actor %s ended", app, name)
+        except ValueError:  # never started, or another replica ended it first
+            pass
 
 
 def _node_id() -> str:

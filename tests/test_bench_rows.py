@@ -138,3 +138,21 @@ def test_the_families_table_computes_the_targets_of_each_shape():
     assert checks["infinity-emb bf16"]["met"] is None  # not measured: said so, never a pass
     table = render([row], "a machine")
     assert "| mpnet-base | >= 1.3x sentence-transformers bf16 | 1.50x |" in table and "30.0% of peak" in table
+
+
+def test_the_tenants_rows_state_each_target_from_the_figures():
+    """make bench-tenants' table (benchmarks/tenants.py): keys on vs off and the interactive p99 under a batch-class
+    flood, each with its target and whether the figures meet it (figures made up here; the bench measures them)."""
+    from benchmarks.tenants import render
+
+    def row(texts_s: float, p99_ms: float) -> dict:
+        return {"texts_s": texts_s, "requests_s": texts_s, "p50_ms": p99_ms / 2, "p99_ms": p99_ms, "failed": 0}
+
+    out = {"off": [row(400, 90), row(420, 88)], "free": [row(415, 90)], "limited": [row(380, 95)],
+           "capacity": row(300, 400), "alone": row(150, 12), "beside": row(140, 30),
+           "flood": {"answered_s": 30.0, "failed": 0, "not_sent": 100, "offered_s": 150.0}}
+    text = render(out, "a test machine")
+    keys_row = next(line for line in text.splitlines() if "a key with limits" in line)
+    assert "9.5% slower" in keys_row and keys_row.endswith("| no |")  # 380 vs the best keys-off round, 420
+    flood_row = next(line for line in text.splitlines() if "4x its capacity" in line)
+    assert "2.50x" in flood_row and flood_row.endswith("| no |") and "240 texts/s" in flood_row

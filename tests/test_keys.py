@@ -1,10 +1,11 @@
 """API keys as data (issue 58, first part; docs/access.md): the keys file read and re-read, secrets found by their
 hash and never stored, the command that adds a key, and, through Ray Serve on loopback, two keys with different
 models over HTTP and gRPC, the single token beside them, a key revoked while serving and a keys file broken while
-serving."""
+serving; over gRPC too: a key past its limit, a revoked key, thousands of distinct wrong keys."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -90,6 +91,30 @@ def test_ten_thousand_wrong_keys_leave_nothing_behind(tmp_path):
     assert ring.by_hash == before
 
 
+def test_the_batch_runners_key_runs_a_line_as_the_batchs_owner_and_no_other_key_can(tmp_path, monkeypatch):
+    """The runner's own secret with x-encoder-on-behalf-of: NAME is key NAME (its models and limits per minute),
+    at batch priority and without its concurrent limit; once NAME leaves the file, refused; the header from any
+    other key changes nothing."""
+    from service.front.gate import Gate
+
+    path = tmp_path / "keys.yaml"
+    write_keys(path, {"name": "team-a", "sha256": sha("secret-a"), "models": ["m1"], "requests_per_minute": 5,
+                      "concurrent": 2},
+               {"name": "team-b", "sha256": sha("secret-b")})
+    monkeypatch.setattr(keys_module, "RELOAD_CHECK_S", 0.0)
+    monkeypatch.setattr(Gate, "keyring", Keyring.load(path, None))
+    internal = b"Bearer " + Gate.keyring.internal
+    key, refusal = Gate.identify(internal, b"team-a")
+    assert refusal is None and key.name == "team-a" and key.models == ("m1",) and key.requests_per_minute == 5
+    assert key.priority == "batch" and key.concurrent is None
+    assert Gate.identify(internal, None)[0].name == INTERNAL_KEY_NAME
+    assert Gate.identify(b"Bearer secret-b", b"team-a")[0].name == "team-b"  # only the runner may act for a key
+    write_keys(path, {"name": "team-b", "sha256": sha("secret-b")})
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    key, refusal = Gate.identify(internal, b"team-a")
+    assert key is None and "'team-a' that owns this batch is no longer in the keys file" in str(refusal)
+
+
 def test_adding_a_key_prints_the_secret_once_and_writes_only_its_hash(tmp_path):
     path = tmp_path / "keys.yaml"
     result = subprocess.run([sys.executable, "-m", "service.front.keys", "--keys-file", str(path), "--name",
@@ -139,6 +164,24 @@ def embed(url: str, secret: str | None, model: str | None = "all-MiniLM-L6-v2") 
     return httpx.post(f"{url}/v1/embeddings", json=body, headers=headers, timeout=60)
 
 
+def grpc_infer(ray_serve, secret: str | None, channel=None):
+    """One KServe v2 ModelInfer of the keyed app with `secret`: its reply, or the grpc.RpcError raised."""
+    from service.apis.kserve_v2.messages import messages, method_path
+
+    m = messages()
+    request = m.ModelInferRequest(model_name="all-MiniLM-L6-v2")
+    tensor = request.inputs.add(name="text", datatype="BYTES", shape=[1])
+    tensor.contents.bytes_contents.append(b"a text")
+    metadata = (("application", APP),) + ((("authorization", f"Bearer {secret}"),) if secret else ())
+    with contextlib.nullcontext(channel) if channel is not None else grpc.insecure_channel(ray_serve.grpc_target) as ch:
+        infer = ch.unary_unary(method_path("ModelInfer"), request_serializer=m.ModelInferRequest.SerializeToString,
+                               response_deserializer=m.ModelInferResponse.FromString)
+        try:
+            return infer(request, metadata=metadata, timeout=60)
+        except grpc.RpcError as exc:
+            return exc
+
+
 def test_each_key_calls_its_models_and_nothing_else(keyed_app, ray_serve):
     url, _ = keyed_app
     assert embed(url, "secret-a").status_code == 200
@@ -167,7 +210,7 @@ def test_each_key_calls_its_models_and_nothing_else(keyed_app, ray_serve):
         assert infer(request, metadata=app + (("authorization", "Bearer secret-a"),), timeout=60).outputs
 
 
-def test_a_keys_limits_are_counted_in_the_default_memory_store(keyed_app):
+def test_a_keys_limits_are_counted_in_the_default_memory_store(keyed_app, ray_serve):
     """rate_limit_storage left at memory:// (one Ray actor for the application): a key of 2 requests per
     minute is answered twice, with OpenAI's headers, then refused 429 `requests`; the others are not limited."""
     url, _ = keyed_app
@@ -176,10 +219,16 @@ def test_a_keys_limits_are_counted_in_the_default_memory_store(keyed_app):
     assert [r.headers["x-ratelimit-remaining-requests"] for r in answers] == ["1", "0", "0"]
     assert error_type(answers[2]) == "requests" and answers[2].json()["error"]["code"] == "rate_limit_exceeded"
     assert "x-ratelimit-limit-requests" not in embed(url, "secret-a").headers
+    # the same window over gRPC: RESOURCE_EXHAUSTED, the facts in its trailing metadata
+    refused = grpc_infer(ray_serve, "secret-d")
+    assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+    trailing = dict(refused.trailing_metadata() or ())
+    assert trailing["x-ratelimit-remaining-requests"] == "0" and int(trailing["retry-after"]) >= 1, trailing
 
 
 def test_a_key_removed_from_the_file_is_refused_within_seconds_and_a_broken_file_changes_nothing(keyed_app,
-                                                                                                   metrics_url):
+                                                                                                   metrics_url,
+                                                                                                   ray_serve):
     from tests.metrics_scrape import poll, total
 
     url, keys_file = keyed_app
@@ -195,4 +244,45 @@ def test_a_key_removed_from_the_file_is_refused_within_seconds_and_a_broken_file
                interval=0.2)
     revoked_after = time.monotonic() - started
     assert embed(url, "secret-c").status_code == 200 and revoked_after < 5, revoked_after
+    revoked = grpc_infer(ray_serve, "secret-a")  # over gRPC too
+    assert isinstance(revoked, grpc.RpcError) and revoked.code() == grpc.StatusCode.UNAUTHENTICATED, revoked
+    assert grpc_infer(ray_serve, "secret-c").outputs
+
+
+def test_thousands_of_distinct_wrong_keys_over_http_and_grpc_are_refused_and_leave_nothing_behind(keyed_app,
+                                                                                                 ray_serve):
+    """2,000 distinct wrong secrets over HTTP and 2,000 over gRPC (bounded here; the keyring's own test takes
+    10,000): each refused 401 / UNAUTHENTICATED, the replica's memory flat, and no log line per wrong key
+    (the access log's line per request aside)."""
+    import concurrent.futures
+    import uuid
+
+    import psutil
+    from ray import serve
+
+    url, _ = keyed_app
+    pid = serve.get_deployment_handle("Encoder", APP).info.remote().result(timeout_s=30)["pid"]
+    replica = psutil.Process(pid)
+    warm = [embed(url, f"wrong-{i}").status_code for i in range(50)]  # the paths' first-use allocations
+    assert set(warm) == {401}
+    before = replica.memory_info().rss
+    started = time.monotonic()
+    with httpx.Client(timeout=30) as client, grpc.insecure_channel(ray_serve.grpc_target) as channel:
+        def over_http(_: int) -> int:
+            return client.post(f"{url}/v1/embeddings", json={"input": "a"},
+                               headers={"authorization": f"Bearer {uuid.uuid4().hex}"}).status_code
+
+        def over_grpc(_: int) -> object:
+            answer = grpc_infer(ray_serve, uuid.uuid4().hex, channel)
+            return answer.code() if isinstance(answer, grpc.RpcError) else "answered"
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            http_codes = set(pool.map(over_http, range(2000)))
+            grpc_codes = set(pool.map(over_grpc, range(2000)))
+    took = time.monotonic() - started
+    assert http_codes == {401} and grpc_codes == {grpc.StatusCode.UNAUTHENTICATED}, (http_codes, grpc_codes)
+    grown_mb = (replica.memory_info().rss - before) / 2**20
+    assert grown_mb < 20, f"the replica grew by {grown_mb:.1f} MB over 4,000 wrong keys"
+    assert embed(url, "secret-c").status_code == 200
+    print(f"4,000 distinct wrong keys refused in {took:.1f} s; replica RSS {grown_mb:+.1f} MB")
 

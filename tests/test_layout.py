@@ -58,11 +58,14 @@ def test_every_mounted_route_has_the_policy_its_api_declared():
         "POST /v2/models/{name}/versions/{version}/infer", "POST /", "POST /embed", "POST /embed_all",
         "POST /rerank", "POST /predict", "POST /tokenize", "POST /decode", "POST /v2/embed", "POST /v2/rerank",
         "POST /embed_sparse", "POST /v1/score", "POST /score",
-        # OpenAI's Batch API: a batch runs the model later; every route needs the token (a token sees its own)
-        "POST /v1/files", "GET /v1/files/{file_id}", "GET /v1/files/{file_id}/content", "DELETE /v1/files/{file_id}",
-        "POST /v1/batches", "GET /v1/batches", "GET /v1/batches/{batch_id}", "POST /v1/batches/{batch_id}/cancel",
         # the model repository: loading and unloading a model costs memory and evicts others' (docs/models.md)
         "POST /v2/repository/models/{name}/load", "POST /v2/repository/models/{name}/unload"])
+    # keyed: they need the key and run no inference, so none of its limits per minute counts them (issue 58): the
+    # Batch API's (a key sees its own files and batches; its lines count, each as the key's request) and /v1/usage
+    assert sorted(k for api in APIS for k in api.keyed) == sorted([
+        "POST /v1/files", "GET /v1/files/{file_id}", "GET /v1/files/{file_id}/content", "DELETE /v1/files/{file_id}",
+        "POST /v1/batches", "GET /v1/batches", "GET /v1/batches/{batch_id}", "POST /v1/batches/{batch_id}/cancel",
+        "GET /v1/usage"])
 
 
 def test_every_grpc_method_has_the_policy_its_api_declared():

@@ -840,13 +840,24 @@ def test_model_placement_through_ray_serve(ray_serve, default_bundle, repository
     """The deployment's replicas share the board: min_loaded 2 is held on both replicas with no request; a model
     with max_loaded 1, asked of one replica and then of the other directly (as a request spilled over would
     be), is loaded by the first and refused by the second (503 with Retry-After in OpenAI's error body), until
-    the first, idle, gives it up and the second's retry loads it."""
+    the first, idle, gives it up and the second's retry loads it. Deleting the application ends its detached
+    actors (the board, and the limits' memory store a keys file starts)."""
+    import hashlib
+
+    import ray
     from ray import serve
+
+    from service.front.quotas import store_name
+    from service.hosting.placement import NAMESPACE, board_name
 
     directory = repository_of(repository_sources, tmp_path / "models", NAMES[:3])
     app, prefix = "placed", "/placed"
-    deploy({"models_dir": str(directory), "replicas": 2, "num_cpus": 0.5,
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(f"keys: [{{name: placer, sha256: {hashlib.sha256(b'placer-secret').hexdigest()}}}]\n")
+    deploy({"models_dir": str(directory), "replicas": 2, "num_cpus": 0.5, "keys_file": str(keys_file),
             "model_placement": {NAMES[1]: {"min_loaded": 2}, NAMES[2]: {"max_loaded": 1}}}, app, prefix, default_bundle)
+    auth = {"authorization": "Bearer placer-secret"}
+    deleted = False
     try:
         def holding(name: str) -> set[str]:
             family = scrape(metrics_url).get("ray_encoder_model_loaded_bytes")
@@ -856,16 +867,30 @@ def test_model_placement_through_ray_serve(ray_serve, default_bundle, repository
         wait_until(lambda: len(holding(NAMES[1])) == 2, "both replicas to keep the min_loaded model", timeout=60)
         first, second = (f"http://{addr}{prefix}/v1/embeddings" for addr in replica_addresses(f"http-{app}"))
         body = {"model": NAMES[2], "input": TEXTS}
-        assert httpx.post(first, json=body, timeout=60).status_code == 200
-        refused = httpx.post(second, json=body, timeout=60)
+        assert httpx.post(first, json=body, headers=auth, timeout=60).status_code == 200
+        refused = httpx.post(second, json=body, headers=auth, timeout=60)
         assert refused.status_code == 503 and refused.headers.get("retry-after") == "1", refused.text
         assert refused.json()["error"]["type"] == "overloaded" and "max_loaded (1)" in refused.json()["error"]["message"]
         deadline = time.monotonic() + 20
-        while (r := httpx.post(second, json=body, timeout=60)).status_code == 503:  # retrying as Retry-After says
+        while (r := httpx.post(second, json=body, headers=auth, timeout=60)).status_code == 503:  # retrying as Retry-After says
             assert time.monotonic() < deadline, "the first replica never gave the model up"
             time.sleep(0.5)
         assert r.status_code == 200, r.text
         time.sleep(1.5)  # the gauges are set each second
         assert len(holding(NAMES[2])) == 1, holding(NAMES[2])
-    finally:
+        names = (board_name(app), store_name(app))
+        assert all(ray.get_actor(name, namespace=NAMESPACE) for name in names)
         serve.delete(app)
+        deleted = True
+
+        def ended(name: str) -> bool:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                return True
+            return False
+
+        wait_until(lambda: all(ended(name) for name in names), "the deleted application's actors to end", timeout=30)
+    finally:
+        if not deleted:
+            serve.delete(app)

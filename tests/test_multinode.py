@@ -1,7 +1,9 @@
 """Beyond one process: a real Ray cluster of a head node and two worker nodes on loopback, the
 application deployed with `serve deploy` of deploy/serve_config.yaml as a cluster user would, one
 replica on each worker; both serve, each node's metrics port reports its own replica, and a worker
-node killed under steady traffic leaves the service answering through the other."""
+node killed under steady traffic leaves the service answering through the other. Its keys are counted in a
+real redis-server (issue 58): a key's requests per minute hold across the nodes, Redis stopped refuses only
+limited keys."""
 
 from __future__ import annotations
 
@@ -17,16 +19,39 @@ from service.hosting import processes
 from service.hosting.processes import free_port
 from tests.cluster import LoopbackCluster
 from tests.conftest import wait_until
-from tests.metrics_scrape import poll, total
+from tests.errors import error_message
+from tests.metrics_scrape import poll, scrape, total
+from tests.redis_server import Redis
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTE = "/v1/embeddings"
+MODEL = "all-MiniLM-L6-v2"
+AUTH = {"authorization": "Bearer free-secret"}  # a key without limits: the traffic of the tests below
+TENANT = {"authorization": "Bearer tenant-secret"}  # 6 requests per minute, the default model only
 
 
 @pytest.fixture(scope="module")
-def cluster(default_bundle, tmp_path_factory):
+def redis_server(tmp_path_factory):
+    server = Redis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(default_bundle, redis_server, tmp_path_factory):
     """Head (0 CPUs: no replicas) + two workers of 1 CPU; the Serve config of deploy/ with two
-    replicas of 1 CPU, at most one per node; torn down, every process of it, whatever happens."""
+    replicas of 1 CPU, at most one per node, a keys file and Redis as the limits' store; torn down, every
+    process of it, whatever happens."""
+    import hashlib
+
+    keys_file = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys_file.write_text(yaml.safe_dump({"keys": [
+        {"name": "free", "sha256": hashlib.sha256(b"free-secret").hexdigest()},
+        {"name": "tenant", "sha256": hashlib.sha256(b"tenant-secret").hexdigest(), "models": [MODEL],
+         "requests_per_minute": 6}]}))
     c = LoopbackCluster()
     try:
         c.start_node(0, head=True)
@@ -37,7 +62,8 @@ def cluster(default_bundle, tmp_path_factory):
         config["proxy_location"] = "HeadOnly"  # one ingress: all nodes share 127.0.0.1 here
         config["http_options"].update(host="127.0.0.1", port=port)
         app = config["applications"][0]
-        app["args"].update(bundles=[str(default_bundle)], num_cpus=1, max_replicas_per_node=1)
+        app["args"].update(bundles=[str(default_bundle)], num_cpus=1, max_replicas_per_node=1,
+                           keys_file=str(keys_file), rate_limit_storage=redis_server.uri)
         encoder = app["deployments"][0]
         encoder.pop("autoscaling_config")
         encoder["num_replicas"] = 2
@@ -104,7 +130,7 @@ def test_replicas_on_both_workers_serve_and_each_node_reports_its_own(cluster):
     answered = replica_nodes(cluster.url, calls=30)
     assert len(answered) == 2 and min(answered.values()) >= 3, answered  # both serve, none on the head
     sent = 40
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=30, headers=AUTH) as client:
         for i in range(sent):
             assert client.post(f"{cluster.url}{ROUTE}", json={"input": f"text {i}"}).status_code == 200
     counts: dict[int, float] = {}
@@ -126,6 +152,47 @@ def test_replicas_on_both_workers_serve_and_each_node_reports_its_own(cluster):
         assert len(replicas) == 1, replicas
 
 
+def test_a_keys_limits_hold_across_the_nodes_counted_in_redis(cluster, redis_server):
+    """6 requests per minute: a model the key may not call is refused (403: one of the 6), then 12 asked on new
+    connections: 5 answered, by both nodes' replicas (each node's metrics count some of the key's requests),
+    the rest 429 with OpenAI's body; with Redis stopped the limited key gets 503 and the key without limits is
+    served, and once it is back the limited key is counted again (its answers carry its window)."""
+    import concurrent.futures
+
+    def ask(_: int) -> httpx.Response:
+        return httpx.post(f"{cluster.url}{ROUTE}", json={"input": "a tenant's text", "model": MODEL}, headers=TENANT,
+                          timeout=60)
+
+    forbidden = httpx.post(f"{cluster.url}{ROUTE}", json={"input": "a", "model": "another-model"}, headers=TENANT,
+                           timeout=60)
+    assert forbidden.status_code == 403 and "may not call model" in error_message(forbidden), forbidden.text
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(12)))
+    ok = [r for r in answers if r.status_code == 200]
+    # counted in Redis for both nodes, not per replica: 6 a minute, the refused model's request one of them
+    assert len(ok) == 5, [r.status_code for r in answers]
+    for r in answers:
+        if r.status_code != 200:
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+            assert r.headers["x-ratelimit-remaining-requests"] == "0" and int(r.headers["retry-after"]) >= 1
+    workers = [node for node in cluster.nodes.values() if not node.head]
+
+    def by_node() -> list[float]:
+        return [total(scrape(node.metrics_url), "ray_encoder_key_requests_total", key="tenant") for node in workers]
+
+    wait_until(lambda: sum(by_node()) >= 13, "the tenant's 13 requests in the nodes' metrics", timeout=45)
+    assert all(n > 0 for n in by_node()), by_node()  # both nodes' replicas took some, and counted the same key
+    redis_server.stop()
+    try:
+        down = ask(0)
+        assert down.status_code == 503 and "rate-limit store is unreachable" in error_message(down), down.text
+        assert httpx.post(f"{cluster.url}{ROUTE}", json={"input": "a"}, headers=AUTH, timeout=60).status_code == 200
+    finally:
+        redis_server.start()
+    wait_until(lambda: "x-ratelimit-remaining-requests" in ask(0).headers, "the limited key counted again once Redis "
+               "is back", timeout=30)
+
+
 def test_a_worker_node_killed_under_traffic(cluster):
     """SIGKILL a worker node's raylet, agents and replica under four closed-loop clients: the service
     keeps answering through the other node; then the node comes back (as Kubernetes restarts a pod)
@@ -134,7 +201,7 @@ def test_a_worker_node_killed_under_traffic(cluster):
     stop = threading.Event()
 
     def client() -> None:
-        with httpx.Client(timeout=30) as c:
+        with httpx.Client(timeout=30, headers=AUTH) as c:
             while not stop.is_set():
                 started = time.monotonic()
                 try:
@@ -208,7 +275,7 @@ def test_live_knobs_change_under_traffic_without_a_restart_or_a_failed_request(c
     stop = threading.Event()
 
     def client() -> None:
-        with httpx.Client(timeout=30) as c:
+        with httpx.Client(timeout=30, headers=AUTH) as c:
             while not stop.is_set():
                 try:
                     outcomes.append(c.post(f"{cluster.url}{ROUTE}", json={"input": "live change"}).status_code)
@@ -242,7 +309,7 @@ def test_live_knobs_change_under_traffic_without_a_restart_or_a_failed_request(c
                    i["limits"]["max_queued_requests"]) for i in after.values()]
         assert limits == [(8192, 64, 16)] * 2, limits  # Serve's live limits, as each replica sees them
         big = [" ".join(["words"] * 200)] * 48  # about 9,700 tokens: over the new limit, under the old one
-        r = httpx.post(f"{cluster.url}/v1/encode", json={"inputs": big}, timeout=60)
+        r = httpx.post(f"{cluster.url}/v1/encode", json={"inputs": big}, headers=AUTH, timeout=60)
         assert r.status_code == 413 and "at most 8192" in r.json()["error"]["message"], r.text
 
         config["applications"][0]["deployments"][0]["num_replicas"] = 1

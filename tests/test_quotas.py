@@ -12,8 +12,6 @@ import asyncio
 import concurrent.futures
 import hashlib
 import os
-import shutil
-import subprocess
 import time
 
 import grpc
@@ -22,7 +20,8 @@ import pytest
 import yaml
 
 from service.front.quotas import LimitStore, duration
-from tests.conftest import deploy, free_port, wait_until
+from tests.conftest import deploy, wait_until
+from tests.redis_server import Redis
 from tests.errors import error_message, error_type
 
 APP = "quotas"
@@ -31,29 +30,6 @@ MODEL = "all-MiniLM-L6-v2"
 
 def sha(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
-
-
-class Redis:
-    """A real redis-server on 127.0.0.1 (Debian's package: make test installs it), stopped and started again
-    on the same port at will."""
-
-    def __init__(self, directory) -> None:
-        self.port, self.directory, self.proc = free_port(), directory, None
-        self.uri = f"redis://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        assert shutil.which("redis-server"), "redis-server is missing: make test installs Debian's redis-server"
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.directory)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(lambda: subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True,
-                                          text=True).stdout.strip() == "PONG", "redis-server to answer", timeout=20)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +138,7 @@ def quota_app(ray_serve, default_bundle, redis_server, tmp_path_factory):
         {"name": "free", "sha256": sha("secret-free")},
         {"name": "retry", "sha256": sha("secret-retry"), "requests_per_minute": 1},
         {"name": "bulk", "sha256": sha("secret-bulk"), "priority": "batch", "batch_files": 1, "unfinished_batches": 0},
+        {"name": "owner", "sha256": sha("secret-owner"), "models": [MODEL], "requests_per_minute": 2},
     ]}))
     deploy({"keys_file": str(keys_file), "replicas": 2, "num_cpus": 0.5, "warmup": False,
             "rate_limit_storage": redis_server.uri, "jobs_dir": str(keys_file.parent / "jobs")}, APP, f"/{APP}",
@@ -236,7 +213,7 @@ def test_a_key_sees_its_usage_and_its_requests_are_counted_by_its_name(quota_app
     assert total(samples, "ray_encoder_key_requests_total", application=APP, key="rpm", status_class="4xx") >= 9
     names = {s.labels["key"] for family in ("ray_encoder_key_requests", "ray_encoder_key_rate_limited")
              for s in samples[family].samples if s.labels.get("application") == APP}
-    assert names <= {"rpm", "tpm", "conc", "free", "retry"}, names
+    assert names <= {"rpm", "tpm", "conc", "free", "retry", "owner"}, names
 
 
 def test_tokens_per_minute_refuse_before_the_batch_and_grpc_says_the_same(quota_app, ray_serve):
@@ -327,3 +304,36 @@ def test_a_keys_batch_api_quotas_are_its_own(quota_app):
     assert free.files.create(file=("a.jsonl", io.BytesIO(line)), purpose="batch").id
     assert free.files.create(file=("b.jsonl", io.BytesIO(line)), purpose="batch").id
     assert bulk.embeddings.create(model=MODEL, input="batch-class, still answered").data
+
+
+def test_a_batchs_lines_run_as_the_key_that_created_it(quota_app, metrics_url):
+    """A key with `models` and 2 requests per minute: its batch's lines are held to both (a line for another
+    model fails with the route's 403; the third line waits out the 429 of the key's window instead of failing),
+    and are counted as that key's requests in /v1/usage and Prometheus, not as the runner's."""
+    import io
+    import json
+
+    import openai
+
+    from tests.metrics_scrape import poll, total
+
+    owner = openai.OpenAI(base_url=f"{quota_app}/v1", api_key="secret-owner", max_retries=0, timeout=60)
+    lines = [{"custom_id": f"ok-{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"input": f"text {i}", "model": MODEL}} for i in range(2)]
+    lines.append({"custom_id": "other-model", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"input": "text", "model": "some-other-model"}})
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    uploaded = owner.files.create(file=("lines.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = owner.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    done = wait_until(lambda: (b := owner.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
+                      "the owner's batch to end", timeout=150, interval=0.5)
+    assert done.status == "completed" and done.request_counts.completed == 2 and done.request_counts.failed == 1, done
+    errors = [json.loads(raw) for raw in owner.files.content(done.error_file_id).read().splitlines()]
+    assert [e["custom_id"] for e in errors] == ["other-model"]
+    refused = errors[0]["response"]
+    assert refused["status_code"] == 403 and "'owner' may not call model" in refused["body"]["error"]["message"]
+    samples = poll(metrics_url, lambda f: total(f, "ray_encoder_key_requests_total", application=APP, key="owner",
+                                                status_class="2xx") >= 2, "the owner's lines counted by its name")
+    # 3 requests at 2 per minute: one was refused (429) and waited for the window, then ran
+    assert total(samples, "ray_encoder_key_rate_limited_total", application=APP, key="owner", limit="requests") >= 1
+    assert total(samples, "ray_encoder_key_requests_total", application=APP, key="batch-runner") == 0

@@ -13,7 +13,7 @@ import os
 
 from service.config import ServiceSettings
 from service.engine.errors import Unauthorized
-from service.front.keys import ApiKey, Keyring
+from service.front.keys import INTERNAL_KEY_NAME, ApiKey, Keyring
 
 
 class Gate:
@@ -26,9 +26,12 @@ class Gate:
     admitted = 0  # inference calls admitted since the replica started
 
     @classmethod
-    def identify(cls, authorization: str | bytes | None) -> tuple[ApiKey | None, Unauthorized | None]:
+    def identify(cls, authorization: str | bytes | None,
+                 on_behalf_of: bytes | None = None) -> tuple[ApiKey | None, Unauthorized | None]:
         """The key of a call whose `authorization` (HTTP header, gRPC metadata) carries a bearer secret, or its
-        refusal; (None, None) when authentication is off."""
+        refusal; (None, None) when authentication is off. The Batch API runner's own key, with `on_behalf_of`
+        (keys.ON_BEHALF_HEADER: any other key's is ignored), runs as the key that owns the batch
+        (Keyring.batch_work_of), refused once that key has left the keys file."""
         keyring = cls.keyring
         if keyring is None:
             return None, None
@@ -36,6 +39,12 @@ class Gate:
         scheme, _, provided = raw.partition(b" ")
         if scheme.lower() == b"bearer" and provided.strip():
             key = keyring.identify(provided.strip())
+            if key is not None and on_behalf_of and key.name == INTERNAL_KEY_NAME:
+                name = on_behalf_of.decode("latin-1")
+                owner = keyring.batch_work_of(name)
+                if owner is None:
+                    return None, Unauthorized(f"the key {name!r} that owns this batch is no longer in the keys file")
+                return owner, None
             if key is not None:
                 return key, None
         return None, Unauthorized("missing or invalid bearer token")

@@ -46,6 +46,9 @@ logger = logging.getLogger("ray.serve")
 RELOAD_CHECK_S = 1.0  # the keys file is looked at again (its size, modification time, inode) at most this often
 TOKEN_KEY_NAME = "token"  # the single token's key, when there is one
 INTERNAL_KEY_NAME = "batch-runner"  # the key the Batch API's runner calls its own replica with (never leaves it)
+# the Batch API's runner names the key whose batch line it runs (the line then runs as that key: front/gate.py);
+# any other caller's is ignored
+ON_BEHALF_HEADER = "x-encoder-on-behalf-of"
 KEY_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # names are metric label values and access log fields: few, tame
 
 
@@ -187,6 +190,13 @@ class Keyring:
         found = digest(secret)
         key = self.by_hash.get(found)
         return key if key is not None and hmac.compare_digest(key.sha256, found) else None
+
+    def batch_work_of(self, name: str) -> ApiKey | None:
+        """The key a Batch API line runs as: its batch's owner's, with its models and limits per minute, as
+        `batch` priority and without its `concurrent` (the runner's own CONCURRENT_LINES bound a batch's lines
+        in flight; a batch must not take its owner's interactive slots). None when the key left the file."""
+        key = next((k for k in self.by_hash.values() if k.name == name), None)
+        return None if key is None else key.model_copy(update={"priority": "batch", "concurrent": None})
 
 
 # ---- the command line: add a key ----

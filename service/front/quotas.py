@@ -40,6 +40,12 @@ LEASE_MARGIN_S = 30.0  # a concurrency lease outlives its request's deadline by 
 UNREACHABLE_LOG_S = 60.0  # the store unreachable: said in the log at most this often
 DOWN_S = 2.0  # ... and not asked again for this long: its requests are answered at once, not after STORE_CALL_S each
 NAMESPACE = "serve"
+
+
+def store_name(app: str) -> str:
+    """The memory store's actor name: one per application (service/deployment.py kills it when the app is
+    deleted)."""
+    return f"encoder-quotas-{app}"
 UNCOUNTED = object()  # the store unreachable and limited keys let through (rate_limit_unreachable: open)
 
 # Lua on Redis: one lease of `limit` for a key, atomically (expired ones dropped first)
@@ -93,9 +99,16 @@ class LimitStore:
         if uri.startswith(("redis://", "rediss://")):
             import redis.asyncio
 
-            self.storage = RedisStorage(uri, implementation="redispy", wrap_exceptions=True,
-                                        socket_timeout=STORE_CALL_S, socket_connect_timeout=STORE_CALL_S)
-            self.redis = redis.asyncio.from_url(uri, socket_timeout=STORE_CALL_S, socket_connect_timeout=STORE_CALL_S)
+            from redis.asyncio.retry import Retry
+            from redis.backoff import ExponentialBackoff
+
+            # a connection Redis closed (it restarted) is tried again at once on a new one, within STORE_CALL_S
+            retry = {"retry": Retry(ExponentialBackoff(cap=0.05, base=0.01), 2),
+                     "retry_on_error": [redis.exceptions.ConnectionError]}
+            self.storage = RedisStorage(uri, implementation="redispy", wrap_exceptions=True, socket_timeout=STORE_CALL_S,
+                                        socket_connect_timeout=STORE_CALL_S, **retry)
+            self.redis = redis.asyncio.from_url(uri, socket_timeout=STORE_CALL_S, socket_connect_timeout=STORE_CALL_S,
+                                                **retry)
             self.lease_script = self.redis.register_script(_LEASE_SCRIPT)
             self.leases: dict[str, dict[str, float]] | None = None
         else:
@@ -154,7 +167,7 @@ class RemoteStore:
             import ray
 
             self._actor = ray.remote(LimitStore).options(
-                name=f"encoder-quotas-{self.app}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                name=store_name(self.app), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
                 num_cpus=0, max_restarts=-1).remote("memory://")
         return self._actor
 

@@ -37,6 +37,11 @@ BOARD_START_S = 10.0  # ... until the board first answered: it starts in seconds
 NAMESPACE = "serve"
 
 
+def board_name(app: str) -> str:
+    """The board's actor name: one per application (service/deployment.py kills it when the app is deleted)."""
+    return f"encoder-placement-{app}"
+
+
 class Board:
     """What each live replica holds, and which replicas were refused a model at its max_loaded lately."""
 
@@ -107,7 +112,7 @@ class Placement:
         self.replica, self.models = replica, models
         self.view: dict = {"replicas": [replica], "holders": {}, "wanted": {}}
         self.board = ray.remote(Board).options(
-            name=f"encoder-placement-{app}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+            name=board_name(app), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             num_cpus=0, max_restarts=-1).remote()
         self._unreachable = False
         self._answered = False

@@ -25,17 +25,19 @@ from service.front.deps import CALL_KEY
 from service.front.errors import CLIENT_GONE
 from service.front.finish import finish
 from service.front.gate import Gate
+from service.front.keys import ON_BEHALF_HEADER
 from service.front.quotas import Quotas, headers as limit_headers, limited
 from service.front.request_ids import current_request_id
 from service.http.errors import error_response, service_error_response
-from service.http.headers import (PRIORITY_HEADER, REQUEST_ID_HEADER, TIMEOUT_HEADER, UNREADABLE_HEADER, app_path, asked_deadline_s,
-                                  request_id_of, timeout_header)
+from service.http.headers import (PRIORITY_HEADER, REQUEST_ID_HEADER, TIMEOUT_HEADER,
+                                  UNREADABLE_HEADER, app_path, asked_deadline_s, request_id_of, timeout_header)
 from service.observability import tracing
 
 _UNREADABLE_NAME = UNREADABLE_HEADER.encode()
 _REQUEST_ID_NAME = REQUEST_ID_HEADER.encode()
 _AUTHORIZATION = b"authorization"
 _PRIORITY_NAME = PRIORITY_HEADER.encode()
+_ON_BEHALF_NAME = ON_BEHALF_HEADER.encode()
 
 
 def call_of_scope(scope: dict) -> Call:
@@ -129,7 +131,8 @@ class CallMiddleware:
         if unreadable is not None:
             return refusal_of_unreadable(unreadable.decode("latin-1"), call), False
         if Gate.keyring is not None and call.policy.needs_token(call.method):
-            call.key, refusal = Gate.identify(next((v for k, v in headers if k == _AUTHORIZATION), None))
+            call.key, refusal = Gate.identify(next((v for k, v in headers if k == _AUTHORIZATION), None),
+                                              next((v for k, v in headers if k == _ON_BEHALF_NAME), None))
             if refusal is not None:
                 return refusal_of_token(refusal, call), False
         return self.app, call.policy.inference

@@ -1,10 +1,12 @@
 """OpenAI's Batch API: POST/GET/DELETE /v1/files, POST/GET /v1/batches, POST /v1/batches/{id}/cancel
 (routes.py), so that the `openai` SDK's `client.files` and `client.batches` work unchanged. Files and
 batches live in settings.jobs_dir (store.py); a batch's lines are run by runner.py beside the online
-requests, and answered as the routes they name answer. Every route needs the token (a token sees only its
-own files and batches), so all are declared inference routes: the gate refuses a request without it before
-its body is read (an upload included). Errors are OpenAI's (below), as the SDK and code written against
-OpenAI read them.
+requests, and answered as the routes they name answer. Every route needs the key (a key sees only its own
+files and batches), so all are declared keyed routes: the gate refuses a request without it before its body is
+read (an upload included), and none counts against the key's limits per minute or concurrent requests (the
+Batch API's own quotas bound them: files, bytes, unfinished batches, uploads at once); a batch's lines do, each
+as a request of the key (runner.py). Errors are OpenAI's (below), as the SDK and code written against OpenAI
+read them.
 """
 
 from service.front.errors import RATE_LIMIT_TYPES
@@ -31,7 +33,7 @@ def openai_error_body(status: int, type_: str, message: str, request_id: str | N
 API = Api(
     name="openai_batch",
     routes=("service.apis.openai_batch.routes",),
-    inference=frozenset({
+    keyed=frozenset({
         "POST /v1/files", "GET /v1/files/{file_id}", "GET /v1/files/{file_id}/content", "DELETE /v1/files/{file_id}",
         "POST /v1/batches", "GET /v1/batches", "GET /v1/batches/{batch_id}", "POST /v1/batches/{batch_id}/cancel",
     }),

@@ -135,6 +135,8 @@ async def batch_create(body: BatchCreateRequest, request: Request, who: str = De
         "expires_at": now + settings.batch_completion_window_s, "finalizing_at": None, "completed_at": None, "failed_at": None,
         "expired_at": None, "cancelling_at": None, "cancelled_at": None,
         "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.metadata, "owner": who,
+        # the key its lines run as (its name: its models and limits per minute, read when each line runs)
+        "key": call_of(request).key.name if call_of(request).key is not None else None,
         "created_ns": created_ns, "output_expires_s": (body.output_expires_after.seconds if body.output_expires_after
                                                        else settings.batch_output_expires_s),
     }

@@ -16,6 +16,12 @@ and limits, called over ASGI with the replica's token), so its `response.body` i
 its route answers; those lines wait while online requests are inside this replica (at most YIELD_MAX_S
 each), so they take the capacity online requests leave.
 
+Whose lines. A batch's lines run as the key that created it (its record's `key`: its name, read again as each
+line runs, so a rotated secret changes nothing and a removed key's lines are refused): the models it may call,
+its requests and tokens per minute (a line answered 429 waits for the window to refill), its counters; in the
+batch queue's `batch` class. The embedding job counts no limit, so it answers lines only for a key without
+limits per minute, and only for models that key may call (`job_may_answer`).
+
 Resumption: each chunk's outcomes are one file under the batch's parts/ folder (written whole), so a
 restart redoes at most the chunk in flight; finalizing streams the output and error files, part by part, into
 temp files renamed into place under ids made from the batch's, so a finalize redone replaces them.
@@ -46,6 +52,7 @@ import numpy as np
 from service.apis.openai_batch.store import TERMINAL, Store, atomic_write, derived_id, store_at
 from service.config import ServiceSettings
 from service.front.gate import Gate
+from service.front.keys import ON_BEHALF_HEADER
 
 logger = logging.getLogger("ray.serve")
 
@@ -54,6 +61,7 @@ CONCURRENT_LINES = 4  # lines of a chunk in the engine at once (enough to fill i
 POLL_S = 0.5  # how often an idle runner looks for unfinished batches
 YIELD_MAX_S = 1.0  # longest a line waits for online requests to leave before it runs anyway
 RETRIES = 5  # tries of a line answered 503 (overloaded, not ready) before its answer is kept
+LIMIT_WAIT_S = 180.0  # longest a line of a rate-limited key waits (its 429s' Retry-After) before its 429 is kept
 JOB_CPUS = 1  # the embedding job's share of the cluster: one Ray Data actor, this many CPUs and intra-op threads
 JOB_NICE = 10  # and its OS niceness: on a node shared with replicas, the online requests' threads go first
 JOB_RANGE_ROWS = 256  # texts per job shard (one actor call): how often the runner sees the job's progress
@@ -179,6 +187,17 @@ class JobRequest:
     dimensions: int | None
 
 
+def job_may_answer(runs_as: str | None) -> Callable[[str], bool] | None:
+    """Which models the embedding job may answer a batch's lines for, as the key `runs_as` that owns the batch
+    (None: no line: the key has limits per minute, which only the routes count, or has left the keys file)."""
+    if runs_as is None or Gate.keyring is None:
+        return lambda model: True
+    key = Gate.keyring.batch_work_of(runs_as)
+    if key is None or key.requests_per_minute is not None or key.tokens_per_minute is not None:
+        return None
+    return key.may_call
+
+
 def job_request(svc: Any, body: dict, bad_text: Callable[[Any], str | None]) -> tuple[JobRequest, Any, list[str]] | None:
     """(request, engine, texts) when the embedding job answers this body exactly as /v1/embeddings would;
     None for anything else (a prompt, input_type, chunking, any other field, a body the route refuses or
@@ -222,12 +241,12 @@ class EmbeddingJob:
         self.actor: Any = None
 
     @classmethod
-    async def start(cls, jobs: Any, svc: Any, batch_id: str, directory: Path,
-                    lines: list[Line]) -> EmbeddingJob | None:
-        """The job of a batch's lines that it can do (None when there are none): its input written once
-        (a restarted runner finds it), its actor found running or started."""
+    async def start(cls, jobs: Any, svc: Any, batch_id: str, directory: Path, lines: list[Line],
+                    may_call: Callable[[str], bool] = lambda model: True) -> EmbeddingJob | None:
+        """The job of a batch's lines that it can do (None when there are none) and whose model the batch's key
+        may call: its input written once (a restarted runner finds it), its actor found running or started."""
         # each line's checks and the rows (3.3 s at 50,000 lines) off the loop: online requests go on meanwhile
-        chosen, engine = await asyncio.to_thread(cls.choose, svc, lines, jobs.bad_text)
+        chosen, engine = await asyncio.to_thread(cls.choose, svc, lines, jobs.bad_text, may_call)
         if not chosen:
             return None
         job = cls(jobs, batch_id, directory, chosen)
@@ -246,13 +265,15 @@ class EmbeddingJob:
         return job
 
     @staticmethod
-    def choose(svc: Any, lines: list[Line], bad_text: Callable[[Any], str | None]) -> tuple[dict[int, JobLine], Any]:
-        """The lines the job does (by position, with their rows) and their engine: one bundle per job."""
+    def choose(svc: Any, lines: list[Line], bad_text: Callable[[Any], str | None],
+               may_call: Callable[[str], bool] = lambda model: True) -> tuple[dict[int, JobLine], Any]:
+        """The lines the job does (by position, with their rows) and their engine: one bundle per job; a model
+        the key may not call is left to the route, which refuses it (403)."""
         chosen: dict[int, JobLine] = {}
         engine, row = None, 0
         for line in lines:
             found = job_request(svc, line.body, bad_text) if line.problem is None else None
-            if found is None or (engine is not None and found[1] is not engine):
+            if found is None or (engine is not None and found[1] is not engine) or not may_call(found[1].name):
                 continue
             request, engine, texts = found
             chosen[line.position] = JobLine(request, engine, texts, row)
@@ -508,11 +529,14 @@ class BatchRunner:
         # the counts of the chunks done before a restart, added to as chunks end
         counts = await asyncio.to_thread(self.counts, parts, len(lines))
         job = None
-        if self.jobs is not None and record["endpoint"] == "/v1/embeddings" and len(done) * CHUNK_LINES < len(lines):
+        may_call = job_may_answer(record.get("key"))
+        if (self.jobs is not None and may_call is not None and record["endpoint"] == "/v1/embeddings"
+                and len(done) * CHUNK_LINES < len(lines)):
             from service.front.deps import service
 
             job = await EmbeddingJob.start(self.jobs, await service(), batch_id,
-                                           (self.root.expanduser() / "batches" / f"{batch_id}.job").resolve(), lines)
+                                           (self.root.expanduser() / "batches" / f"{batch_id}.job").resolve(), lines,
+                                           may_call)
 
         def stopping() -> bool:
             return self.stopped(store, record) is not None
@@ -529,7 +553,7 @@ class BatchRunner:
             if by_job is None:  # cancelled, expired or deleted while the job ran
                 ending = await asyncio.to_thread(self.stopped, store, record) or "cancelled"
                 break
-            outcomes = await self.answer_chunk(record["endpoint"], chunk, by_job)
+            outcomes = await self.answer_chunk(record["endpoint"], chunk, by_job, record.get("key"), stopping)
             # serialized off the loop too: a chunk of 32 lines of 64 vectors is megabytes of JSON
             await asyncio.to_thread(lambda: atomic_write(
                 parts / f"{start:08d}-{start + len(chunk):08d}.jsonl",
@@ -593,38 +617,52 @@ class BatchRunner:
         await asyncio.to_thread(self.finalize, store, record, parts, total, ending)
         await asyncio.to_thread(store.remove_working_data, record["id"])
 
-    async def answer_chunk(self, endpoint: str, chunk: list[Line],
-                           by_job: dict[int, tuple[bool, dict]] | None = None) -> list[tuple[bool, dict]]:
+    async def answer_chunk(self, endpoint: str, chunk: list[Line], by_job: dict[int, tuple[bool, dict]] | None = None,
+                           runs_as: str | None = None, stopping: Callable[[], bool] | None = None,
+                           ) -> list[tuple[bool, dict]]:
         """Each line's outcome (whether it goes to the output file, and its line there), in order: those the
-        embedding job answered (`by_job`, by position), the others run in process."""
+        embedding job answered (`by_job`, by position), the others run in process as the key `runs_as`."""
         by_job = by_job or {}
         rest = [line for line in chunk if line.position not in by_job]
         answered: dict[int, tuple[bool, dict]] = dict(by_job)
         for group in range(0, len(rest), CONCURRENT_LINES):
             some = rest[group:group + CONCURRENT_LINES]
-            for line, outcome in zip(some, await asyncio.gather(*(self.answer(endpoint, line) for line in some)),
-                                     strict=True):
+            outcomes = await asyncio.gather(*(self.answer(endpoint, line, runs_as, stopping) for line in some))
+            for line, outcome in zip(some, outcomes, strict=True):
                 answered[line.position] = outcome
         return [answered[line.position] for line in chunk]
 
-    async def answer(self, endpoint: str, line: Line) -> tuple[bool, dict]:
-        """A line run through its route, in this process, after online requests."""
+    async def answer(self, endpoint: str, line: Line, runs_as: str | None = None,
+                     stopping: Callable[[], bool] | None = None) -> tuple[bool, dict]:
+        """A line run through its route, in this process, after online requests, as the key that owns its batch
+        (`runs_as`: its models and limits per minute hold; a 429 waits for the limit to refill, at most
+        LIMIT_WAIT_S in all, while the batch is not stopped)."""
         if line.problem is not None:
             return False, request_line(line.custom_id, None, {"code": "invalid_request", "message": line.problem})
         assert self.client is not None
         request_id = f"batch_req-{secrets.token_hex(12)}"
         headers = {"content-type": "application/json", "x-request-id": request_id,
                    "x-encoder-priority": "batch"}  # behind interactive work in the batch queue (engine/batcher.py)
-        if Gate.keyring is not None:  # run in this process as the keyring's own key (service/front/keys.py)
+        if Gate.keyring is not None:  # the keyring's own key, which only this process knows (service/front/keys.py)
             headers["authorization"] = f"Bearer {Gate.keyring.internal.decode()}"
-        for attempt in range(RETRIES):
+            if runs_as is not None:
+                headers[ON_BEHALF_HEADER] = runs_as
+        tries, waited = 0, 0.0
+        while True:
             await self.after_online_requests()
             self.in_flight += 1
             try:
                 r = await self.client.post(endpoint, content=json.dumps(line.body).encode(), headers=headers)
             finally:
                 self.in_flight -= 1
-            if r.status_code != 503 or attempt == RETRIES - 1:
+            if r.status_code == 429 and waited < LIMIT_WAIT_S and not (
+                    stopping is not None and await asyncio.to_thread(stopping)):
+                pause = min(max(float(r.headers.get("retry-after", "1") or 1), 1.0), LIMIT_WAIT_S - waited)
+                waited += pause
+                await asyncio.sleep(pause)
+                continue
+            tries += 1
+            if r.status_code != 503 or tries == RETRIES:
                 break
             await asyncio.sleep(self.retry_after_s)
         try:

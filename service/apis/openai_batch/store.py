@@ -49,9 +49,9 @@ from service.engine.errors import BadRequest, NotFound, TooLarge
 
 TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
 _ID = re.compile(r"(file-|batch_)[0-9a-f]{24}")  # fullmatch only: `$` would accept a trailing newline
-# what a record keeps that OpenAI's object has not: its owner, its order, the seconds its outputs live
+# what a record keeps that OpenAI's object has not: its owner, the key its lines run as, its order, the seconds its outputs live
 # (`output_expires_after`), the runner's failed tries, the embedding job's summary
-PRIVATE = frozenset({"owner", "created_ns", "output_expires_s", "tries", "job"})
+PRIVATE = frozenset({"owner", "key", "created_ns", "output_expires_s", "tries", "job"})
 INDEX_VERSION = ".index-v1"  # the marks below exist for every batch (made once from the records for an older store)
 
 

@@ -1,0 +1,216 @@
+"""Issue 58's rows (`make bench-tenants`, and the last step of `make bench`): what API keys cost and what priority
+buys, against `python -m service` as a user starts it, each measure in one run.
+
+1. The key check per request: single texts at 32 clients for SECONDS, the service without keys, then one with a
+   keys file: a key without limits (its hash looked up) and a key with limits (its requests and tokens counted
+   in the application's memory-store actor, a Ray call per count), alternated in two rounds. Target: keys on at
+   most 5% slower than keys off.
+2. Priority in the batch queue: the capacity of one replica for a batch-class key's requests (FLOOD_TEXTS texts
+   each, closed loop); an interactive key's single texts (2 clients) alone, then beside that batch-class key
+   flooding at 4x the capacity (open loop, at most FLOOD_OUTSTANDING in flight, within the replica's
+   max_ongoing_requests so that the queue priority acts on is the replica's, not Serve's). Target: the
+   interactive p99 at most 1.5x its p99 alone, and the batch key still served.
+
+The rows go to docs/access.md between its `tenants-bench` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import yaml
+
+from benchmarks.bench import machine, write_readme
+from benchmarks.local_service import LocalService
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "access.md"
+START, END = "<!-- tenants-bench:start -->", "<!-- tenants-bench:end -->"
+SECONDS = 15.0  # each measured phase
+CLIENTS = 32  # the key check's single-text clients
+INTERACTIVE_CLIENTS = 2
+FLOOD_TEXTS = 8  # texts per request of the batch-class key
+FLOOD_OUTSTANDING = 96  # the flood's requests in flight at most (max_ongoing_requests is 128)
+SECRETS = {"free": "bench-free-secret", "limited": "bench-limited-secret", "interactive": "bench-interactive-secret",
+           "bulk": "bench-bulk-secret"}
+TEXT = "A short text about the weather in the hills."
+
+
+def keys_file(directory: Path) -> Path:
+    """A key without limits, one with limits no run reaches (each request still counted), an interactive key and
+    a batch-class one."""
+    path = directory / "keys.yaml"
+
+    def sha(name: str) -> str:
+        return hashlib.sha256(SECRETS[name].encode()).hexdigest()
+
+    path.write_text(yaml.safe_dump({"keys": [
+        {"name": "free", "sha256": sha("free")},
+        {"name": "limited", "sha256": sha("limited"), "requests_per_minute": 10_000_000,
+         "tokens_per_minute": 1_000_000_000, "concurrent": 10_000},
+        {"name": "interactive", "sha256": sha("interactive")},
+        {"name": "bulk", "sha256": sha("bulk"), "priority": "batch"},
+    ]}))
+    return path
+
+
+def auth(name: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {SECRETS[name]}"} if name else {}
+
+
+async def closed_loop(url: str, key: str | None, clients: int, texts: int, seconds: float) -> dict:
+    """`clients` clients, each sending its next request when the last is answered, for `seconds`."""
+    latencies: list[float] = []
+    failed = 0
+    body = {"input": [TEXT] * texts if texts > 1 else TEXT}
+    deadline = time.perf_counter() + seconds
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits, headers=auth(key)) as client:
+        async def one_client() -> None:
+            nonlocal failed
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                r = await client.post("/v1/embeddings", json=body)
+                if r.status_code == 200:
+                    latencies.append(time.perf_counter() - started)
+                else:
+                    failed += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+        took = time.perf_counter() - started
+    return {"requests_s": len(latencies) / took, "texts_s": len(latencies) * texts / took, "failed": failed,
+            "p50_ms": 1000 * float(np.percentile(latencies, 50)) if latencies else float("nan"),
+            "p99_ms": 1000 * float(np.percentile(latencies, 99)) if latencies else float("nan")}
+
+
+async def open_loop(url: str, key: str, rate_s: float, texts: int, seconds: float, outstanding: int) -> dict:
+    """Requests sent at `rate_s` a second whatever the answers (at most `outstanding` in flight: past it an
+    arrival is counted as not sent), for `seconds`."""
+    answered = failed = not_sent = 0
+    body = {"input": [TEXT] * texts}
+    in_flight: set[asyncio.Task] = set()
+    limits = httpx.Limits(max_connections=outstanding, max_keepalive_connections=outstanding)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits, headers=auth(key)) as client:
+        async def one() -> None:
+            nonlocal answered, failed
+            r = await client.post("/v1/embeddings", json=body)
+            if r.status_code == 200:
+                answered += 1
+            else:
+                failed += 1
+
+        started = time.perf_counter()
+        sent = 0
+        while (now := time.perf_counter()) - started < seconds:
+            due = int((now - started) * rate_s) + 1
+            while sent < due:
+                sent += 1
+                if len(in_flight) >= outstanding:
+                    not_sent += 1
+                    continue
+                task = asyncio.create_task(one())
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+            await asyncio.sleep(0.002)
+        took = time.perf_counter() - started
+        await asyncio.gather(*in_flight)
+    return {"answered_s": answered / took, "failed": failed, "not_sent": not_sent, "offered_s": rate_s}
+
+
+async def flood_beside(url: str, rate_s: float, seconds: float) -> tuple[dict, dict]:
+    flood = asyncio.create_task(open_loop(url, "bulk", rate_s, FLOOD_TEXTS, seconds + 2, FLOOD_OUTSTANDING))
+    await asyncio.sleep(2)  # the flood's backlog built first
+    interactive = await closed_loop(url, "interactive", INTERACTIVE_CLIENTS, 1, seconds)
+    return interactive, await flood
+
+
+def started(bundle: Path, *flags: str) -> LocalService:
+    service = LocalService(bundle, *flags)
+    if not service.ready(300):
+        service.stop()
+        raise SystemExit("the service did not start:\n" + "".join(service.lines[-30:]))
+    return service
+
+
+def measure(bundle: Path, seconds: float) -> dict:
+    out: dict = {}
+    plain = started(bundle)
+    try:
+        asyncio.run(closed_loop(plain.url, None, CLIENTS, 1, 3))  # warm
+        out["off"] = [asyncio.run(closed_loop(plain.url, None, CLIENTS, 1, seconds)) for _ in range(2)]
+    finally:
+        plain.stop()
+    with tempfile.TemporaryDirectory() as scratch:
+        keyed = started(bundle, "--keys-file", str(keys_file(Path(scratch))))
+        try:
+            asyncio.run(closed_loop(keyed.url, "limited", CLIENTS, 1, 3))  # warm (and the store's actor)
+            for name in ("free", "limited", "free", "limited"):
+                out.setdefault(name, []).append(asyncio.run(closed_loop(keyed.url, name, CLIENTS, 1, seconds)))
+            capacity = asyncio.run(closed_loop(keyed.url, "bulk", 16, FLOOD_TEXTS, seconds))
+            out["capacity"] = capacity
+            out["alone"] = asyncio.run(closed_loop(keyed.url, "interactive", INTERACTIVE_CLIENTS, 1, seconds))
+            out["beside"], out["flood"] = asyncio.run(flood_beside(keyed.url, 4 * capacity["requests_s"], seconds))
+        finally:
+            keyed.stop()
+    return out
+
+
+def best(rows: list[dict]) -> dict:
+    return max(rows, key=lambda r: r["texts_s"])
+
+
+def render(out: dict, where: str) -> str:
+    off, free, limited = best(out["off"]), best(out["free"]), best(out["limited"])
+    alone, beside, flood, capacity = out["alone"], out["beside"], out["flood"], out["capacity"]
+    slower = 1 - limited["texts_s"] / off["texts_s"]
+    ratio = beside["p99_ms"] / alone["p99_ms"]
+    lines = [f"The last `make bench-tenants` ({time.strftime('%Y-%m-%d')}, {where}; one replica, "
+             f"{SECONDS:.0f} s a phase, the best of two rounds).", "",
+             "| measure | texts/s | p50 ms | p99 ms | target | met |", "| --- | --- | --- | --- | --- | --- |"]
+    lines.append(f"| single texts at {CLIENTS} clients, keys off | {off['texts_s']:.0f} | {off['p50_ms']:.1f} | "
+                 f"{off['p99_ms']:.1f} | | |")
+    lines.append(f"| the same, a key without limits | {free['texts_s']:.0f} | {free['p50_ms']:.1f} | "
+                 f"{free['p99_ms']:.1f} | | |")
+    lines.append(f"| the same, a key with limits (counted in the memory-store actor) | {limited['texts_s']:.0f} | "
+                 f"{limited['p50_ms']:.1f} | {limited['p99_ms']:.1f} | at most 5% slower than keys off: "
+                 f"{abs(100 * slower):.1f}% {'slower' if slower > 0 else 'faster'} | "
+                 f"{'yes' if slower <= 0.05 else 'no'} |")
+    lines.append(f"| a batch-class key alone, {FLOOD_TEXTS} texts a request, 16 clients (the capacity) | "
+                 f"{capacity['texts_s']:.0f} | {capacity['p50_ms']:.0f} | {capacity['p99_ms']:.0f} | | |")
+    lines.append(f"| an interactive key's single texts, {INTERACTIVE_CLIENTS} clients, alone | {alone['texts_s']:.0f} | "
+                 f"{alone['p50_ms']:.1f} | {alone['p99_ms']:.1f} | | |")
+    lines.append(f"| the same beside the batch-class key at 4x its capacity ({flood['offered_s']:.0f} requests/s "
+                 f"offered; it was answered {flood['answered_s'] * FLOOD_TEXTS:.0f} texts/s, {flood['not_sent']} "
+                 f"arrivals past {FLOOD_OUTSTANDING} in flight not sent, {flood['failed']} refused) | "
+                 f"{beside['texts_s']:.0f} | {beside['p50_ms']:.1f} | {beside['p99_ms']:.1f} | interactive p99 at most "
+                 f"1.5x alone: {ratio:.2f}x; the batch key served | "
+                 f"{'yes' if ratio <= 1.5 and flood['answered_s'] > 0 else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    global SECONDS
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tenants", description=__doc__.splitlines()[0])
+    p.add_argument("--bundle", type=Path, default=ROOT / "bundles" / "all-MiniLM-L6-v2")
+    p.add_argument("--seconds", type=float, default=SECONDS, help="each measured phase")
+    p.add_argument("--no-write", action="store_true", help=f"print the rows, leave {PAGE.name} as it is")
+    args = p.parse_args(argv)
+    SECONDS = args.seconds
+    text = render(measure(args.bundle, args.seconds), machine())
+    print(text)
+    if not args.no_write:
+        write_readme(PAGE, text, START, END)
+        print(f"rows written to {PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
