@@ -3,8 +3,9 @@ buys, against `python -m service` as a user starts it, each measure in one run.
 
 1. The key check per request: single texts at 32 clients for SECONDS, the service without keys, then one with a
    keys file: a key without limits (its hash looked up) and a key with limits (its requests and tokens counted
-   in the application's memory-store actor, a Ray call per count), alternated in two rounds. Target: keys on at
-   most 5% slower than keys off.
+   in the application's memory-store actor: a Ray call at admission, one for its tokens, one to free its lease),
+   alternated in two rounds; then the key with limits counted in Redis (a redis-server on loopback, where one
+   is installed). Target: keys on at most 5% slower than keys off.
 2. Priority in the batch queue: the capacity of one replica for a batch-class key's requests (FLOOD_TEXTS texts
    each, closed loop); an interactive key's single texts (2 clients) alone, then beside that batch-class key
    flooding at 4x the capacity (open loop, at most FLOOD_OUTSTANDING in flight, within the replica's
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +32,7 @@ import yaml
 
 from benchmarks.bench import machine, write_readme
 from benchmarks.local_service import LocalService
+from service.hosting.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "access.md"
@@ -140,6 +144,17 @@ def started(bundle: Path, *flags: str) -> LocalService:
     return service
 
 
+def redis_server(directory: Path) -> tuple[subprocess.Popen | None, str]:
+    """A redis-server on a free loopback port (Debian's package, which make test installs), or None without one."""
+    if shutil.which("redis-server") is None:
+        return None, ""
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1)
+    return proc, f"redis://127.0.0.1:{port}"
+
+
 def measure(bundle: Path, seconds: float) -> dict:
     out: dict = {}
     plain = started(bundle)
@@ -160,6 +175,16 @@ def measure(bundle: Path, seconds: float) -> dict:
             out["beside"], out["flood"] = asyncio.run(flood_beside(keyed.url, 4 * capacity["requests_s"], seconds))
         finally:
             keyed.stop()
+        redis, uri = redis_server(Path(scratch))
+        if redis is not None:
+            in_redis = started(bundle, "--keys-file", str(keys_file(Path(scratch))), "--rate-limit-storage", uri)
+            try:
+                asyncio.run(closed_loop(in_redis.url, "limited", CLIENTS, 1, 3))  # warm
+                out["redis"] = [asyncio.run(closed_loop(in_redis.url, "limited", CLIENTS, 1, seconds))
+                                for _ in range(2)]
+            finally:
+                in_redis.stop()
+                redis.kill()
     return out
 
 
@@ -183,6 +208,13 @@ def render(out: dict, where: str) -> str:
                  f"{limited['p50_ms']:.1f} | {limited['p99_ms']:.1f} | at most 5% slower than keys off: "
                  f"{abs(100 * slower):.1f}% {'slower' if slower > 0 else 'faster'} | "
                  f"{'yes' if slower <= 0.05 else 'no'} |")
+    if out.get("redis"):
+        redis = best(out["redis"])
+        behind = 1 - redis["texts_s"] / off["texts_s"]
+        lines.append(f"| the same, a key with limits counted in Redis (`--rate-limit-storage redis://`) | "
+                     f"{redis['texts_s']:.0f} | {redis['p50_ms']:.1f} | {redis['p99_ms']:.1f} | at most 5% slower "
+                     f"than keys off: {abs(100 * behind):.1f}% {'slower' if behind > 0 else 'faster'} | "
+                     f"{'yes' if behind <= 0.05 else 'no'} |")
     lines.append(f"| a batch-class key alone, {FLOOD_TEXTS} texts a request, 16 clients (the capacity) | "
                  f"{capacity['texts_s']:.0f} | {capacity['p50_ms']:.0f} | {capacity['p99_ms']:.0f} | | |")
     lines.append(f"| an interactive key's single texts, {INTERACTIVE_CLIENTS} clients, alone | {alone['texts_s']:.0f} | "

@@ -65,6 +65,14 @@ def test_a_store_counts_requests_tokens_and_leases_and_says_when_they_refill(whe
         assert await store.lease(name + "-expiring", 1, 0.2, "a") and await store.lease(name + "-expiring", 1, 0.2, "b") is None
         await asyncio.sleep(0.3)  # a lease whose request's replica died expires with its deadline
         assert await store.lease(name + "-expiring", 1, 30, "c")
+        # a request's admission in one call: lease, request, tokens' window; it stops at the first refusal
+        other = name + "-admit"
+        first = await store.admit(other, 1, 30, "a", 5, 100)
+        assert first["lease"] == "a" and first["requests"][0] and first["requests"][1].remaining == 4
+        assert first["tokens"].remaining == 100
+        second = await store.admit(other, 1, 30, "b", 5, 100)  # its one concurrent slot is taken: nothing counted
+        assert second == {"lease": None, "requests": None, "tokens": None}
+        assert (await store.charge(other, "requests", 5, 0))[1].remaining == 4
 
     asyncio.run(scenario())
 
@@ -97,7 +105,7 @@ def test_with_the_store_unreachable_limited_keys_are_answered_at_once_not_after_
     class Silent:
         uri = "redis://nowhere"
 
-        async def charge(self, *args):
+        async def admit(self, *args):
             await asyncio.sleep(3600)
 
     monkeypatch.setattr(quotas, "STORE_CALL_S", 0.2)

@@ -125,6 +125,25 @@ class LimitStore:
         stats = await self.limiter.get_window_stats(item, "encoder", name, kind)
         return allowed, Window(per_minute, max(0, int(stats.remaining)), max(0.0, stats.reset_time - time.time()))
 
+    async def admit(self, name: str, concurrent: int | None, ttl_s: float, lease: str | None,
+                    requests_per_minute: int | None, tokens_per_minute: int | None) -> dict:
+        """A request of key `name`, in one call (one Ray hop for the memory store, where each hop costs): its
+        concurrent lease (`lease`, when it has a `concurrent` limit), then its one request counted, then its
+        tokens' window looked at; it stops at the first limit that refuses. {"lease": the lease or None,
+        "requests": (allowed, Window) or None, "tokens": Window or None}."""
+        answer: dict = {"lease": None, "requests": None, "tokens": None}
+        if concurrent is not None and lease is not None:
+            answer["lease"] = await self.lease(name, concurrent, ttl_s, lease)
+            if answer["lease"] is None:
+                return answer
+        if requests_per_minute is not None:
+            answer["requests"] = await self.charge(name, "requests", requests_per_minute, 1)
+            if not answer["requests"][0]:
+                return answer
+        if tokens_per_minute is not None:
+            answer["tokens"] = (await self.charge(name, "tokens", tokens_per_minute, 0))[1]
+        return answer
+
     async def lease(self, name: str, limit: int, ttl_s: float, lease: str) -> str | None:
         """Lease `lease`, one of key `name`'s `limit` concurrent requests, held until `release` or `ttl_s`; None:
         all taken. (Its id is the caller's: a lease whose answer was lost on the way is released by it.)"""
@@ -182,6 +201,11 @@ class RemoteStore:
 
     async def charge(self, name: str, kind: str, per_minute: int, cost: int) -> tuple[bool, Window]:
         return await self._answer(self.actor.charge.remote(name, kind, per_minute, cost))
+
+    async def admit(self, name: str, concurrent: int | None, ttl_s: float, lease: str | None,
+                    requests_per_minute: int | None, tokens_per_minute: int | None) -> dict:
+        return await self._answer(self.actor.admit.remote(name, concurrent, ttl_s, lease, requests_per_minute,
+                                                          tokens_per_minute))
 
     async def lease(self, name: str, limit: int, ttl_s: float, lease: str) -> str | None:
         return await self._answer(self.actor.lease.remote(name, limit, ttl_s, lease))
@@ -250,27 +274,26 @@ class Quotas:
         try:
             if key.concurrent is not None:
                 call.lease = uuid.uuid4().hex  # released at the call's end, or below, even if the answer is lost
-                lease = await cls._ask(cls.store.lease(key.name, key.concurrent, cls.lease_ttl_s, call.lease))
-                if lease is None or lease is UNCOUNTED:
-                    call.lease = None
-                if lease is None:
-                    raise RateLimited("concurrent", f"the key {key.name!r} has {key.concurrent} requests in flight, "
-                                      "its `concurrent` limit: retry once one is answered", retry_after_s=1)
-            if key.requests_per_minute is not None:
-                answer = await cls._ask(cls.store.charge(key.name, "requests", key.requests_per_minute, 1))
-                if answer is not UNCOUNTED:
-                    allowed, window = answer
-                    call.limits["requests"] = window
-                    if not allowed:
-                        raise RateLimited("requests", f"the key {key.name!r} is past its {key.requests_per_minute} "
-                                          f"requests per minute: retry in {duration(window.reset_s)}",
-                                          retry_after_s=max(1, math.ceil(window.reset_s)))
-            if key.tokens_per_minute is not None:
-                answer = await cls._ask(cls.store.charge(key.name, "tokens", key.tokens_per_minute, 0))
-                if answer is not UNCOUNTED:
-                    call.limits["tokens"] = answer[1]
-                    if answer[1].remaining <= 0:
-                        raise cls._out_of_tokens(key, answer[1], 0)
+            answer = await cls._ask(cls.store.admit(key.name, key.concurrent, cls.lease_ttl_s, call.lease,
+                                                    key.requests_per_minute, key.tokens_per_minute))
+            if answer is UNCOUNTED:
+                call.lease = None
+                return
+            if key.concurrent is not None and answer["lease"] is None:
+                call.lease = None
+                raise RateLimited("concurrent", f"the key {key.name!r} has {key.concurrent} requests in flight, "
+                                  "its `concurrent` limit: retry once one is answered", retry_after_s=1)
+            if answer["requests"] is not None:
+                allowed, window = answer["requests"]
+                call.limits["requests"] = window
+                if not allowed:
+                    raise RateLimited("requests", f"the key {key.name!r} is past its {key.requests_per_minute} "
+                                      f"requests per minute: retry in {duration(window.reset_s)}",
+                                      retry_after_s=max(1, math.ceil(window.reset_s)))
+            if answer["tokens"] is not None:
+                call.limits["tokens"] = answer["tokens"]
+                if answer["tokens"].remaining <= 0:
+                    raise cls._out_of_tokens(key, answer["tokens"], 0)
         except BaseException:
             await cls.release(call)
             raise
