@@ -655,7 +655,10 @@ class BatchRunner:
                 r = await self.client.post(endpoint, content=json.dumps(line.body).encode(), headers=headers)
             finally:
                 self.in_flight -= 1
-            if r.status_code == 429 and waited < LIMIT_WAIT_S and not (
+            # the key's window (its answers carry OpenAI's x-ratelimit-* headers), not another refusal
+            rate_limited = r.status_code == 429 and any(
+                name in r.headers for name in ("x-ratelimit-limit-requests", "x-ratelimit-limit-tokens"))
+            if rate_limited and waited < LIMIT_WAIT_S and not (
                     stopping is not None and await asyncio.to_thread(stopping)):
                 pause = min(max(float(r.headers.get("retry-after", "1") or 1), 1.0), LIMIT_WAIT_S - waited)
                 waited += pause
