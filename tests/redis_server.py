@@ -7,6 +7,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from service.hosting.processes import free_port
 from tests.waiting import wait_until
 
@@ -29,3 +31,14 @@ class Redis:
             self.proc.kill()
             self.proc.wait(timeout=10)
             self.proc = None
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """One redis-server for a test module (imported by name where it is used), stopped whatever happens."""
+    server = Redis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

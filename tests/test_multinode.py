@@ -21,23 +21,13 @@ from tests.cluster import LoopbackCluster
 from tests.conftest import wait_until
 from tests.errors import error_message
 from tests.metrics_scrape import poll, scrape, total
-from tests.redis_server import Redis
+from tests.redis_server import redis_server  # noqa: F401 - the fixture, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTE = "/v1/embeddings"
 MODEL = "all-MiniLM-L6-v2"
 AUTH = {"authorization": "Bearer free-secret"}  # a key without limits: the traffic of the tests below
 TENANT = {"authorization": "Bearer tenant-secret"}  # 6 requests per minute, the default model only
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = Redis(tmp_path_factory.mktemp("redis"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

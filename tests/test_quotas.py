@@ -21,7 +21,7 @@ import yaml
 
 from service.front.quotas import LimitStore, duration
 from tests.conftest import deploy, wait_until
-from tests.redis_server import Redis
+from tests.redis_server import redis_server  # noqa: F401 - the fixture, used by name
 from tests.errors import error_message, error_type
 
 APP = "quotas"
@@ -30,16 +30,6 @@ MODEL = "all-MiniLM-L6-v2"
 
 def sha(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = Redis(tmp_path_factory.mktemp("redis"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 # ---- the store in-process: limits' memory storage and a real Redis ----
