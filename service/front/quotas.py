@@ -40,12 +40,6 @@ LEASE_MARGIN_S = 30.0  # a concurrency lease outlives its request's deadline by 
 UNREACHABLE_LOG_S = 60.0  # the store unreachable: said in the log at most this often
 DOWN_S = 2.0  # ... and not asked again for this long: its requests are answered at once, not after STORE_CALL_S each
 NAMESPACE = "serve"
-
-
-def store_name(app: str) -> str:
-    """The memory store's actor name: one per application (service/deployment.py kills it when the app is
-    deleted)."""
-    return f"encoder-quotas-{app}"
 UNCOUNTED = object()  # the store unreachable and limited keys let through (rate_limit_unreachable: open)
 
 # Lua on Redis: one lease of `limit` for a key, atomically (expired ones dropped first)
@@ -56,6 +50,12 @@ redis.call('ZADD', KEYS[1], ARGV[2], ARGV[4])
 redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) - tonumber(ARGV[1])) + 1)
 return 1
 """
+
+
+def store_name(app: str) -> str:
+    """The memory store's actor name: one per application (service/deployment.py kills it when the app is
+    deleted)."""
+    return f"encoder-quotas-{app}"
 
 
 @dataclass(frozen=True)
