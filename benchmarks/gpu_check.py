@@ -10,7 +10,8 @@
    CPU fp32, /info naming CUDA and the device, SIGTERM, exit 0.
 5. The service's rate on the device (issue 56), before that SIGTERM: /v1/embeddings in client batches of
    32 and in single texts at 64 connections (wrk where it is on the PATH, else httpx clients in this
-   process), each beside step 3's engine at batches of 128 on the graph the service serves.
+   process), each beside step 3's engine at batches of 128 on the graph the service serves (in a dry run,
+   fp32 on every CPU).
 
 `--dry-run-on-cpu` runs steps 2-4 with the CPU standing in for the GPU, so that the suite proves this
 script's own code on a machine without one; its figures say nothing about a GPU and are labelled so.
@@ -196,7 +197,10 @@ def service_end_to_end(bundle_dir: Path, bundle: Bundle, provider: str, timeout_
     """`python -m service --provider PROVIDER` as a user starts it: ready, embeddings equal to CPU fp32
     in-process (to the fp16 floor when it serves fp16), /info names the provider, then (with `rate_load`)
     its rate beside the engine's (step 5); SIGTERM exits 0."""
-    service = LocalService(bundle_dir, "--provider", provider)
+    # in a dry run the CPU serves the fp32 graph step 3 measured in CUDA's place: under `auto` a CPU with bf16
+    # units would serve bf16, which step 3 does not measure, and step 5 would have no engine rate beside it
+    pinned = ("--precision", "fp32") if provider == "cpu" else ()
+    service = LocalService(bundle_dir, "--provider", provider, *pinned)
     try:
         info = _check_service(service, bundle, provider, timeout_s)
         passed = info is not None
