@@ -13,6 +13,9 @@
    process), each beside step 3's engine at batches of 128 on the graph the service serves (in a dry run,
    fp32 on every CPU).
 
+`--service-replicas 1,8` runs steps 4 and 5 once per replica count, each count sharing the one GPU in
+equal parts (`--replica-num-gpus 1/N`): how many replicas it takes to keep a GPU busy (docs/gpu.md).
+
 `--dry-run-on-cpu` runs steps 2-4 with the CPU standing in for the GPU, so that the suite proves this
 script's own code on a machine without one; its figures say nothing about a GPU and are labelled so.
 """
@@ -193,14 +196,17 @@ def service_rates(url: str, precision: str, engine: dict[str, dict[int, float]],
 
 
 def service_end_to_end(bundle_dir: Path, bundle: Bundle, provider: str, timeout_s: float,
-                       engine: dict[str, dict[int, float]] | None = None, rate_load: RateLoad | None = None) -> bool:
+                       engine: dict[str, dict[int, float]] | None = None, rate_load: RateLoad | None = None,
+                       replicas: int = 1) -> bool:
     """`python -m service --provider PROVIDER` as a user starts it: ready, embeddings equal to CPU fp32
     in-process (to the fp16 floor when it serves fp16), /info names the provider, then (with `rate_load`)
-    its rate beside the engine's (step 5); SIGTERM exits 0."""
+    its rate beside the engine's (step 5); SIGTERM exits 0. More than one replica share the GPU equally."""
     # in a dry run the CPU serves the fp32 graph step 3 measured in CUDA's place: under `auto` a CPU with bf16
     # units would serve bf16, which step 3 does not measure, and step 5 would have no engine rate beside it
     pinned = ("--precision", "fp32") if provider == "cpu" else ()
-    service = LocalService(bundle_dir, "--provider", provider, *pinned)
+    shared = ("--replica-num-gpus", f"{1 / replicas:.4f}") if provider == "cuda" and replicas > 1 else ()
+    say(f"service    {replicas} replica{'s' if replicas > 1 else ''}{' sharing the GPU' if shared else ''}")
+    service = LocalService(bundle_dir, "--provider", provider, *pinned, "--replicas", str(replicas), *shared)
     try:
         info = _check_service(service, bundle, provider, timeout_s)
         passed = info is not None
@@ -256,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-rates", action="store_true", help="skip step 5, the service's rate under load")
     p.add_argument("--rate-seconds", type=float, default=15, help="step 5: seconds of load per scenario")
     p.add_argument("--rate-connections", type=int, default=RATE_CONNECTIONS, help="step 5: connections")
+    p.add_argument("--service-replicas", default="1",
+                   help="steps 4 and 5 once per replica count, comma-separated (e.g. 1,8); they share the GPU")
     a = p.parse_args(argv)
 
     check = check_cuda(0)
@@ -276,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = throughput(bundle, device, providers, a.repeats)
     if not a.no_service:
         rate_load = None if a.no_rates else RateLoad(a.rate_seconds, a.rate_connections)
-        ok &= service_end_to_end(a.bundle, bundle, provider, a.service_timeout_s, engine, rate_load)
+        for replicas in (int(n) for n in a.service_replicas.split(",")):
+            ok &= service_end_to_end(a.bundle, bundle, provider, a.service_timeout_s, engine, rate_load, replicas)
     say(f"gpu-check: {'PASSED' if ok else 'FAILED'}{' (dry run on CPU)' if not check.usable else ''}")
     return 0 if ok else 1
 

@@ -32,9 +32,10 @@ def test_without_a_gpu_it_stops_after_the_steps_naming_what_is_missing(default_b
 
 def test_every_later_step_runs_with_the_cpu_in_place_of_the_gpu(default_bundle):
     # step 5 at 1 connection for 10 s: on this CPU a round of 64 connections would outlast the window, and in the
-    # clean-clone make test (2 workers) 2 connections for 3 s answered no client batch of 32 at all
+    # clean-clone make test (2 workers) 2 connections for 3 s answered no client batch of 32 at all; 2 replicas,
+    # as --service-replicas runs them on a GPU (sharing it there)
     result = gpu_check(default_bundle, "--dry-run-on-cpu", "--repeats", "2", "--rate-seconds", "10",
-                       "--rate-connections", "1")
+                       "--rate-connections", "1", "--service-replicas", "2")
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     for graph in ("full", "encodings-fp32", "encodings-fp16"):  # every graph the bundle has for CUDA
@@ -42,6 +43,7 @@ def test_every_later_step_runs_with_the_cpu_in_place_of_the_gpu(default_bundle):
     for graph in ("encodings-fp32", "encodings-fp16"):
         row = next(line for line in out.splitlines() if line.startswith(f"throughput {graph} on "))
         assert all(f"{size}: " in row and "texts/s" in row for size in (1, 8, 32, 128)), row
+    assert "service    2 replicas\n" in out and "service    1 replica\n" not in out
     assert "service    ok          --provider cpu: CPUExecutionProvider" in out
     # step 5: each scenario's rate, no failure, beside the engine's rate at batches of 128 on the served graph
     for scenario in ("client batches of 32", "single texts"):
