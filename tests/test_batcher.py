@@ -8,6 +8,7 @@ import asyncio
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from service.config import BatchingSettings, BundleRef, ServiceSettings
 from service.engine import runner as runner_module
@@ -194,7 +195,16 @@ def test_the_first_request_waits_for_company_only_when_asked():
     assert asyncio.run(scenario(0.5)) == [[1, 2]]
 
 
-def test_interactive_jobs_go_first_and_batch_jobs_keep_their_share_and_are_never_starved():
+@pytest.fixture
+def no_run_cap(monkeypatch):
+    """Batch-class jobs held to the token budget alone: these tests' runner waits on the test, so the time per
+    token the batch queue measures from it means nothing (the cap has a test of its own)."""
+    from service.engine import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "BATCH_RUN_S", 1e9)
+
+
+def test_interactive_jobs_go_first_and_batch_jobs_keep_their_share_and_are_never_starved(no_run_cap):
     """Jobs are numbers: negative ones are a batch-class key's. While the runner is busy, 40 batch jobs and 8
     interactive ones queue (each of cost 10, a budget of 80): the next batch holds the 7 interactive jobs that
     fit its budget less the batch share (1/8: 10 tokens) and one batch job; the batch jobs then fill the
@@ -237,7 +247,7 @@ def test_interactive_jobs_go_first_and_batch_jobs_keep_their_share_and_are_never
     assert later[1][0] == -99 and all(j >= 200 for j in later[1][1:]), later  # the big one went first, past its wait
 
 
-def test_a_backlog_of_large_batch_jobs_takes_one_batch_in_each_wait_not_every_batch():
+def test_a_backlog_of_large_batch_jobs_takes_one_batch_in_each_wait_not_every_batch(no_run_cap):
     """Five large batch-class jobs (each alone fills a batch) waiting long already, and 20 interactive ones, all
     queued behind a busy runner: one large job goes, then the interactive ones fill the next batches before the
     second large one (its wait counts from the last batch job taken, not from its arrival: else every batch
@@ -262,3 +272,82 @@ def test_a_backlog_of_large_batch_jobs_takes_one_batch_in_each_wait_not_every_ba
     assert where[-1] == 1 and batches[1] == [-1], batches  # the one past its wait
     assert max(where[i] for i in range(1, 21)) < where[-2], batches  # every interactive job before the next one
     assert [where[-i] for i in range(1, 6)] == sorted(where[-i] for i in range(1, 6))  # and the backlog in order
+
+
+def test_while_interactive_jobs_come_a_batch_holds_a_short_run_of_batch_jobs(monkeypatch):
+    """A runner that takes 2 ms a token (20 ms a job of 10): 16 batch-class jobs fill batches of the whole budget
+    (8 jobs) while no interactive job came; after one did, each batch holds what runs in BATCH_RUN_S (10 ms: less
+    than one job, so one), the interactive one first; once none came for INTERACTIVE_RECENT_S, full batches again."""
+    from service.engine import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "INTERACTIVE_RECENT_S", 60.0)
+
+    class TimedRunner:
+        def __init__(self) -> None:
+            self.batches: list[list[int]] = []
+
+        async def run(self, jobs: list[int]) -> list[int]:
+            self.batches.append(list(jobs))
+            await asyncio.sleep(0.02 * len(jobs))
+            return [job * 10 for job in jobs]
+
+    async def scenario():
+        runner = TimedRunner()
+        live = {"settings": BatchingSettings(max_concurrent_batches=1, max_batch_tokens=80)}
+        b = Batcher(runner.run, lambda: live["settings"], cost=lambda job: 10,
+                    priority=lambda job: "batch" if job < 0 else "interactive")
+        phases = []
+        for phase in ("alone", "beside interactive", "interactive gone"):
+            runner.batches.clear()
+            if phase == "beside interactive":
+                jobs = [asyncio.ensure_future(b.submit(100))]
+            else:
+                jobs = []
+                if phase == "interactive gone":
+                    monkeypatch.setattr(batcher_module, "INTERACTIVE_RECENT_S", 0.0)
+            jobs += [asyncio.ensure_future(b.submit(-i)) for i in range(1, 17)]
+            await asyncio.gather(*jobs)
+            phases.append(list(runner.batches))
+        return phases
+
+    alone, beside, gone = asyncio.run(scenario())
+    assert alone == [[-i for i in range(1, 9)], [-i for i in range(9, 17)]], alone
+    assert beside == [[100], *([-i] for i in range(1, 17))], beside
+    assert gone == alone, gone
+
+
+def test_while_interactive_jobs_come_batch_work_leaves_the_last_free_slot_to_them(monkeypatch):
+    """Two runner slots, one batch-class job a batch: with no interactive job, two batches of batch work run at
+    once; after an interactive one came, one at a time (the other slot waits for interactive jobs), and every
+    batch job is still served."""
+    from service.engine import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "INTERACTIVE_RECENT_S", 60.0)
+
+    class Runner2:
+        def __init__(self) -> None:
+            self.running = self.peak = 0
+
+        async def run(self, jobs: list[int]) -> list[int]:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+            await asyncio.sleep(0.01)
+            self.running -= 1
+            return [job * 10 for job in jobs]
+
+    async def scenario():
+        runner = Runner2()
+        live = {"settings": BatchingSettings(max_concurrent_batches=2, max_batch_tokens=10)}
+        b = Batcher(runner.run, lambda: live["settings"], cost=lambda job: 10,
+                    priority=lambda job: "batch" if job < 0 else "interactive")
+        peaks = []
+        for beside in (False, True):
+            runner.peak = 0
+            if beside:
+                await b.submit(100)
+            results = await asyncio.gather(*(b.submit(-i) for i in range(1, 9)))
+            assert results == [-10 * i for i in range(1, 9)]
+            peaks.append(runner.peak)
+        return peaks
+
+    assert asyncio.run(scenario()) == [2, 1]

@@ -58,10 +58,10 @@ def test_a_store_counts_requests_tokens_and_leases_and_says_when_they_refill(whe
         # a request's admission in one call: lease, request, tokens' window; it stops at the first refusal
         other = name + "-admit"
         first = await store.admit(other, 1, 30, "a", 5, 100)
-        assert first["lease"] == "a" and first["requests"][0] and first["requests"][1].remaining == 4
+        assert first["lease"] == "a" and first["held"] == 1 and first["requests"][0] and first["requests"][1].remaining == 4
         assert first["tokens"].remaining == 100
         second = await store.admit(other, 1, 30, "b", 5, 100)  # its one concurrent slot is taken: nothing counted
-        assert second == {"lease": None, "requests": None, "tokens": None}
+        assert second == {"lease": None, "held": 1, "requests": None, "granted": 0, "tokens": None}
         assert (await store.charge(other, "requests", 5, 0))[1].remaining == 4
 
     asyncio.run(scenario())
@@ -120,6 +120,123 @@ def test_with_the_store_unreachable_limited_keys_are_answered_at_once_not_after_
 
     waited = asyncio.run(scenario())
     assert waited[0] >= 0.2 and waited[1] < 0.05 and waited[2] < 0.05, waited
+
+
+class CountingStore:
+    """A real LimitStore whose calls are counted: how many a request of a busy key costs."""
+
+    def __init__(self, store: LimitStore) -> None:
+        self.store, self.uri, self.calls = store, store.uri, 0
+
+    def __getattr__(self, name: str):
+        method = getattr(self.store, name)
+
+        async def counted(*args):
+            self.calls += 1
+            return await method(*args)
+        return counted
+
+
+@pytest.fixture
+def quotas_on(monkeypatch, redis_server, request):
+    """Quotas in this process on a counted store: limits' memory storage, or the real Redis."""
+    from service.front.quotas import Quotas
+
+    store = CountingStore(LimitStore(redis_server.uri if request.param == "redis" else "memory://"))
+    for name, value in (("store", store), ("shares", {}), ("pools", {}), ("fail_open", False),
+                        ("_down_until", float("-inf")), ("lease_ttl_s", 90.0)):
+        monkeypatch.setattr(Quotas, name, value)
+    return store
+
+
+@pytest.mark.parametrize("quotas_on", ["memory", "redis"], indirect=True)
+def test_a_busy_key_is_counted_a_share_at_a_time_and_exactly_near_its_limit(quotas_on):
+    """A key far from its limits: after its rate is known (RATE_S), its requests and tokens are counted in shares,
+    a store call per many requests, and the store's count covers every one admitted. Near a limit the share is 0:
+    a key of 300 requests a minute gets exactly 300, however fast it asks."""
+    from service.front.call import Call
+    from service.front.keys import ApiKey
+    from service.front.quotas import Quotas, RateLimited
+
+    run = time.monotonic_ns()
+    busy = ApiKey(name=f"busy-{run}", sha256="0" * 64, requests_per_minute=1_000_000, tokens_per_minute=100_000_000)
+    tight = ApiKey(name=f"tight-{run}", sha256="0" * 64, requests_per_minute=300)
+
+    async def one(key: ApiKey, tokens: int) -> Call:
+        call = Call("id", "http", "POST", key=key)
+        await Quotas.admit(call)
+        await Quotas.charge_tokens(call, tokens)
+        return call
+
+    async def scenario() -> None:
+        started, admitted = time.monotonic(), 0
+        while time.monotonic() - started < 0.5:  # its rate learnt
+            await one(busy, 10)
+            admitted += 1
+        calls_before, second_half = quotas_on.calls, 0
+        while time.monotonic() - started < 1.5:
+            call = await one(busy, 10)
+            admitted, second_half = admitted + 1, second_half + 1
+        calls = quotas_on.calls - calls_before
+        assert second_half > 100 and calls * 10 < second_half, (calls, second_half)  # a store call per 10+ requests
+        assert call.limits["requests"].remaining <= 1_000_000 - admitted  # what the headers say: never more than is left
+        counted = await quotas_on.store.charge(busy.name, "requests", busy.requests_per_minute, 0)
+        tokens = await quotas_on.store.charge(busy.name, "tokens", busy.tokens_per_minute, 0)
+        taken = 1_000_000 - counted[1].remaining
+        assert admitted <= taken <= admitted + admitted // 4, (admitted, taken)  # every one counted, shares bounded
+        assert 10 * admitted <= 100_000_000 - tokens[1].remaining
+        passed = refused = 0
+        for _ in range(400):
+            try:
+                await one(tight, 1)
+                passed += 1
+            except RateLimited:
+                refused += 1
+        assert (passed, refused) == (300, 100)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("quotas_on", ["memory", "redis"], indirect=True)
+def test_a_busy_keys_leases_are_kept_for_its_next_requests_then_given_back(quotas_on):
+    """A key with room in its `concurrent` limit: a finished request's lease serves the next request without a
+    store call, and is given back once idle (LEASE_IDLE_S). A key near its limit gives each lease back at once, so
+    another replica never waits on a lease this one keeps."""
+    from service.front import quotas
+    from service.front.call import Call
+    from service.front.keys import ApiKey
+    from service.front.quotas import Quotas
+
+    run = time.monotonic_ns()
+    roomy = ApiKey(name=f"roomy-{run}", sha256="0" * 64, concurrent=64)
+    tight = ApiKey(name=f"tight-{run}", sha256="0" * 64, concurrent=2)
+
+    async def scenario() -> None:
+        calls = [Call("id", "http", "POST", key=roomy) for _ in range(8)]
+        for call in calls:
+            await Quotas.admit(call)
+        assert await quotas_on.store.in_flight(roomy.name) == 8
+        before = quotas_on.calls
+        for _ in range(5):  # eight at a time, five times: the same eight leases
+            for call in calls:
+                Quotas.release_soon(call)
+            for call in calls:
+                await Quotas.admit(call)
+        assert quotas_on.calls == before and await quotas_on.store.in_flight(roomy.name) == 8
+        for call in calls:
+            Quotas.release_soon(call)
+        assert await quotas_on.store.in_flight(roomy.name) == 8  # kept ...
+        await asyncio.sleep(quotas.LEASE_IDLE_S * 2)
+        assert await quotas_on.store.in_flight(roomy.name) == 0  # ... then given back
+        first, second = Call("a", "http", "POST", key=tight), Call("b", "http", "POST", key=tight)
+        await Quotas.admit(first)
+        Quotas.release_soon(first)
+        await asyncio.sleep(0.1)
+        assert await quotas_on.store.in_flight(tight.name) == 0  # near its limit: given back at once
+        await Quotas.admit(second)
+        Quotas.release_soon(second)
+
+    asyncio.run(scenario())
 
 
 # ---- two keys against two replicas, counted in Redis ----

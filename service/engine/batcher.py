@@ -16,7 +16,13 @@ API key's, the Batch API's lines) fill what is left of each batch, with BATCH_SH
 whenever both wait, so a flood of batch work adds at most that share to an interactive batch and is never
 starved: it gets at least that share of every batch (and the whole of it when no interactive job waits); a
 batch job larger than the share goes once no batch job went for BATCH_WAIT_S, with whatever interactive jobs fit
-(so a standing backlog of large batch jobs takes one batch in each BATCH_WAIT_S, not every batch).
+(so a standing backlog of large batch jobs takes one batch in each BATCH_WAIT_S, not every batch). While
+interactive jobs came within INTERACTIVE_RECENT_S, a batch's batch-class jobs are also held to what the runner
+computes in BATCH_RUN_S (its measured time per token): an interactive job then waits for a short run, not a full
+budget of batch work, before its own (at least one batch-class job still goes in each batch without interactive
+ones), and the last free runner slot of a replica that runs several batches is left to them: batch-class work
+keeps the others (it is served at that rate meanwhile). On a GPU a budget's run takes a few milliseconds; on a
+CPU the free slot is a free core for the next interactive job.
 
 A slot no batch holds is lent to the running batch: when nothing is queued and no other model of the
 replica has a batch in flight, the runner runs a batch's independent pieces (sub-batches, packed rows)
@@ -45,6 +51,8 @@ Result = TypeVar("Result")
 HOLDER: ContextVar[Batcher | None] = ContextVar("batch_slot_holder", default=None)
 BATCH_SHARE = 0.125  # of a batch's token budget, kept for batch-class jobs while interactive ones wait too
 BATCH_WAIT_S = 0.5  # a batch-class job larger than that share goes once no batch job went for this long
+BATCH_RUN_S = 0.01  # while interactive jobs come, a batch holds at most this long a run of batch-class jobs ...
+INTERACTIVE_RECENT_S = 1.0  # ... "come": the last one arrived within this long
 INTERACTIVE, BATCH = "interactive", "batch"
 
 
@@ -64,6 +72,8 @@ class Batcher(Generic[Job, Result]):
         self._queue: deque[tuple[Job, asyncio.Future]] = deque()  # interactive jobs, oldest first
         self._batch_queue: deque[tuple[Job, asyncio.Future, float]] = deque()  # batch-class jobs, with their arrival
         self._batch_taken_at = float("-inf")  # when a batch-class job last went into a batch (loop time)
+        self._interactive_at = float("-inf")  # when an interactive job last arrived (loop time)
+        self._token_s = 0.0  # a run's seconds per token of budget, as measured (0: not yet)
         self._changed = asyncio.Event()  # a job arrived or a batch finished
         self._former: asyncio.Task | None = None
 
@@ -83,6 +93,7 @@ class Batcher(Generic[Job, Result]):
             self._batch_queue.append((job, future, loop.time()))
         else:
             self._queue.append((job, future))
+            self._interactive_at = loop.time()
         self._changed.set()
         return await future
 
@@ -152,6 +163,13 @@ class Batcher(Generic[Job, Result]):
                 self._changed.clear()
                 await self._changed.wait()
                 continue
+            if (keep := self._slot_kept_s(knobs)) > 0:  # the last free slot waits for interactive jobs
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), keep)
+                except asyncio.TimeoutError:
+                    pass
+                continue
             if knobs.batch_wait_timeout_s > 0 and self._cost_queued() < knobs.max_batch_tokens:
                 await asyncio.sleep(knobs.batch_wait_timeout_s)  # company for the first request
                 self._drop_abandoned()
@@ -177,8 +195,9 @@ class Batcher(Generic[Job, Result]):
         the budget before it is queued). Jobs that do not fit wait, in order, for the next batch."""
         batch: list[tuple[Job, asyncio.Future]] = []
         used = 0
-        reserved = int(budget * BATCH_SHARE) if self._batch_queue and self._queue else 0
         now = asyncio.get_running_loop().time()
+        batch_budget = self._batch_budget(budget, now)
+        reserved = min(int(budget * BATCH_SHARE), batch_budget) if self._batch_queue and self._queue else 0
         if self._batch_queue and self._queue:  # a batch-class job past its wait goes now, whatever its size: its
             job, future, since = self._batch_queue[0]  # wait counted from its arrival or the last batch job taken
             if now - max(since, self._batch_taken_at) >= BATCH_WAIT_S:
@@ -196,17 +215,34 @@ class Batcher(Generic[Job, Result]):
             if not future.done():
                 batch.append((job, future))
                 used += cost
+        batch_used = 0
         while self._batch_queue:
             job, future, _ = self._batch_queue[0]
             cost = self.cost(job)
-            if batch and used + cost > budget:
+            if batch and (used + cost > budget or batch_used + cost > batch_budget):
                 break
             self._batch_queue.popleft()
             if not future.done():
                 batch.append((job, future))
                 used += cost
+                batch_used += cost
                 self._batch_taken_at = now
         return batch
+
+    def _slot_kept_s(self, knobs: BatchingSettings) -> float:
+        """How long the last free runner slot stays free for interactive jobs: while only batch-class jobs are
+        queued, interactive ones came within INTERACTIVE_RECENT_S and the replica runs 2 batches or more (so batch
+        work keeps the others); 0: it may be taken now."""
+        if self._queue or knobs.max_concurrent_batches < 2 or self.held < knobs.max_concurrent_batches - 1:
+            return 0.0
+        return max(0.0, self._interactive_at + INTERACTIVE_RECENT_S - asyncio.get_running_loop().time())
+
+    def _batch_budget(self, budget: int, now: float) -> int:
+        """The batch-class tokens one batch may hold: the budget, or while interactive jobs come, what the runner
+        computes in BATCH_RUN_S."""
+        if self._token_s <= 0 or now - self._interactive_at > INTERACTIVE_RECENT_S:
+            return budget
+        return max(1, min(budget, int(BATCH_RUN_S / self._token_s)))
 
     async def _compute(self, batch: list[tuple[Job, asyncio.Future]]) -> None:
         try:
@@ -215,7 +251,12 @@ class Batcher(Generic[Job, Result]):
                 return
             try:
                 HOLDER.set(self)  # this task's context only: what run() lends the batch's pieces from
+                loop = asyncio.get_running_loop()
+                started, tokens = loop.time(), sum(self.cost(job) for job, _ in live)
                 results = await self.run([job for job, _ in live])
+                if tokens > 0:  # seconds per token, smoothed over the last few batches
+                    took = (loop.time() - started) / tokens
+                    self._token_s = took if self._token_s <= 0 else 0.8 * self._token_s + 0.2 * took
             except Exception as exc:  # noqa: BLE001 - every caller of the batch gets its failure
                 for _, future in live:
                     if not future.done():
