@@ -49,6 +49,12 @@ async def busy(runner: Runner, **knobs) -> tuple[Batcher, asyncio.Future]:
     return b, first
 
 
+def classed(run, cost=lambda job: 10, **knobs) -> Batcher:
+    """A batch queue whose jobs are numbers: negative ones a batch-class key's, the others interactive."""
+    settings = BatchingSettings(**knobs)
+    return Batcher(run, lambda: settings, cost=cost, priority=lambda job: "batch" if job < 0 else "interactive")
+
+
 async def until(condition, what: str) -> None:
     for _ in range(2000):
         if condition():
@@ -214,10 +220,8 @@ def test_interactive_jobs_go_first_and_batch_jobs_keep_their_share_and_are_never
 
     async def scenario():
         runner = Runner()
-        live = {"settings": BatchingSettings(max_concurrent_batches=1, max_batch_tokens=80)}
         costs = {-99: 75}
-        b = Batcher(runner.run, lambda: live["settings"], cost=lambda job: costs.get(job, 10),
-                    priority=lambda job: "batch" if job < 0 else "interactive")
+        b = classed(runner.run, lambda job: costs.get(job, 10), max_concurrent_batches=1, max_batch_tokens=80)
         first = asyncio.ensure_future(b.submit(0))
         await runner.started.wait()
         flood = [asyncio.ensure_future(b.submit(-i)) for i in range(1, 41)]
@@ -254,9 +258,7 @@ def test_a_backlog_of_large_batch_jobs_takes_one_batch_in_each_wait_not_every_ba
     would start with one, and the interactive jobs would wait behind the whole backlog)."""
     async def scenario():
         runner = Runner()
-        live = {"settings": BatchingSettings(max_concurrent_batches=1, max_batch_tokens=80)}
-        b = Batcher(runner.run, lambda: live["settings"], cost=lambda job: 75 if job < 0 else 10,
-                    priority=lambda job: "batch" if job < 0 else "interactive")
+        b = classed(runner.run, lambda job: 75 if job < 0 else 10, max_concurrent_batches=1, max_batch_tokens=80)
         first = asyncio.ensure_future(b.submit(0))
         await runner.started.wait()
         backlog = [asyncio.ensure_future(b.submit(-i)) for i in range(1, 6)]
@@ -293,9 +295,7 @@ def test_while_interactive_jobs_come_a_batch_holds_a_short_run_of_batch_jobs(mon
 
     async def scenario():
         runner = TimedRunner()
-        live = {"settings": BatchingSettings(max_concurrent_batches=1, max_batch_tokens=80)}
-        b = Batcher(runner.run, lambda: live["settings"], cost=lambda job: 10,
-                    priority=lambda job: "batch" if job < 0 else "interactive")
+        b = classed(runner.run, max_concurrent_batches=1, max_batch_tokens=80)
         phases = []
         for phase in ("alone", "beside interactive", "interactive gone"):
             runner.batches.clear()
@@ -337,9 +337,7 @@ def test_while_interactive_jobs_come_batch_work_leaves_the_last_free_slot_to_the
 
     async def scenario():
         runner = Runner2()
-        live = {"settings": BatchingSettings(max_concurrent_batches=2, max_batch_tokens=10)}
-        b = Batcher(runner.run, lambda: live["settings"], cost=lambda job: 10,
-                    priority=lambda job: "batch" if job < 0 else "interactive")
+        b = classed(runner.run, max_concurrent_batches=2, max_batch_tokens=10)
         peaks = []
         for beside in (False, True):
             runner.peak = 0
