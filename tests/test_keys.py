@@ -115,6 +115,60 @@ def test_the_batch_runners_key_runs_a_line_as_the_batchs_owner_and_no_other_key_
     assert key is None and "'team-a' that owns this batch is no longer in the keys file" in str(refusal)
 
 
+def test_under_a_batch_class_keys_flood_an_interactive_keys_request_goes_first(tmp_path, monkeypatch, default_bundle):
+    """The real app in process (no Ray): the gate, the keys file, the real model and its batch queue. A batch-class
+    key's 24 requests of 8 texts queue behind a budget of 512 tokens (about 5 of them a batch); an interactive key's
+    request sent once they are queued is answered in the next batch, while most of the flood still waits (in
+    arrival order it would be answered last)."""
+    import asyncio
+
+    from service.config import BundleRef, ServiceSettings
+    from service.engine.encoder_service import EncoderService
+    from service.engine.engine import EngineTable, load_engine
+    from service.front import deps
+    from service.front.gate import Gate
+    from service.http.server import app
+
+    keys_file = tmp_path / "keys.yaml"
+    keys_file.write_text(yaml.safe_dump({"keys": [
+        {"name": "people", "sha256": sha("secret-people")},
+        {"name": "bulk", "sha256": sha("secret-bulk"), "priority": "batch"}]}))
+    settings = ServiceSettings.model_validate({
+        "bundle": str(default_bundle), "runtime": "onnxruntime", "precision": "fp32", "warmup": False,
+        "keys_file": str(keys_file), "batching": {"max_batch_tokens": 512, "max_concurrent_batches": 1}})
+    engines = EngineTable([load_engine(BundleRef(path=default_bundle), settings)])
+    monkeypatch.setattr(deps, "_current", [])  # (this test's service, gone after it)
+    deps.serve_with(EncoderService(settings, engines))
+    monkeypatch.setattr(Gate, "keyring", Keyring.load(keys_file, None))
+    batcher = engines.default.batcher
+    texts = [f"line {i} of a bulk job about the weather in the hills" for i in range(8)]
+
+    async def scenario() -> tuple[int, list[int]]:
+        answered: list[str] = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=120) as client:
+            async def post(who: str, secret: str, body: dict) -> None:
+                r = await client.post("/v1/embeddings", json=body, headers={"authorization": f"Bearer {secret}"})
+                assert r.status_code == 200, r.text
+                answered.append(who)
+
+            flood = [asyncio.ensure_future(post(f"bulk-{i}", "secret-bulk", {"input": texts})) for i in range(24)]
+            for _ in range(3000):
+                if batcher.queued >= 15:
+                    break
+                await asyncio.sleep(0.002)
+            waiting = batcher.queued
+            await post("people", "secret-people", {"input": "is it raining?"})
+            still = 24 - sum(1 for who in answered if who.startswith("bulk"))
+            await asyncio.gather(*flood)
+        return waiting, still, answered
+
+    waiting, still, answered = asyncio.run(scenario())
+    assert waiting >= 15, waiting  # the flood was queued when the interactive request came
+    assert still >= 10, (still, answered)  # answered in the next batch: most of the flood still waited
+    assert sorted(answered) == sorted(["people", *(f"bulk-{i}" for i in range(24))])
+
+
 def test_adding_a_key_prints_the_secret_once_and_writes_only_its_hash(tmp_path):
     path = tmp_path / "keys.yaml"
     result = subprocess.run([sys.executable, "-m", "service.front.keys", "--keys-file", str(path), "--name",
