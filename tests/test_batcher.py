@@ -277,12 +277,15 @@ def test_a_backlog_of_large_batch_jobs_takes_one_batch_in_each_wait_not_every_ba
 
 
 def test_while_interactive_jobs_come_a_batch_holds_a_short_run_of_batch_jobs(monkeypatch):
-    """A runner that takes 2 ms a token (20 ms a job of 10): 16 batch-class jobs fill batches of the whole budget
-    (8 jobs) while no interactive job came; after one did, each batch holds what runs in BATCH_RUN_S (10 ms: less
-    than one job, so one), the interactive one first; once none came for INTERACTIVE_RECENT_S, full batches again."""
+    """A runner that takes 2 ms a token (20 ms a job of 10): 16 batch-class jobs, while no interactive job came, fill
+    the first batch to the budget (8 jobs: nothing measured yet), then batches of what runs in BATCH_ALONE_RUN_S
+    (here 100 ms: 5 jobs, fewer where the runner's sleeps overrun, never 1); after an interactive job came, each
+    batch holds what runs in BATCH_RUN_S (10 ms: less than one job, so one), the interactive one first; once none
+    came for INTERACTIVE_RECENT_S, 2 to 5 again."""
     from service.engine import batcher as batcher_module
 
     monkeypatch.setattr(batcher_module, "INTERACTIVE_RECENT_S", 60.0)
+    monkeypatch.setattr(batcher_module, "BATCH_ALONE_RUN_S", 0.1)  # 5 jobs at 2 ms a token; fewer on a slow machine
 
     class TimedRunner:
         def __init__(self) -> None:
@@ -311,9 +314,11 @@ def test_while_interactive_jobs_come_a_batch_holds_a_short_run_of_batch_jobs(mon
         return phases
 
     alone, beside, gone = asyncio.run(scenario())
-    assert alone == [[-i for i in range(1, 9)], [-i for i in range(9, 17)]], alone
+    # (each but the last of a phase, which holds what is left)
+    assert alone[0] == [-i for i in range(1, 9)] and all(2 <= len(b) <= 5 for b in alone[1:-1]), alone
+    assert len(alone) >= 3 and len(gone) >= 4 and all(2 <= len(b) <= 5 for b in gone[:-1]), gone
     assert beside == [[100], *([-i] for i in range(1, 17))], beside
-    assert gone == alone, gone
+    assert [j for b in alone + gone for j in b] == [-i for i in range(1, 17)] * 2  # in order, every one
 
 
 def test_while_interactive_jobs_come_batch_work_leaves_the_last_free_slot_to_them(monkeypatch):

@@ -16,11 +16,11 @@ API key's, the Batch API's lines) fill what is left of each batch, with BATCH_SH
 whenever both wait, so a flood of batch work adds at most that share to an interactive batch and is never
 starved: it gets at least that share of every batch (and the whole of it when no interactive job waits); a
 batch job larger than the share goes once no batch job went for BATCH_WAIT_S, with whatever interactive jobs fit
-(so a standing backlog of large batch jobs takes one batch in each BATCH_WAIT_S, not every batch). While
-interactive jobs came within INTERACTIVE_RECENT_S, a batch's batch-class jobs are also held to what the runner
-computes in BATCH_RUN_S (its measured time per token): an interactive job then waits for a short run, not a full
-budget of batch work, before its own (at least one batch-class job still goes in each batch without interactive
-ones), and the last free runner slot of a replica that runs several batches is left to them: batch-class work
+(so a standing backlog of large batch jobs takes one batch in each BATCH_WAIT_S, not every batch). A batch's
+batch-class jobs are also held to what the runner computes in BATCH_ALONE_RUN_S (its measured time per token), and
+in BATCH_RUN_S while interactive jobs came within INTERACTIVE_RECENT_S: an interactive job then waits for a short
+run, not a full budget of batch work, before its own (at least one batch-class job still goes in each batch
+without interactive ones), and the last free runner slot of a replica that runs several batches is left to them: batch-class work
 keeps the others (it is served at that rate meanwhile). On a GPU a budget's run takes a few milliseconds; on a
 CPU the free slot is a free core for the next interactive job.
 
@@ -53,6 +53,7 @@ BATCH_SHARE = 0.125  # of a batch's token budget, kept for batch-class jobs whil
 BATCH_WAIT_S = 0.5  # a batch-class job larger than that share goes once no batch job went for this long
 BATCH_RUN_S = 0.01  # while interactive jobs come, a batch holds at most this long a run of batch-class jobs ...
 INTERACTIVE_RECENT_S = 1.0  # ... "come": the last one arrived within this long
+BATCH_ALONE_RUN_S = 0.05  # ... and otherwise this long: the wait of the first interactive job to come
 INTERACTIVE, BATCH = "interactive", "batch"
 
 
@@ -238,11 +239,13 @@ class Batcher(Generic[Job, Result]):
         return max(0.0, self._interactive_at + INTERACTIVE_RECENT_S - asyncio.get_running_loop().time())
 
     def _batch_budget(self, budget: int, now: float) -> int:
-        """The batch-class tokens one batch may hold: the budget, or while interactive jobs come, what the runner
-        computes in BATCH_RUN_S."""
-        if self._token_s <= 0 or now - self._interactive_at > INTERACTIVE_RECENT_S:
+        """The batch-class tokens one batch may hold: what the runner computes in BATCH_RUN_S while interactive jobs
+        come, else in BATCH_ALONE_RUN_S (an interactive job that comes after a quiet while waits for no longer run);
+        at most the budget, and the budget until the first batch is measured."""
+        if self._token_s <= 0:
             return budget
-        return max(1, min(budget, int(BATCH_RUN_S / self._token_s)))
+        run_s = BATCH_RUN_S if now - self._interactive_at <= INTERACTIVE_RECENT_S else BATCH_ALONE_RUN_S
+        return max(1, min(budget, int(run_s / self._token_s)))
 
     async def _compute(self, batch: list[tuple[Job, asyncio.Future]]) -> None:
         try:
