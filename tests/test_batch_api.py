@@ -237,6 +237,7 @@ def test_uploads_past_a_limit_or_malformed_are_refused_with_a_clear_4xx(service_
 
 def service_config(tmp_path: Path, jobs_dir: Path) -> Path:
     config = yaml.safe_load((ROOT / "deploy/serve_config.yaml").read_text())
+    config["grpc_options"]["port"] = free_port()  # never the config's 9000
     config["applications"][0]["args"]["jobs_dir"] = str(jobs_dir)
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))

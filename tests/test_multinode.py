@@ -51,6 +51,7 @@ def cluster(default_bundle, redis_server, tmp_path_factory):
         port = free_port()
         config["proxy_location"] = "HeadOnly"  # one ingress: all nodes share 127.0.0.1 here
         config["http_options"].update(host="127.0.0.1", port=port)
+        config["grpc_options"]["port"] = free_port()  # never the config's 9000: a test beside this one held it once
         app = config["applications"][0]
         app["args"].update(bundles=[str(default_bundle)], num_cpus=1, max_replicas_per_node=1,
                            keys_file=str(keys_file), rate_limit_storage=redis_server.uri)

@@ -227,6 +227,7 @@ def test_serve_run_with_the_config_file(default_bundle, tmp_path):
     config = yaml.safe_load((ROOT / "deploy/serve_config.yaml").read_text())
     port = free_port()
     config["http_options"]["port"] = port
+    config["grpc_options"]["port"] = free_port()  # never the config's 9000, which a test beside this one may hold
     config["applications"][0]["args"]["bundles"] = [str(default_bundle)]
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
