@@ -311,14 +311,15 @@ class LeasePool:
         self.roomy = False
 
     def take(self, now: float) -> str | None:
-        while self.idle:
-            lease, taken_at, _ = self.idle.pop()
-            if now - taken_at < LEASE_REUSE_S:
-                self.taken[lease] = taken_at
-                return lease
+        """The newest kept lease, if it is young enough to reuse."""
+        if not self.idle:
+            return None
+        lease, taken_at, _ = self.idle.pop()
+        if now - taken_at >= LEASE_REUSE_S:
             self.idle.insert(0, (lease, taken_at, 0.0))  # too old: left for `stale` to give back
-            break
-        return None
+            return None
+        self.taken[lease] = taken_at
+        return lease
 
     def given(self, lease: str, held: int, now: float) -> None:
         """The store gave `lease`; `held` of the key's leases are held now."""
