@@ -133,8 +133,11 @@ class CountingStore:
 
         async def counted(*args):
             self.calls += 1
+            await asyncio.sleep(self.hop_s)
             return await method(*args)
         return counted
+
+    hop_s = 0.0  # each call's way to the store and back (a Ray hop, a Redis round trip)
 
 
 @pytest.fixture
@@ -235,6 +238,45 @@ def test_a_busy_keys_leases_are_kept_for_its_next_requests_then_given_back(quota
         assert await quotas_on.store.in_flight(tight.name) == 0  # near its limit: given back at once
         await Quotas.admit(second)
         Quotas.release_soon(second)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("quotas_on", ["memory", "redis"], indirect=True)
+def test_a_burst_that_finds_a_keys_share_empty_waits_for_one_store_call_not_one_each(quotas_on):
+    """32 requests of a key at once, again and again, as 32 clients send them (each store call 5 ms away): the
+    requests that find the share empty wait for the one store call renewing it, and a key back from an idle spell
+    takes a share as large as what it spent since (it is not one call per request until its rate is measured).
+    Every request admitted is still counted in the store."""
+    from service.front.call import Call
+    from service.front.keys import ApiKey
+    from service.front.quotas import Quotas, RATE_S
+
+    quotas_on.hop_s = 0.005
+    key = ApiKey(name=f"burst-{time.monotonic_ns()}", sha256="0" * 64, requests_per_minute=10_000_000,
+                 tokens_per_minute=1_000_000_000)
+
+    async def one() -> None:
+        call = Call("id", "http", "POST", key=key)
+        await Quotas.admit(call)
+        await Quotas.charge_tokens(call, 12)
+        assert call.limits["requests"].remaining < 10_000_000 and call.limits["tokens"].remaining < 1_000_000_000
+
+    async def bursts(count: int) -> int:
+        before = quotas_on.calls
+        for _ in range(count):
+            await asyncio.gather(*(one() for _ in range(32)))
+            await asyncio.sleep(0.02)
+        return quotas_on.calls - before
+
+    async def scenario() -> None:
+        first = await bursts(20)  # 640 requests, from a standing start
+        await asyncio.sleep(3 * RATE_S)  # idle ...
+        again = await bursts(20)  # ... and back
+        assert first <= 24 and again <= 12, (first, again)  # 10 and 5 here; one call per request: 576 and 64
+        counted = await quotas_on.store.charge(key.name, "requests", key.requests_per_minute, 0)
+        tokens = await quotas_on.store.charge(key.name, "tokens", key.tokens_per_minute, 0)
+        assert 10_000_000 - counted[1].remaining >= 1280 and 1_000_000_000 - tokens[1].remaining >= 1280 * 12
 
     asyncio.run(scenario())
 

@@ -25,12 +25,13 @@ early, never let past a limit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from service.engine.errors import NotReady, ServiceError
 
@@ -47,10 +48,11 @@ LEASE_MARGIN_S = 30.0  # a concurrency lease outlives its request's deadline by 
 UNREACHABLE_LOG_S = 60.0  # the store unreachable: said in the log at most this often
 DOWN_S = 2.0  # ... and not asked again for this long: its requests are answered at once, not after STORE_CALL_S each
 NAMESPACE = "serve"
-SHARE_S = 0.25  # a replica takes from the store at once what it spends of a key's limit in this long ...
+SHARE_S = 0.5  # a replica takes from the store at once what it spends of a key's limit in this long ...
 SHARE_OF_REST = 16  # ... but at most this fraction of what the key has left (near the limit: one request at a time)
 SHARE_LIFE_S = 1.0  # a share not spent by then is dropped (it stays counted in the store: a bounded, early refusal)
 RATE_S = 0.25  # a replica's rate of spending a key's limit, measured over this long
+RENEW_WAITS = 3  # a request that finds its share empty waits for at most this many store calls renewing it
 POOL_ROOM = 0.5  # finished requests' leases are kept for the key's next ones while the store had this much free ...
 POOL_MIN_FREE = 8  # ... and at least this many
 LEASE_IDLE_S = 1.0  # a kept lease no request took for this long is given back to the store
@@ -218,7 +220,7 @@ class RemoteStore:
 
             self._actor = ray.remote(LimitStore).options(
                 name=store_name(self.app), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                num_cpus=0, max_restarts=-1).remote("memory://")
+                num_cpus=0, max_restarts=-1, enable_task_events=False).remote("memory://")  # (events: GCS work a call)
         return self._actor
 
     @property
@@ -263,12 +265,18 @@ class Share:
         self.window: Window | None = None  # the store's, when the share was taken ...
         self.at = 0.0  # ... at this time
         self.spent, self.since, self.rate = 0, time.monotonic(), 0.0  # units a second this replica spends
+        self.asking: asyncio.Future | None = None  # a store call under way that renews the share
 
     def note(self, cost: int, now: float) -> None:
         """`cost` spent by a request of the key (from the share or from the store): its rate, every RATE_S."""
-        self.spent += cost
         if now - self.since >= RATE_S:
             self.rate, self.spent, self.since = self.spent / (now - self.since), 0, now
+        self.spent += cost
+
+    def rate_now(self) -> float:
+        """Units a second: the last RATE_S's, or more when this RATE_S already spent more (a key that comes back
+        after an idle spell or speeds up is not one store call per request until its rate is measured)."""
+        return max(self.rate, self.spent / RATE_S)
 
     def take(self, cost: int, now: float) -> Window | None:
         """`cost` from the share, and the window as this replica sees it then; None when the share cannot pay."""
@@ -292,7 +300,32 @@ class Share:
         1/SHARE_OF_REST of what the key had left at the last answer (none before the first)."""
         if self.window is None:
             return 0
-        return max(0, min(int(self.rate * SHARE_S), (self.window.remaining - cost) // SHARE_OF_REST))
+        return max(0, min(int(self.rate_now() * SHARE_S), (self.window.remaining - cost) // SHARE_OF_REST))
+
+    @contextlib.contextmanager
+    def renewing(self) -> Iterator[None]:
+        """Around a store call that renews the share: requests that find it empty meanwhile wait for it
+        (`after_renewal`)."""
+        if self.asking is not None:  # (another call renews it already)
+            yield
+            return
+        self.asking = asyncio.get_running_loop().create_future()
+        try:
+            yield
+        finally:
+            self.asking.set_result(None)
+            self.asking = None
+
+    async def after_renewal(self, look: Callable[[float], Window | None]) -> Window | None:
+        """`look` (`take` or `fresh`) now, and again after the store call renewing the share when one was under way
+        (at most RENEW_WAITS of them): a burst that finds the share empty waits for one store call, not one each."""
+        window = look(time.monotonic())
+        for _ in range(RENEW_WAITS):
+            if window is not None or self.asking is None:
+                break
+            await asyncio.shield(self.asking)
+            window = look(time.monotonic())
+        return window
 
     def granted(self, extra: int, window: Window, now: float) -> None:
         """The store counted `extra` more for this replica (0: none), the window after them."""
@@ -432,15 +465,15 @@ class Quotas:
                 call.lease = uuid.uuid4().hex  # released at the call's end, or below, even if the answer is lost
             if requests is not None:
                 requests.note(1, now)
-                if (window := requests.take(1, now)) is not None:
+                if (window := await requests.after_renewal(lambda at: requests.take(1, at))) is not None:
                     call.limits["requests"] = window
-            if tokens is not None and (window := tokens.fresh(now)) is not None:
+            if tokens is not None and (window := await tokens.after_renewal(tokens.fresh)) is not None:
                 call.limits["tokens"] = window
             ask_requests = requests is not None and "requests" not in call.limits
             ask_tokens = tokens is not None and "tokens" not in call.limits
             if new_lease or ask_requests or ask_tokens:
                 await cls._admit_in_store(call, key, pool if new_lease else None, requests if ask_requests else None,
-                                          tokens if ask_tokens else None, now)
+                                          tokens if ask_tokens else None, time.monotonic())
         except BaseException:
             await cls.release(call)
             raise
@@ -449,10 +482,14 @@ class Quotas:
     async def _admit_in_store(cls, call: Call, key: ApiKey, pool: LeasePool | None, requests: Share | None,
                               tokens: Share | None, now: float) -> None:
         """What this replica's shares and kept leases could not give, in one store call."""
-        answer = await cls._ask(cls.store.admit(
-            key.name, key.concurrent if pool is not None else None, cls.lease_ttl_s, call.lease,
-            key.requests_per_minute if requests is not None else None,
-            key.tokens_per_minute if tokens is not None else None, requests.extra(1) if requests is not None else 0))
+        with contextlib.ExitStack() as renewing:
+            for share in (requests, tokens):
+                if share is not None:
+                    renewing.enter_context(share.renewing())
+            answer = await cls._ask(cls.store.admit(
+                key.name, key.concurrent if pool is not None else None, cls.lease_ttl_s, call.lease,
+                key.requests_per_minute if requests is not None else None,
+                key.tokens_per_minute if tokens is not None else None, requests.extra(1) if requests is not None else 0))
         if answer is UNCOUNTED:
             call.lease = None if pool is not None else call.lease
             return
@@ -487,11 +524,13 @@ class Quotas:
         now = time.monotonic()
         share = cls._share(key.name, "tokens", key.tokens_per_minute)
         share.note(tokens, now)
-        if (window := share.take(tokens, now)) is not None:
+        if (window := await share.after_renewal(lambda at: share.take(tokens, at))) is not None:
             call.limits["tokens"] = window
             return
-        answer = await cls._ask(cls.store.charge_share(key.name, "tokens", key.tokens_per_minute, tokens,
-                                                       share.extra(tokens)))
+        now = time.monotonic()
+        with share.renewing():
+            answer = await cls._ask(cls.store.charge_share(key.name, "tokens", key.tokens_per_minute, tokens,
+                                                           share.extra(tokens)))
         if answer is UNCOUNTED:
             return
         allowed, granted, window = answer
