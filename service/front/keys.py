@@ -126,6 +126,7 @@ class Keyring:
     path: Path | None
     token: bytes | None = None
     by_hash: dict[str, ApiKey] = field(default_factory=dict)
+    batch_work: dict[str, ApiKey] = field(default_factory=dict)  # name -> the key its Batch API lines run as
     stamp: tuple[int, int, int] | None = None
     checked_at: float = float("-inf")
     error: str = ""  # why the file on disk is not the one in use ("" when it is)
@@ -149,6 +150,7 @@ class Keyring:
             by_hash[digest(self.token)] = ApiKey(name=TOKEN_KEY_NAME, sha256=digest(self.token))
         by_hash[digest(self.internal)] = ApiKey(name=INTERNAL_KEY_NAME, sha256=digest(self.internal), priority="batch")
         self.by_hash = by_hash
+        self.batch_work = {k.name: k.model_copy(update={"priority": "batch", "concurrent": None}) for k in by_hash.values()}
 
     def refresh(self) -> None:
         """The keys file again when it changed (looked at most every RELOAD_CHECK_S)."""
@@ -195,8 +197,8 @@ class Keyring:
         """The key a Batch API line runs as: its batch's owner's, with its models and limits per minute, as
         `batch` priority and without its `concurrent` (the runner's own CONCURRENT_LINES bound a batch's lines
         in flight; a batch must not take its owner's interactive slots). None when the key left the file."""
-        key = next((k for k in self.by_hash.values() if k.name == name), None)
-        return None if key is None else key.model_copy(update={"priority": "batch", "concurrent": None})
+        self.refresh()
+        return self.batch_work.get(name)
 
 
 # ---- the command line: add a key ----
