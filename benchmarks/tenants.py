@@ -11,7 +11,9 @@ buys, against `python -m service` as a user starts it, each measure in one run.
    each, closed loop); an interactive key's single texts (2 clients) alone, then beside that batch-class key
    flooding at 4x the capacity (open loop, at most FLOOD_OUTSTANDING in flight, within the replica's
    max_ongoing_requests so that the queue priority acts on is the replica's, not Serve's), from a process of its
-   own. Target: the interactive p99 at most 1.5x its p99 alone, and the batch key still served.
+   own; ROUNDS rounds of alone-then-beside, the median round's ratio judged (a p99 of 2 clients over SECONDS moves
+   a fifth from round to round here, alone as much as beside). Target: the interactive p99 at most 1.5x its p99
+   alone, and the batch key still served.
 
 The rows go to docs/access.md between its `tenants-bench` markers.
 """
@@ -42,7 +44,8 @@ PAGE = ROOT / "docs" / "access.md"
 START, END = "<!-- tenants-bench:start -->", "<!-- tenants-bench:end -->"
 SECONDS = 15.0  # each measured phase
 CLIENTS = 32  # the key check's single-text clients
-ROUNDS = 3  # the key check's rounds, keys off and on alternated (a shared 2-core machine's rate moves 5-10% between them)
+ROUNDS = 3  # rounds of each measure (a shared 2-core machine's rate moves 5-10% between them): the key check's
+# keys off and on alternated, the best of each; priority's alone-then-beside, the median ratio
 INTERACTIVE_CLIENTS = 2
 FLOOD_TEXTS = 8  # texts per request of the batch-class key
 FLOOD_OUTSTANDING = 96  # the flood's requests in flight at most (max_ongoing_requests is 128)
@@ -190,8 +193,12 @@ def measure(bundle: Path, seconds: float) -> dict:
                         out.setdefault(name, []).append(single_texts(keyed, name))
                 capacity = asyncio.run(closed_loop(keyed.url, "bulk", 16, FLOOD_TEXTS, seconds))
                 out["capacity"] = capacity
-                out["alone"] = asyncio.run(closed_loop(keyed.url, "interactive", INTERACTIVE_CLIENTS, 1, seconds))
-                out["beside"], out["flood"] = asyncio.run(flood_beside(keyed.url, 4 * capacity["requests_s"], seconds))
+                for _ in range(ROUNDS):  # alone, then beside the flood, each round
+                    out.setdefault("alone", []).append(
+                        asyncio.run(closed_loop(keyed.url, "interactive", INTERACTIVE_CLIENTS, 1, seconds)))
+                    beside, flood_row = asyncio.run(flood_beside(keyed.url, 4 * capacity["requests_s"], seconds))
+                    out.setdefault("beside", []).append(beside)
+                    out.setdefault("flood", []).append(flood_row)
             finally:
                 keyed.stop()
             redis, uri = redis_server(Path(scratch))
@@ -216,11 +223,16 @@ def best(rows: list[dict]) -> dict:
 
 def render(out: dict, where: str) -> str:
     off, free, limited = best(out["off"]), best(out["free"]), best(out["limited"])
-    alone, beside, flood, capacity = out["alone"], out["beside"], out["flood"], out["capacity"]
+    capacity = out["capacity"]
+    ratios = [b["p99_ms"] / a["p99_ms"] for a, b in zip(out["alone"], out["beside"], strict=True)]
+    median = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]  # the round shown: the median's
+    alone, beside, flood = out["alone"][median], out["beside"][median], out["flood"][median]
+    served = all(f["answered_s"] > 0 for f in out["flood"])
     slower = 1 - limited["texts_s"] / off["texts_s"]
-    ratio = beside["p99_ms"] / alone["p99_ms"]
+    ratio = ratios[median]
     lines = [f"The last `make bench-tenants` ({time.strftime('%Y-%m-%d')}, {where}; one replica, "
-             f"{SECONDS:.0f} s a phase, the best of {ROUNDS} rounds, keys off and on alternated).", "",
+             f"{SECONDS:.0f} s a phase; the key check the best of {ROUNDS} rounds, keys off and on alternated; priority "
+             f"the median of {ROUNDS} rounds).", "",
              "| measure | texts/s | p50 ms | p99 ms | target | met |", "| --- | --- | --- | --- | --- | --- |"]
     lines.append(f"| single texts at {CLIENTS} clients, keys off | {off['texts_s']:.0f} | {off['p50_ms']:.1f} | "
                  f"{off['p99_ms']:.1f} | | |")
@@ -245,8 +257,9 @@ def render(out: dict, where: str) -> str:
                  f"offered; it was answered {flood['answered_s'] * FLOOD_TEXTS:.0f} texts/s, {flood['not_sent']} "
                  f"arrivals past {FLOOD_OUTSTANDING} in flight not sent, {flood['failed']} refused) | "
                  f"{beside['texts_s']:.0f} | {beside['p50_ms']:.1f} | {beside['p99_ms']:.1f} | interactive p99 at most "
-                 f"1.5x alone: {ratio:.2f}x; the batch key served | "
-                 f"{'yes' if ratio <= 1.5 and flood['answered_s'] > 0 else 'no'} |")
+                 f"1.5x alone: {ratio:.2f}x, the median of {len(ratios)} rounds "
+                 f"({', '.join(f'{r:.2f}x' for r in ratios)}); the batch key served in each | "
+                 f"{'yes' if ratio <= 1.5 and served else 'no'} |")
     return "\n".join(lines)
 
 
