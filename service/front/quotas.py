@@ -18,8 +18,8 @@ A busy key is not one store call per request: each replica takes a share of the 
 the store at once (what it spends in SHARE_S at its recent rate, at most 1/SHARE_OF_REST of what the key has
 left, so that near a limit every request asks the store and the count stays exact) and spends it locally
 (`Share`; requests that find it empty while a store call renews it wait for that call), and keeps the
-concurrent leases its finished requests held for the key's next ones while the store has room (`LeasePool`). What a replica took and did not spend stays counted: a key may be refused a little
-early, never let past a limit.
+concurrent leases its finished requests held for the key's next ones while the store has room (`LeasePool`).
+What a replica took and did not spend stays counted: a key may be refused a little early, never let past a limit.
 """
 
 from __future__ import annotations
