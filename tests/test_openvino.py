@@ -232,6 +232,22 @@ def test_compiled_models_are_cached_so_a_restart_does_not_compile_again(default_
     assert {p: p.stat().st_mtime_ns for p in cache.iterdir()} == stamps
 
 
+def test_stream_threads_are_not_pinned_to_cores_when_compiled_loaded_from_the_cache_or_resized(default_bundle,
+                                                                                                 tmp_path):
+    """OpenVINO pins a THROUGHPUT model's stream threads by default; on cores the replica shares, a pinned stream
+    waits for its busy core (compile_options). Each compiled model of the runtime reports pinning off: compiled,
+    loaded from the cache by a restarted replica, and recompiled for new streams."""
+    def pinned(runtime) -> set:
+        graphs = [g for g in (runtime.fast, runtime.full, runtime.packed) if hasattr(g, "compiled")]
+        assert graphs
+        return {g.compiled.get_property("ENABLE_CPU_PINNING") for g in graphs}
+
+    first = runtime_for(default_bundle, tmp_path, runtime="openvino")  # 2 streams: THROUGHPUT, pinned by default
+    assert first.fast.streams == 2 and pinned(first) == {False}
+    assert pinned(runtime_for(default_bundle, tmp_path, runtime="openvino")) == {False}  # from the cache
+    assert pinned(first.resized(2, 1)) == {False}
+
+
 def test_a_resized_openvino_runtime_is_compiled_for_the_new_streams_and_threads(default_bundle, tmp_path):
     """A live max_concurrent_batches recompiles OpenVINO's graphs for that many streams (threads x streams
     in all), as the compiled models themselves report, and the onnxruntime full graph beside them gets the
