@@ -280,7 +280,7 @@ def test_while_interactive_jobs_come_a_batch_holds_a_short_run_of_batch_jobs(mon
     """A runner that takes 2 ms a token (20 ms a job of 10): 16 batch-class jobs, while no interactive job came, fill
     the first batch to the budget (8 jobs: nothing measured yet), then batches of what runs in BATCH_ALONE_RUN_S
     (here 100 ms: 5 jobs, fewer where the runner's sleeps overrun, never 1); after an interactive job came, each
-    batch holds what runs in BATCH_RUN_S (10 ms: less than one job, so one), the interactive one first; once none
+    batch holds what runs in BATCH_RUN_S (4 ms: less than one job, so one), the interactive one first; once none
     came for INTERACTIVE_RECENT_S, 2 to 5 again."""
     from service.engine import batcher as batcher_module
 

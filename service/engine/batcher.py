@@ -51,7 +51,7 @@ Result = TypeVar("Result")
 HOLDER: ContextVar[Batcher | None] = ContextVar("batch_slot_holder", default=None)
 BATCH_SHARE = 0.125  # of a batch's token budget, kept for batch-class jobs while interactive ones wait too
 BATCH_WAIT_S = 0.5  # a batch-class job larger than that share goes once no batch job went for this long
-BATCH_RUN_S = 0.01  # while interactive jobs come, a batch holds at most this long a run of batch-class jobs ...
+BATCH_RUN_S = 0.004  # while interactive jobs come, a batch holds at most this long a run of batch-class jobs ...
 INTERACTIVE_RECENT_S = 1.0  # ... "come": the last one arrived within this long
 BATCH_ALONE_RUN_S = 0.05  # ... and otherwise this long: the wait of the first interactive job to come
 INTERACTIVE, BATCH = "interactive", "batch"
