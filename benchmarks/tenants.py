@@ -6,7 +6,9 @@ buys, against `python -m service` as a user starts it, each measure in one run.
    without limits (its hash looked up) and a key with limits (its requests and tokens counted in the
    application's memory-store actor, a share at a time, and its leases kept: service/front/quotas.py); then the
    key with limits counted in Redis (a redis-server on loopback, where one is installed), alternated with keys
-   off again. Target: keys on at most 5% slower than keys off.
+   off again (which goes first alternates too). Each row also says the CPU the service's processes spent per
+   request (the replica, Ray's, the store actor's; Redis's own in its row), steadier than a rate on a shared
+   machine. Target: keys on at most 5% slower than keys off.
 2. Priority in the batch queue: the capacity of one replica for a batch-class key's requests (FLOOD_TEXTS texts
    each, closed loop); an interactive key's single texts (2 clients) alone, then beside that batch-class key
    flooding at 4x the capacity (open loop, at most FLOOD_OUTSTANDING in flight, within the replica's
@@ -178,8 +180,13 @@ def measure(bundle: Path, seconds: float) -> dict:
     with keys off again."""
     out: dict = {}
 
-    def single_texts(service: LocalService, key: str | None) -> dict:
-        return asyncio.run(closed_loop(service.url, key, CLIENTS, 1, seconds))
+    def single_texts(service: LocalService, key: str | None, redis: subprocess.Popen | None = None) -> dict:
+        """The closed loop's figures, and the CPU milliseconds its service (and Redis, where given) spent per request."""
+        spent = service.cpu_s() + (redis_cpu_s(redis) if redis else 0.0)
+        row = asyncio.run(closed_loop(service.url, key, CLIENTS, 1, seconds))
+        spent = service.cpu_s() + (redis_cpu_s(redis) if redis else 0.0) - spent
+        row["cpu_ms"] = 1000 * spent / max(1, round(row["requests_s"] * seconds))
+        return row
 
     with tempfile.TemporaryDirectory() as scratch:
         keys = keys_file(Path(scratch))
@@ -187,8 +194,9 @@ def measure(bundle: Path, seconds: float) -> dict:
         try:
             keyed = started(bundle, "--keys-file", str(keys))
             try:
-                asyncio.run(closed_loop(plain.url, None, CLIENTS, 1, 3))  # warm
-                asyncio.run(closed_loop(keyed.url, "limited", CLIENTS, 1, 3))  # warm (and the store's actor)
+                # warmed for a phase each (the kernels of the batch shapes 32 clients bring, the store's actor)
+                asyncio.run(closed_loop(plain.url, None, CLIENTS, 1, seconds))
+                asyncio.run(closed_loop(keyed.url, "limited", CLIENTS, 1, seconds))
                 for _ in range(ROUNDS):
                     out.setdefault("off", []).append(single_texts(plain, None))
                     for name in ("free", "limited"):
@@ -207,16 +215,24 @@ def measure(bundle: Path, seconds: float) -> dict:
             if redis is not None:
                 in_redis = started(bundle, "--keys-file", str(keys), "--rate-limit-storage", uri)
                 try:
-                    asyncio.run(closed_loop(in_redis.url, "limited", CLIENTS, 1, 3))  # warm
-                    for _ in range(ROUNDS):
-                        out.setdefault("off_beside_redis", []).append(single_texts(plain, None))
-                        out.setdefault("redis", []).append(single_texts(in_redis, "limited"))
+                    asyncio.run(closed_loop(in_redis.url, "limited", CLIENTS, 1, seconds))  # warmed as the others
+                    for i in range(ROUNDS):  # which goes first alternates: neither gains from the order
+                        for name in (("off_beside_redis", "redis") if i % 2 == 0 else ("redis", "off_beside_redis")):
+                            out.setdefault(name, []).append(single_texts(plain, None) if name == "off_beside_redis"
+                                                            else single_texts(in_redis, "limited", redis))
                 finally:
                     in_redis.stop()
                     redis.kill()
         finally:
             plain.stop()
     return out
+
+
+def redis_cpu_s(proc: subprocess.Popen) -> float:
+    import psutil
+
+    times = psutil.Process(proc.pid).cpu_times()
+    return times.user + times.system
 
 
 def best(rows: list[dict]) -> dict:
@@ -232,33 +248,39 @@ def render(out: dict, where: str) -> str:
     served = all(f["answered_s"] > 0 for f in out["flood"])
     slower = 1 - limited["texts_s"] / off["texts_s"]
     ratio = ratios[median]
+    def cells(row: dict, digits: int = 1) -> str:
+        """texts/s, p50, p99 and the service's CPU per request (where measured) as table cells."""
+        cpu = f"{row['cpu_ms']:.2f}" if "cpu_ms" in row else ""
+        return f"{row['texts_s']:.0f} | {row['p50_ms']:.{digits}f} | {row['p99_ms']:.{digits}f} | {cpu}"
+
+    def rounds(rows: list[dict]) -> str:
+        return "/".join(f"{r['texts_s']:.0f}" for r in rows)
+
     lines = [f"The last `make bench-tenants` ({time.strftime('%Y-%m-%d')}, {where}; one replica, "
              f"{SECONDS:.0f} s a phase; the key check the best of {ROUNDS} rounds, keys off and on alternated; priority "
-             f"the median of {PRIORITY_ROUNDS} rounds).", "",
-             "| measure | texts/s | p50 ms | p99 ms | target | met |", "| --- | --- | --- | --- | --- | --- |"]
-    lines.append(f"| single texts at {CLIENTS} clients, keys off | {off['texts_s']:.0f} | {off['p50_ms']:.1f} | "
-                 f"{off['p99_ms']:.1f} | | |")
-    lines.append(f"| the same, a key without limits | {free['texts_s']:.0f} | {free['p50_ms']:.1f} | "
-                 f"{free['p99_ms']:.1f} | | |")
-    lines.append(f"| the same, a key with limits (counted in the memory-store actor) | {limited['texts_s']:.0f} | "
-                 f"{limited['p50_ms']:.1f} | {limited['p99_ms']:.1f} | at most 5% slower than keys off: "
-                 f"{abs(100 * slower):.1f}% {'slower' if slower > 0 else 'faster'} | "
-                 f"{'yes' if slower <= 0.05 else 'no'} |")
+             f"the median of {PRIORITY_ROUNDS} rounds; CPU: the milliseconds the service's processes spent per "
+             "request in that round).", "",
+             "| measure | texts/s | p50 ms | p99 ms | CPU ms a request | target | met |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines.append(f"| single texts at {CLIENTS} clients, keys off (rounds {rounds(out['off'])}) | {cells(off)} | | |")
+    lines.append(f"| the same, a key without limits (rounds {rounds(out['free'])}) | {cells(free)} | | |")
+    lines.append(f"| the same, a key with limits (counted in the memory-store actor; rounds {rounds(out['limited'])}) | "
+                 f"{cells(limited)} | at most 5% slower than keys off: {abs(100 * slower):.1f}% "
+                 f"{'slower' if slower > 0 else 'faster'} | {'yes' if slower <= 0.05 else 'no'} |")
     if out.get("redis"):
-        redis = best(out["redis"])
-        behind = 1 - redis["texts_s"] / best(out.get("off_beside_redis") or out["off"])["texts_s"]
-        lines.append(f"| the same, a key with limits counted in Redis (`--rate-limit-storage redis://`) | "
-                     f"{redis['texts_s']:.0f} | {redis['p50_ms']:.1f} | {redis['p99_ms']:.1f} | at most 5% slower "
-                     f"than keys off (its rounds alternated with it): {abs(100 * behind):.1f}% {'slower' if behind > 0 else 'faster'} | "
-                     f"{'yes' if behind <= 0.05 else 'no'} |")
+        redis, beside_redis = best(out["redis"]), out.get("off_beside_redis") or out["off"]
+        behind = 1 - redis["texts_s"] / best(beside_redis)["texts_s"]
+        lines.append(f"| the same, a key with limits counted in Redis (`--rate-limit-storage redis://`; rounds "
+                     f"{rounds(out['redis'])}, Redis's CPU included) | {cells(redis)} | at most 5% slower than keys off "
+                     f"in the rounds alternated with it ({rounds(beside_redis)}): {abs(100 * behind):.1f}% "
+                     f"{'slower' if behind > 0 else 'faster'} | {'yes' if behind <= 0.05 else 'no'} |")
     lines.append(f"| a batch-class key alone, {FLOOD_TEXTS} texts a request, 16 clients (the capacity) | "
-                 f"{capacity['texts_s']:.0f} | {capacity['p50_ms']:.0f} | {capacity['p99_ms']:.0f} | | |")
-    lines.append(f"| an interactive key's single texts, {INTERACTIVE_CLIENTS} clients, alone | {alone['texts_s']:.0f} | "
-                 f"{alone['p50_ms']:.1f} | {alone['p99_ms']:.1f} | | |")
+                 f"{cells(capacity, 0)} | | |")
+    lines.append(f"| an interactive key's single texts, {INTERACTIVE_CLIENTS} clients, alone | {cells(alone)} | | |")
     lines.append(f"| the same beside the batch-class key at 4x its capacity ({flood['offered_s']:.0f} requests/s "
                  f"offered; it was answered {flood['answered_s'] * FLOOD_TEXTS:.0f} texts/s, {flood['not_sent']} "
                  f"arrivals past {FLOOD_OUTSTANDING} in flight not sent, {flood['failed']} refused) | "
-                 f"{beside['texts_s']:.0f} | {beside['p50_ms']:.1f} | {beside['p99_ms']:.1f} | interactive p99 at most "
+                 f"{cells(beside)} | interactive p99 at most "
                  f"1.5x alone: {ratio:.2f}x, the median of {len(ratios)} rounds "
                  f"({', '.join(f'{r:.2f}x' for r in ratios)}); the batch key served in each | "
                  f"{'yes' if ratio <= 1.5 and served else 'no'} |")

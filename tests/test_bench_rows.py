@@ -148,13 +148,19 @@ def test_the_tenants_rows_state_each_target_from_the_figures():
     def row(texts_s: float, p99_ms: float) -> dict:
         return {"texts_s": texts_s, "requests_s": texts_s, "p50_ms": p99_ms / 2, "p99_ms": p99_ms, "failed": 0}
 
-    out = {"off": [row(400, 90), row(420, 88)], "free": [row(415, 90)], "limited": [row(380, 95)],
+    out = {"off": [row(400, 90), {**row(420, 88), "cpu_ms": 4.25}], "free": [row(415, 90)], "limited": [row(380, 95)],
+           "redis": [row(390, 95), row(370, 99)], "off_beside_redis": [row(380, 90), row(400, 90)],
            "capacity": row(300, 400), "alone": [row(150, 12), row(150, 10), row(150, 20)],
            "beside": [row(140, 30), row(140, 12), row(140, 80)],
            "flood": [{"answered_s": a, "failed": 0, "not_sent": 100, "offered_s": 150.0} for a in (30.0, 31.0, 32.0)]}
     text = render(out, "a test machine")
     keys_row = next(line for line in text.splitlines() if "a key with limits" in line)
     assert "9.5% slower" in keys_row and keys_row.endswith("| no |")  # 380 vs the best keys-off round, 420
+    off_row = next(line for line in text.splitlines() if "keys off (rounds 400/420)" in line)
+    assert "| 420 | 44.0 | 88.0 | 4.25 |" in off_row  # the best round's figures, its CPU per request with them
+    redis_row = next(line for line in text.splitlines() if "counted in Redis" in line)
+    # the best Redis round (390) against the best keys-off round alternated with it (400), not the first part's 420
+    assert "rounds 390/370" in redis_row and "(380/400): 2.5% slower" in redis_row and redis_row.endswith("| yes |")
     flood_row = next(line for line in text.splitlines() if "4x its capacity" in line)
     # rounds at 2.50x, 1.20x and 4.00x: the median round's (the first) is the one shown and judged
     assert "2.50x, the median of 3 rounds (2.50x, 1.20x, 4.00x)" in flood_row and flood_row.endswith("| no |")
