@@ -32,21 +32,6 @@ class LocalService:
         )
         threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
 
-    def cpu_s(self) -> float:
-        """CPU seconds (user and system) of the service's processes now: it and what it started (Ray's processes,
-        the replica); a process that ended since is not counted."""
-        import psutil
-
-        total = 0.0
-        root = psutil.Process(self.proc.pid)
-        for process in [root, *root.children(recursive=True)]:
-            try:
-                times = process.cpu_times()
-            except psutil.Error:
-                continue
-            total += times.user + times.system
-        return total
-
     def ready(self, timeout_s: float) -> bool:
         """True once it printed its start-up summary; False if it exited or took longer."""
         deadline = time.monotonic() + timeout_s

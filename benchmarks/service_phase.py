@@ -134,11 +134,11 @@ COMPONENTS = (  # process title fragment -> component, first match wins
 )
 
 
-def descendants_cpu() -> dict[int, tuple[str, float]]:
-    """pid -> (command line, CPU seconds, user + system) of this process and its live descendants, from /proc:
-    another Ray cluster on the same machine (a test suite running beside a benchmark) is not ours."""
+def descendants_cpu(root: int | None = None) -> dict[int, tuple[str, float]]:
+    """pid -> (command line, CPU seconds, user + system) of this process (or `root`) and its live descendants, from
+    /proc: another Ray cluster on the same machine (a test suite running beside a benchmark) is not ours."""
     tick = os.sysconf("SC_CLK_TCK")
-    me = os.getpid()
+    me = os.getpid() if root is None else root
     procs: dict[int, tuple[int, str, float]] = {}  # pid -> (parent, command line, CPU seconds)
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():

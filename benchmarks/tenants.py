@@ -39,6 +39,7 @@ import yaml
 
 from benchmarks.bench import machine, write_readme
 from benchmarks.local_service import LocalService
+from benchmarks.service_phase import descendants_cpu
 from service.hosting.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,10 +183,10 @@ def measure(bundle: Path, seconds: float) -> dict:
 
     def single_texts(service: LocalService, key: str | None, redis: subprocess.Popen | None = None) -> dict:
         """The closed loop's figures, and the CPU milliseconds its service (and Redis, where given) spent per request."""
-        spent = service.cpu_s() + (redis_cpu_s(redis) if redis else 0.0)
+        pids = [service.proc.pid] + ([redis.pid] if redis else [])
+        before = sum(map(cpu_s, pids))
         row = asyncio.run(closed_loop(service.url, key, CLIENTS, 1, seconds))
-        spent = service.cpu_s() + (redis_cpu_s(redis) if redis else 0.0) - spent
-        row["cpu_ms"] = 1000 * spent / max(1, round(row["requests_s"] * seconds))
+        row["cpu_ms"] = 1000 * (sum(map(cpu_s, pids)) - before) / max(1, round(row["requests_s"] * seconds))
         return row
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -216,10 +217,11 @@ def measure(bundle: Path, seconds: float) -> dict:
                 in_redis = started(bundle, "--keys-file", str(keys), "--rate-limit-storage", uri)
                 try:
                     asyncio.run(closed_loop(in_redis.url, "limited", CLIENTS, 1, seconds))  # warmed as the others
+                    phases = {"off_beside_redis": lambda: single_texts(plain, None),
+                              "redis": lambda: single_texts(in_redis, "limited", redis)}
                     for i in range(ROUNDS):  # which goes first alternates: neither gains from the order
-                        for name in (("off_beside_redis", "redis") if i % 2 == 0 else ("redis", "off_beside_redis")):
-                            out.setdefault(name, []).append(single_texts(plain, None) if name == "off_beside_redis"
-                                                            else single_texts(in_redis, "limited", redis))
+                        for name in (list(phases) if i % 2 == 0 else list(phases)[::-1]):
+                            out.setdefault(name, []).append(phases[name]())
                 finally:
                     in_redis.stop()
                     redis.kill()
@@ -228,11 +230,10 @@ def measure(bundle: Path, seconds: float) -> dict:
     return out
 
 
-def redis_cpu_s(proc: subprocess.Popen) -> float:
-    import psutil
-
-    times = psutil.Process(proc.pid).cpu_times()
-    return times.user + times.system
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) of a process and its live descendants now (a service: Ray's processes and the
+    replica it started); a process that ended since is not counted."""
+    return sum(cpu for _, cpu in descendants_cpu(pid).values())
 
 
 def best(rows: list[dict]) -> dict:
@@ -248,6 +249,7 @@ def render(out: dict, where: str) -> str:
     served = all(f["answered_s"] > 0 for f in out["flood"])
     slower = 1 - limited["texts_s"] / off["texts_s"]
     ratio = ratios[median]
+
     def cells(row: dict, digits: int = 1) -> str:
         """texts/s, p50, p99 and the service's CPU per request (where measured) as table cells."""
         cpu = f"{row['cpu_ms']:.2f}" if "cpu_ms" in row else ""
